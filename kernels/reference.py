@@ -1,0 +1,78 @@
+"""Pure-torch reference kernels, written for clarity, not speed: one request at a time, full
+precision, no shared state. Faster kernels must match these.
+
+Paged attention layout (shared by all backends): per-layer `k_buffer`/`v_buffer` of shape
+`[num_slots, kv_heads, head_dim]`; `req_to_token[req_slot, position]` is the KV slot of a token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm(x (+ residual)) * weight. With a residual, returns (normed, x + residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return normed if residual is None else (normed, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, head_dim: int, rotary_dim: int,
+                     inv_freq: torch.Tensor, is_neox_style: bool = True) -> torch.Tensor:
+    """Rotates x [T, heads * head_dim] by angle position * inv_freq, position by position."""
+    out = x.view(x.shape[0], -1, head_dim).clone()
+    for t in range(x.shape[0]):
+        angle = positions[t].float() * inv_freq.float()
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        rot = out[t, :, :rotary_dim]
+        if is_neox_style:
+            half = rotary_dim // 2
+            a, b = rot[:, :half].clone(), rot[:, half:].clone()
+            rot[:, :half], rot[:, half:] = a * cos - b * sin, b * cos + a * sin
+        else:
+            a, b = rot[:, 0::2].clone(), rot[:, 1::2].clone()
+            rot[:, 0::2], rot[:, 1::2] = a * cos - b * sin, b * cos + a * sin
+    return out.view_as(x)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D] at absolute positions q_positions; k, v [L, Hkv, D] at positions 0..L-1."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    allowed = torch.arange(k.shape[0]).unsqueeze(0) <= q_positions.unsqueeze(1).cpu()
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+
+
+def paged_decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale: float):
+    """q [B, H, D]: one token per request at position seq_len - 1 -> [B, H, D]."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), :n].long()
+        out[b] = _attend(q[b : b + 1], k_buffer[slots], v_buffer[slots], torch.tensor([n - 1]), scale)[0]
+    return out
+
+
+def paged_extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                           scale: float):
+    """q [T, H, D]: the new tokens of each request, packed in batch order, whose K/V are already
+    in the pool. Token i of request b sits at position prefix_b + i and attends causally."""
+    out = torch.empty_like(q)
+    start = 0
+    for b in range(len(seq_lens)):
+        n, prefix = int(seq_lens[b]), int(extend_prefix_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), :n].long()
+        rows = slice(start, start + n - prefix)
+        out[rows] = _attend(q[rows], k_buffer[slots], v_buffer[slots], torch.arange(prefix, n), scale)
+        start += n - prefix
+    return out

@@ -1,0 +1,122 @@
+"""What the runtime needs to know about a model, read from its HF `config.json`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from srt.model_loader.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+def rope_parameters(hf_config: PretrainedConfig) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either transformers' v5 `rope_parameters` or the older keys."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        scaling = None if rope_type == "default" else {**params, "rope_type": rope_type}
+        return theta, scaling
+    theta = float(getattr(hf_config, "rope_theta", 10000.0))
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling
+
+
+def load_hf_config(path: str) -> PretrainedConfig:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"no config.json in model folder {path}")
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"cannot read {os.path.join(path, 'config.json')}: {e}") from e
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    hf_config: PretrainedConfig
+    architecture: str
+    context_len: int
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    @classmethod
+    def from_path(cls, path: str, context_length: int | None = None) -> "ModelConfig":
+        cfg = load_hf_config(path)
+        archs = getattr(cfg, "architectures", None) or []
+        if not archs:
+            raise ModelLoadError(f"{path}/config.json names no `architectures`")
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        derived = derive_context_len(cfg)
+        if context_length is not None:
+            if context_length > derived:
+                raise ValueError(
+                    f"--context-length {context_length} exceeds the model's maximum of {derived} "
+                    f"(max_position_embeddings / sliding window in {path}/config.json)"
+                )
+            derived = context_length
+        return cls(
+            path=path,
+            hf_config=cfg,
+            architecture=archs[0],
+            context_len=derived,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            eos_token_ids=read_eos_token_ids(path, cfg),
+        )
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads are split across ranks, or replicated when there are fewer heads than ranks."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+
+def derive_context_len(cfg: PretrainedConfig) -> int:
+    n = int(getattr(cfg, "max_position_embeddings", 2048))
+    # Sliding-window attention is not implemented: cap the context so full attention is exact.
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", True)
+    if window and uses_window and window < n:
+        logger.warning("model uses sliding-window attention (%d); capping the context length to it", window)
+        n = int(window)
+    return n
+
+
+def read_eos_token_ids(path: str, cfg: PretrainedConfig) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(cfg, "eos_token_id", None), _generation_config_eos(path)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return ids
+
+
+def _generation_config_eos(path: str):
+    p = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        return json.load(f).get("eos_token_id")
+
+

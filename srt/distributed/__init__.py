@@ -1,0 +1,15 @@
+from srt.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    init_tp_group,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+__all__ = [
+    "get_tp_rank",
+    "get_tp_size",
+    "init_tp_group",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_reduce",
+]

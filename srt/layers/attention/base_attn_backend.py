@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer over the paged KV pool.
+
+    The pool is reached only through `forward_batch.token_to_kv_pool` (per-layer K/V tensors
+    `[num_slots, kv_heads, head_dim]`) and `forward_batch.req_to_token_pool` (request slot x
+    position -> KV slot); models never index the pool themselves.
+
+    Shapes: q is `[T, num_heads * head_dim]`, k and v `[T, num_kv_heads * head_dim]` for the T new
+    tokens of the batch (in batch order); the result is `[T, num_heads * head_dim]`.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Called once per forward pass before any layer runs. May precompute index tensors shared
+        by all layers; must not change the pools."""
+
+    @abstractmethod
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        """Writes k/v of the new tokens at `out_cache_loc` (when save_kv_cache), then each new token
+        of request r at position p attends to r's positions 0..p: its cached prefix, read in
+        place, and the new tokens up to itself."""
+
+    @abstractmethod
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        """One new token per request: writes its k/v, then it attends to all of the request's
+        positions."""
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)

@@ -1,0 +1,125 @@
+"""Pure-torch attention over the paged KV pool: the fallback on every device.
+
+Decode (and the one-token rows of a mixed batch) runs as one batched computation per layer:
+K and V of each request are gathered from the pool straight into a `[batch, kv_heads, max_len,
+head_dim]` layout through one precomputed index, and each KV head is multiplied with its whole
+query group at once (GQA without repeating K/V). Multi-token extends run per request with SDPA
+and a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from srt.layers.attention.registry import register_attention_backend
+from srt.layers.attention.base_attn_backend import AttentionBackend
+
+
+@dataclass
+class _GatherMeta:
+    rows: torch.Tensor  # [N] token rows of the batch's q that use this gather
+    kv_index: torch.Tensor  # [N * kv_heads * L] rows of the pool viewed as [slots * kv_heads, head_dim]
+    bias: torch.Tensor  # [N, 1, 1, L] 0 or -inf (padding)
+    max_len: int
+
+
+@dataclass
+class _ExtendReq:
+    q_start: int
+    q_len: int
+    kv_index: torch.Tensor  # [kv_heads * seq_len]
+    mask: torch.Tensor  # [q_len, seq_len] bool, True = may attend
+    seq_len: int
+    group_mask: torch.Tensor | None = None  # mask repeated for each query head of a KV head
+
+    def mask_for_group(self, group: int) -> torch.Tensor:
+        if self.group_mask is None or self.group_mask.shape[0] != group * self.q_len:
+            self.group_mask = self.mask.repeat(group, 1)
+        return self.group_mask
+
+
+def _gather_meta(req_to_token, req_pool_indices, seq_lens, max_len, kv_heads, rows) -> _GatherMeta:
+    slots = req_to_token[req_pool_indices, :max_len].long()
+    pad = torch.arange(max_len, device=slots.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    slots = slots.masked_fill(pad, 0)
+    heads = torch.arange(kv_heads, device=slots.device).view(1, kv_heads, 1)
+    kv_index = (slots.unsqueeze(1) * kv_heads + heads).reshape(-1)
+    bias = torch.zeros(pad.shape, dtype=torch.float32, device=slots.device).masked_fill(pad, float("-inf"))
+    return _GatherMeta(rows, kv_index, bias.view(len(seq_lens), 1, 1, max_len), max_len)
+
+
+@register_attention_backend("torch_native")
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, model_runner=None):
+        self.gather: _GatherMeta | None = None
+        self.extend_reqs: list[_ExtendReq] = []
+
+    def init_forward_metadata(self, fb) -> None:
+        req_to_token = fb.req_to_token_pool.req_to_token
+        kv_heads = fb.token_to_kv_pool.head_num
+        self.gather, self.extend_reqs = None, []
+        if fb.forward_mode.is_decode():
+            rows = torch.arange(fb.batch_size, device=fb.seq_lens.device)
+            self.gather = _gather_meta(req_to_token, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu),
+                                       kv_heads, rows)
+            return
+        single = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
+        if single:
+            idx = torch.tensor(single, device=fb.seq_lens.device)
+            rows = torch.tensor([fb.extend_start_loc_cpu[i] for i in single], device=fb.seq_lens.device)
+            self.gather = _gather_meta(req_to_token, fb.req_pool_indices[idx], fb.seq_lens[idx],
+                                       max(fb.seq_lens_cpu[i] for i in single), kv_heads, rows)
+        for i, n in enumerate(fb.extend_seq_lens_cpu):
+            if n <= 1:
+                continue
+            seq, prefix = fb.seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
+            slots = req_to_token[fb.req_pool_indices[i], :seq].long()
+            kv_index = (slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1))
+            q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
+            mask = torch.arange(seq, device=slots.device).unsqueeze(0) <= q_pos
+            self.extend_reqs.append(_ExtendReq(fb.extend_start_loc_cpu[i], n, kv_index.reshape(-1), mask, seq))
+
+    @staticmethod
+    def _save(layer, fb, k, v) -> None:
+        fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc,
+                                          k.view(-1, layer.tp_k_head_num, layer.head_dim),
+                                          v.view(-1, layer.tp_v_head_num, layer.head_dim))
+
+    def _gathered_attention(self, q, layer, fb, meta: _GatherMeta) -> torch.Tensor:
+        hkv, d = layer.tp_k_head_num, layer.head_dim
+        n, group = meta.rows.numel(), layer.tp_q_head_num // hkv
+        k_flat = fb.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, d)
+        v_flat = fb.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, d)
+        k = k_flat.index_select(0, meta.kv_index).view(n, hkv, meta.max_len, d)
+        v = v_flat.index_select(0, meta.kv_index).view(n, hkv, meta.max_len, d)
+        qg = q.view(n, hkv, group, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * layer.scaling + meta.bias
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).reshape(n, -1)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save(layer, fb, k, v)
+        return self._gathered_attention(q, layer, fb, self.gather)
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save(layer, fb, k, v)
+        hkv, d = layer.tp_k_head_num, layer.head_dim
+        group = layer.tp_q_head_num // hkv
+        out = torch.empty_like(q)
+        if self.gather is not None:
+            out[self.gather.rows] = self._gathered_attention(q[self.gather.rows], layer, fb, self.gather)
+        k_flat = fb.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, d)
+        v_flat = fb.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, d)
+        for r in self.extend_reqs:
+            n = r.q_len
+            qr = q[r.q_start : r.q_start + n].view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+            kr = k_flat.index_select(0, r.kv_index).view(hkv, r.seq_len, d)
+            vr = v_flat.index_select(0, r.kv_index).view(hkv, r.seq_len, d)
+            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=r.mask_for_group(group), scale=layer.scaling)
+            out[r.q_start : r.q_start + n] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+        return out

@@ -1,0 +1,127 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Column-parallel layers split the output features across ranks; row-parallel layers split the input
+features and all-reduce the partial sums. Each parameter carries a `weight_loader` that takes the
+full checkpoint tensor and copies this rank's slice into place, so loading is the same code for any
+tp_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+
+
+def _divide(n: int, d: int) -> int:
+    if n % d:
+        raise ValueError(f"{n} is not divisible by tp_size {d}")
+    return n // d
+
+
+def _make_param(*shape: int, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.weight = _make_param(output_size, input_size, loader=self.weight_loader)
+        self.bias = _make_param(output_size, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        assert param.shape == loaded.shape, f"{tuple(param.shape)} != {tuple(loaded.shape)}"
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.output_size_per_partition = _divide(output_size, self.tp_size)
+        self.gather_output = gather_output
+        self.weight = _make_param(self.output_size_per_partition, input_size, loader=self.weight_loader)
+        self.bias = _make_param(self.output_size_per_partition, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return tensor_model_parallel_all_gather(out) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one GEMM (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused. KV heads are replicated when there are fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool):
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(total_num_heads, tp_size)
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp_size, total_num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id is None:
+            return super().weight_loader(param, loaded)
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        else:
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size_per_partition = _divide(input_size, self.tp_size)
+        self.reduce_results = reduce_results
+        self.weight = _make_param(output_size, self.input_size_per_partition, loader=self.weight_loader)
+        self.bias = _make_param(output_size, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:
+            param.data.copy_(loaded)
+            return
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 or not self.reduce_results:
+            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        # The bias is added once, after the partial sums are reduced.
+        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,64 @@
+"""Hidden states -> next-token logits, and prompt logprobs for the rows that asked for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.distributed import tensor_model_parallel_all_gather
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor  # [B, V] float32
+    # Filled by the sampler when logprobs are requested.
+    next_token_logprobs: torch.Tensor | None = None  # [B]
+    next_token_top_logprobs_val: torch.Tensor | None = None  # [B, k]
+    next_token_top_logprobs_idx: torch.Tensor | None = None
+    # Prompt logprobs over the extend rows each request asked for, flattened in batch order;
+    # `input_logprob_lens[i]` rows belong to request i.
+    input_token_logprobs: torch.Tensor | None = None  # [R]
+    input_top_logprobs_val: torch.Tensor | None = None  # [R, k]
+    input_top_logprobs_idx: torch.Tensor | None = None
+    input_logprob_lens: list[int] | None = None
+
+
+class LogitsProcessor(nn.Module):
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = tensor_model_parallel_all_gather(F.linear(hidden, lm_head.weight))
+        return logits[:, : self.vocab_size].float()
+
+    def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, forward_batch) -> LogitsProcessorOutput:
+        fb = forward_batch
+        if fb.forward_mode.is_decode():
+            last = hidden_states
+        else:
+            last = hidden_states.index_select(0, fb.extend_start_loc + fb.extend_seq_lens - 1)
+        out = LogitsProcessorOutput(next_token_logits=self.compute_logits(last, lm_head))
+        if fb.forward_mode.is_extend() and fb.return_logprob:
+            self._prompt_logprobs(hidden_states, lm_head, fb, out)
+        return out
+
+    def _prompt_logprobs(self, hidden_states, lm_head, fb, out: LogitsProcessorOutput) -> None:
+        """Row j of a request is the state after its j-th extend token; its logprob is read at the
+        next prompt token (`extend_input_logprob_token_ids`, one per row, in batch order)."""
+        starts = fb.extend_logprob_start_lens_cpu
+        lens = [max(0, n - s) for s, n in zip(starts, fb.extend_seq_lens_cpu)]
+        out.input_logprob_lens = lens
+        if sum(lens) == 0:
+            return
+        offsets = fb.extend_start_loc_cpu
+        rows = torch.cat([torch.arange(o + s, o + s + n) for o, s, n in zip(offsets, starts, lens)])
+        logprobs = torch.log_softmax(self.compute_logits(hidden_states[rows.to(hidden_states.device)], lm_head), -1)
+        tokens = fb.extend_input_logprob_token_ids
+        out.input_token_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        k = max(fb.top_logprobs_nums or [0])
+        if k > 0:
+            out.input_top_logprobs_val, out.input_top_logprobs_idx = logprobs.topk(k, dim=-1)

@@ -1,0 +1,84 @@
+"""Token sampling: greedy, temperature, top-k / top-p / min-p, per-request seeds, and logprobs.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p.
+For a request with a `sampling_seed`, E comes from a hash of (seed, position, token id), so its
+samples do not depend on what else is in the batch or on the order requests arrive in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix on int64 tensors holding values in [0, 2**32); constants stay below
+    2**31 so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [len(seeds), vocab_size], a pure function of (seed, position, token id)."""
+    key = _hash32(_hash32(_hash32((seeds >> 32) & _M32) ^ (seeds & _M32)) ^ (positions & _M32))
+    token = (torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) * 0x9E3779B1) & _M32
+    h = _hash32(_hash32(key.unsqueeze(1) ^ token.unsqueeze(0)))
+    u = (h.double() + 0.5) / 2.0**32
+    return (-torch.log(u)).float()
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k, top-p nucleus and min-p floor."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    if info.need_top_k:
+        ranks = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+        sorted_probs = sorted_probs.masked_fill(ranks >= info.top_ks.unsqueeze(1), 0.0)
+    if info.need_top_p:
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before > info.top_ps.unsqueeze(1), 0.0)
+    if info.need_min_p:
+        floor = sorted_probs[:, :1] * info.min_ps.unsqueeze(1)
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < floor, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    if info.need_top_k or info.need_top_p or info.need_min_p:
+        probs = filter_probs(probs, info)
+    noise = torch.empty_like(probs).exponential_()
+    if info.seeds is not None:
+        rows = (info.seeds >= 0).nonzero().squeeze(1)
+        noise[rows] = seeded_exponential(info.seeds[rows], info.seed_positions[rows], probs.shape[1])
+    sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+    return torch.where(info.greedy, logits.argmax(dim=-1), sampled)
+
+
+class Sampler(nn.Module):
+    def forward(self, logits_output, info: SamplingBatchInfo, return_logprob: bool = False,
+                top_logprobs_nums: list[int] | None = None) -> torch.Tensor:
+        """Returns next token ids [B]. With `return_logprob`, fills logits_output's
+        `next_token_logprobs` (and top-k) from the model's distribution before any penalty or
+        temperature, the same numbers prompt logprobs use."""
+        logits = logits_output.next_token_logits
+        if return_logprob:
+            logprobs = torch.log_softmax(logits, dim=-1)
+        if info.has_logit_processors:
+            logits = logits.clone()
+            info.apply_logit_processors(logits)
+        ids = logits.argmax(dim=-1) if info.is_all_greedy else sample(logits, info)
+        if return_logprob:
+            logits_output.next_token_logprobs = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+            k = max(top_logprobs_nums or [0])
+            if k > 0:
+                vals, idx = logprobs.topk(k, dim=-1)
+                logits_output.next_token_top_logprobs_val = vals
+                logits_output.next_token_top_logprobs_idx = idx
+        return ids

@@ -1,0 +1,91 @@
+"""`ForwardBatch`: the tensors one forward pass reads, built from a batch of requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from srt.layers.attention.base_attn_backend import AttentionBackend
+    from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill: new prompt tokens after an optional cached prefix
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # extend and decode requests in one pass (decodes are extends of length 1)
+    IDLE = auto()
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    req_pool_indices: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B] lengths including the tokens of this pass
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor  # [T] KV slots the new tokens are written to
+    sampling_info: SamplingBatchInfo | None = None
+    # Extend only.
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_start_loc_cpu: list[int] | None = None
+    # Logprobs.
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+    extend_logprob_start_lens_cpu: list[int] | None = None
+    extend_input_logprob_token_ids: torch.Tensor | None = None
+    # Set by the model runner.
+    req_to_token_pool: ReqToTokenPool | None = None
+    token_to_kv_pool: MHATokenToKVPool | None = None
+    attn_backend: AttentionBackend | None = None
+
+    @classmethod
+    def build(cls, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int], seq_lens: list[int],
+              prefix_lens: list[int], out_cache_loc: torch.Tensor, device, **extra) -> "ForwardBatch":
+        """Tensors for a batch where request i extends from prefix_lens[i] to seq_lens[i]
+        (a decode request is an extend of one token)."""
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        if mode.is_decode():
+            assert all(n == 1 for n in extend_lens), "decode batches extend each request by one token"
+            positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64)
+        else:
+            positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
+        fb = cls(
+            forward_mode=mode,
+            batch_size=len(seq_lens),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
+            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
+            seq_lens_cpu=list(seq_lens),
+            out_cache_loc=out_cache_loc.to(device, non_blocking=True),
+            **extra,
+        )
+        if mode.is_extend():
+            starts = [0]
+            for n in extend_lens[:-1]:
+                starts.append(starts[-1] + n)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, fb.extend_start_loc_cpu = extend_lens, list(prefix_lens), starts
+            fb.extend_seq_lens = torch.tensor(extend_lens, dtype=torch.int64).to(device, non_blocking=True)
+            fb.extend_prefix_lens = torch.tensor(prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
+            fb.extend_start_loc = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        return fb

@@ -1,0 +1,165 @@
+"""Static-batch generation straight through the model core, without the scheduler.
+
+All prompts are prefilled together (optionally in chunks, which exercises attention over a cached
+prefix), then decoded together until each one finishes. `bench_one_batch` and the model-core
+tests drive the runner through this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class StaticReq:
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    req_pool_idx: int = -1
+    prefix_len: int = 0  # tokens already in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+
+class StaticBatchGenerator:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.eos = runner.model_config.eos_token_ids
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 chunk_size: int | None = None, return_logprob: bool = False) -> list[StaticReq]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        reqs = [StaticReq(list(p), sp) for p, sp in zip(prompts, params)]
+        self._alloc_slots(reqs)
+        try:
+            self._prefill(reqs, chunk_size, return_logprob)
+            running = [r for r in reqs if r.finish_reason is None]
+            while running:
+                self._decode(running, return_logprob)
+                running = [r for r in running if r.finish_reason is None]
+        finally:
+            self.free(reqs)
+        return reqs
+
+    def prefill_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Next-token logits [B, V] at the last position of each prompt."""
+        reqs = [StaticReq(list(p), SamplingParams(max_new_tokens=0)) for p in prompts]
+        self._alloc_slots(reqs)
+        try:
+            fb = self._extend_batch(reqs, [len(p) for p in prompts], return_logprob=False)
+            return self.runner.forward(fb).next_token_logits
+        finally:
+            self.free(reqs)
+
+    def _alloc_slots(self, reqs: list[StaticReq]) -> None:
+        slots = self.runner.req_to_token_pool.alloc(len(reqs))
+        if slots is None:
+            raise RuntimeError(f"batch of {len(reqs)} exceeds {self.runner.req_to_token_pool.available_size()} request slots")
+        for r, s in zip(reqs, slots):
+            r.req_pool_idx = s
+
+    def free(self, reqs: list[StaticReq]) -> None:
+        pool, allocator = self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator
+        for r in reqs:
+            if r.req_pool_idx < 0:
+                continue
+            if r.prefix_len:
+                allocator.free(pool.req_to_token[r.req_pool_idx, : r.prefix_len].long())
+            pool.free(r.req_pool_idx)
+            r.req_pool_idx, r.prefix_len = -1, 0
+
+    def _alloc_kv(self, prefix_lens: list[int], seq_lens: list[int], reqs: list[StaticReq]) -> torch.Tensor:
+        table = self.runner.req_to_token_pool.req_to_token
+        last = [int(table[r.req_pool_idx, p - 1]) if p else 0 for r, p in zip(reqs, prefix_lens)]
+        loc = self.runner.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, last)
+        if loc is None:
+            raise RuntimeError("KV cache is full; pass a larger --max-total-tokens or a smaller batch")
+        offset = 0
+        for r, p, s in zip(reqs, prefix_lens, seq_lens):
+            self.runner.req_to_token_pool.write(r.req_pool_idx, p, loc[offset : offset + s - p])
+            offset += s - p
+            r.prefix_len = s
+        return loc
+
+    def _extend_batch(self, reqs: list[StaticReq], ends: list[int], return_logprob: bool) -> ForwardBatch:
+        prefix_lens = [r.prefix_len for r in reqs]
+        loc = self._alloc_kv(prefix_lens, ends, reqs)
+        input_ids = [t for r, p, e in zip(reqs, prefix_lens, ends) for t in r.origin_input_ids[p:e]]
+        extra = {}
+        if return_logprob:
+            # Row j reads the logprob of the prompt token after it; the final row has none (its
+            # next token is sampled), so any id will do there and the value is dropped.
+            nxt = [t for r, p, e in zip(reqs, prefix_lens, ends) for t in (r.origin_input_ids[p + 1 : e + 1] + [0])[: e - p]]
+            extra = dict(return_logprob=True, top_logprobs_nums=[0] * len(reqs),
+                         extend_logprob_start_lens_cpu=[0] * len(reqs),
+                         extend_input_logprob_token_ids=torch.tensor(nxt, dtype=torch.int64).to(self.runner.device))
+        return ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], ends, prefix_lens,
+                                  loc, self.runner.device, **extra)
+
+    def _prefill(self, reqs: list[StaticReq], chunk_size: int | None, return_logprob: bool) -> None:
+        pending = list(reqs)
+        while pending:
+            ends = [len(r.origin_input_ids) if not chunk_size else min(len(r.origin_input_ids), r.prefix_len + chunk_size)
+                    for r in pending]
+            fb = self._extend_batch(pending, ends, return_logprob)
+            out = self.runner.forward(fb)
+            done = [i for i, (r, e) in enumerate(zip(pending, ends)) if e == len(r.origin_input_ids)]
+            if return_logprob:
+                values = out.input_token_logprobs.tolist()
+                k = 0
+                for i, (r, n) in enumerate(zip(pending, fb.extend_seq_lens_cpu)):
+                    r.input_logprobs.extend(values[k : k + (n - 1 if i in done else n)])
+                    k += n
+            if done:
+                self._sample_and_check([pending[i] for i in done], out.next_token_logits[done], return_logprob)
+            pending = [r for i, r in enumerate(pending) if i not in done]
+
+    def _decode(self, reqs: list[StaticReq], return_logprob: bool) -> None:
+        seq_lens = [r.seq_len for r in reqs]
+        table = self.runner.req_to_token_pool.req_to_token
+        idx = torch.tensor([r.req_pool_idx for r in reqs])
+        last = table[idx, torch.tensor(seq_lens) - 2].long()
+        loc = self.runner.token_to_kv_pool_allocator.alloc_decode(torch.tensor(seq_lens), last)
+        if loc is None:
+            raise RuntimeError("KV cache is full; pass a larger --max-total-tokens or a smaller batch")
+        table[idx, torch.tensor(seq_lens) - 1] = loc.to(torch.int32)
+        for r in reqs:
+            r.prefix_len = r.seq_len
+        fb = ForwardBatch.build(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], idx.tolist(), seq_lens,
+                                [s - 1 for s in seq_lens], loc, self.runner.device,
+                                return_logprob=return_logprob, top_logprobs_nums=[0] * len(reqs))
+        self._sample_and_check(reqs, self.runner.forward(fb).next_token_logits, return_logprob)
+
+    def _sample_and_check(self, reqs: list[StaticReq], logits: torch.Tensor, return_logprob: bool) -> None:
+        info = SamplingBatchInfo.from_reqs(reqs, self.runner.model_config.vocab_size, self.eos, self.runner.device)
+        logits_output = LogitsProcessorOutput(next_token_logits=logits)
+        ids = self.runner.sampler(logits_output, info, return_logprob).tolist()
+        logprobs = logits_output.next_token_logprobs.tolist() if return_logprob else None
+        for i, (r, t) in enumerate(zip(reqs, ids)):
+            p = r.sampling_params
+            if p.max_new_tokens == 0:
+                r.finish_reason = "length"
+                continue
+            r.output_ids.append(t)
+            if logprobs is not None:
+                r.output_logprobs.append(logprobs[i])
+            if (t in self.eos and not p.ignore_eos) or t in (p.stop_token_ids or ()):
+                r.finish_reason = "stop"
+            elif p.max_new_tokens is not None and len(r.output_ids) >= p.max_new_tokens:
+                r.finish_reason = "length"
+            elif r.seq_len >= self.runner.model_config.context_len:
+                r.finish_reason = "length"

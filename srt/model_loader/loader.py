@@ -1,0 +1,69 @@
+"""Builds a registered model class from an HF folder and loads its safetensors weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from srt.configs.model_config import ModelConfig
+from srt.model_loader.errors import ModelLoadError
+from srt.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing: {missing[:3]}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        other = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
+        hint = " (only .safetensors weights are supported; found PyTorch .bin/.pt files)" if other else ""
+        raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def iterate_weights(path: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(path)
+    for file in tqdm(files, desc="Loading safetensors shards", disable=not progress or len(files) == 1):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read weights file {file}: {e}") from e
+
+
+def load_model(model_config: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    cls = get_model_class(model_config.architecture)
+    start = time.perf_counter()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(model_config.hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    try:
+        model.load_weights(iterate_weights(model_config.path, progress=True))
+    except KeyError as e:
+        raise ModelLoadError(f"weights in {model_config.path} do not match {cls.__name__}: {e}") from e
+    model.eval()
+    logger.info("Loaded %s (%s, %s) in %.1f s", cls.__name__, str(dtype).removeprefix("torch."), device,
+                time.perf_counter() - start)
+    return model

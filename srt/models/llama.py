@@ -1,0 +1,160 @@
+"""Llama-architecture causal LM (also the base of Mistral, Qwen2 and Qwen3)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from srt.configs.model_config import rope_parameters
+from srt.layers.activation import SiluAndMul
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt.layers.radix_attention import RadixAttention
+from srt.layers.rotary_embedding import RotaryEmbedding
+from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.total_num_heads,
+                                          self.total_num_kv_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        theta, scaling = rope_parameters(config)
+        rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), forward_batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+
+    # checkpoint name fragment -> (our fused parameter, shard id)
+    stacked_params = [
+        (".q_proj", ".qkv_proj", "q"),
+        (".k_proj", ".qkv_proj", "k"),
+        (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0),
+        (".up_proj", ".gate_up_proj", 1),
+    ]
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_bias(config)
+        self.model = LlamaModel(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (self.model.embed_tokens if self.tie_word_embeddings
+                        else ParallelLMHead(config.vocab_size, config.hidden_size))
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @classmethod
+    def attention_bias(cls, config) -> tuple[bool, bool]:
+        """(bias on the Q/K/V projections, bias on the output projection)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            for ckpt, ours, shard in self.stacked_params:
+                if ckpt in name:
+                    target = name.replace(ckpt, ours)
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard)
+                    break
+            else:
+                target = name
+                if target not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                param = params[target]
+                getattr(param, "weight_loader", _default_loader)(param, tensor)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if self.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise KeyError(f"checkpoint has no tensors for {sorted(missing)[:6]}")
+
+
+def _default_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    assert param.shape == tensor.shape, f"{tuple(param.shape)} != {tuple(tensor.shape)}"
+    param.data.copy_(tensor)
+
+
+EntryClass = LlamaForCausalLM

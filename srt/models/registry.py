@@ -1,0 +1,28 @@
+"""Model classes by the HF `architectures` name in config.json."""
+
+from __future__ import annotations
+
+import importlib
+
+from srt.model_loader.errors import ModelLoadError
+
+_MODULES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _load_registry() -> dict[str, type]:
+    registry = {}
+    for name in _MODULES:
+        cls = importlib.import_module(f"srt.models.{name}").EntryClass
+        registry[cls.__name__] = cls
+    return registry
+
+
+MODEL_REGISTRY = _load_registry()
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in MODEL_REGISTRY:
+        raise ModelLoadError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    return MODEL_REGISTRY[architecture]

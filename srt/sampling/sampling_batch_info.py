@@ -1,0 +1,80 @@
+"""The sampling parameters of one batch as tensors, plus the logit processors they imply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srt.sampling.penaltylib import Penalties
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [B, 1] float32; greedy rows hold 1.0
+    top_ps: torch.Tensor  # [B]
+    top_ks: torch.Tensor  # [B] int64, vocab size where disabled
+    min_ps: torch.Tensor  # [B]
+    greedy: torch.Tensor  # [B] bool
+    is_all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    vocab_size: int
+    penalties: Penalties | None = None
+    logit_bias: torch.Tensor | None = None  # [B, V]
+    min_tokens_block: list[tuple[int, list[int]]] | None = None  # (row, ids banned until min_new_tokens)
+    seeds: torch.Tensor | None = None  # [B] int64, -1 = unseeded
+    seed_positions: torch.Tensor | None = None  # [B] position of the token being sampled
+
+    @classmethod
+    def from_reqs(cls, reqs, vocab_size: int, eos_token_ids: set[int], device) -> "SamplingBatchInfo":
+        ps = [r.sampling_params for r in reqs]
+        greedy = [p.is_greedy for p in ps]
+        top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k for p in ps]
+        info = cls(
+            temperatures=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)],
+                                      dtype=torch.float32, device=device).unsqueeze(1),
+            top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_all_greedy=all(greedy),
+            need_top_p=any(p.top_p < 1.0 for g, p in zip(greedy, ps) if not g),
+            need_top_k=any(k < vocab_size for g, k in zip(greedy, top_ks) if not g),
+            need_min_p=any(p.min_p > 0 for g, p in zip(greedy, ps) if not g),
+            vocab_size=vocab_size,
+            penalties=Penalties.from_reqs(reqs, device),
+        )
+        if any(p.logit_bias for p in ps):
+            info.logit_bias = torch.zeros(len(reqs), vocab_size, dtype=torch.float32, device=device)
+            for i, p in enumerate(ps):
+                for k, v in (p.logit_bias or {}).items():
+                    info.logit_bias[i, int(k)] = float(v)
+        block = []
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            if len(r.output_ids) < p.min_new_tokens:
+                banned = set(p.stop_token_ids or []) | (set() if p.ignore_eos else eos_token_ids)
+                if banned:
+                    block.append((i, sorted(banned)))
+        info.min_tokens_block = block or None
+        if any(p.sampling_seed is not None for p in ps):
+            info.seeds = torch.tensor([-1 if p.sampling_seed is None else p.sampling_seed for p in ps],
+                                      dtype=torch.int64, device=device)
+            info.seed_positions = torch.tensor([len(r.origin_input_ids) + len(r.output_ids) for r in reqs],
+                                               dtype=torch.int64, device=device)
+        return info
+
+    @property
+    def has_logit_processors(self) -> bool:
+        return self.penalties is not None or self.logit_bias is not None or self.min_tokens_block is not None
+
+    def apply_logit_processors(self, logits: torch.Tensor) -> None:
+        """Penalties, logit bias and the min_new_tokens ban, in place on [B, V] float32 logits."""
+        if self.penalties is not None:
+            self.penalties.apply(logits)
+        if self.logit_bias is not None:
+            logits += self.logit_bias
+        for row, ids in self.min_tokens_block or ():
+            logits[row, ids] = float("-inf")

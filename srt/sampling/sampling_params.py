@@ -1,0 +1,120 @@
+"""Per-request sampling parameters, with SGLang's names, defaults and validation.
+
+`verify` raises `InvalidSamplingParams` whose message names the field, the value and the limit;
+the HTTP layer turns it into a 400.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+GREEDY_TEMPERATURE = 1e-6
+
+
+class InvalidSamplingParams(ValueError):
+    pass
+
+
+def _check(cond: bool, name: str, value, limit: str) -> None:
+    if not cond:
+        raise InvalidSamplingParams(f"sampling_params.{name} = {value!r} is invalid: must be {limit}")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    stop_strs: list[str] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingParams":
+        """Known keys are taken; unknown keys are ignored (routers and clients add their own)."""
+        d = d or {}
+        if not isinstance(d, dict):
+            raise InvalidSamplingParams(f"sampling_params must be an object, got {type(d).__name__}")
+        names = {f.name for f in fields(cls) if f.name != "stop_strs"}
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def verify(self, vocab_size: int) -> None:
+        _check(self.max_new_tokens is None or (_is_int(self.max_new_tokens) and self.max_new_tokens >= 0),
+               "max_new_tokens", self.max_new_tokens, "an integer >= 0")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               "a finite number >= 0 (0 means greedy)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", self.top_k,
+               "-1 (disabled) or an integer >= 1")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            _check(_is_number(v) and -2 <= v <= 2, name, v, "in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+               "repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
+               self.min_new_tokens, "an integer >= 0")
+        if self.max_new_tokens is not None:
+            _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens,
+                   f"<= max_new_tokens ({self.max_new_tokens})")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            v = getattr(self, name)
+            _check(isinstance(v, bool), name, v, "a boolean")
+        self._verify_stop()
+        if self.stop_token_ids is not None:
+            _check(isinstance(self.stop_token_ids, list) and all(_is_int(t) and 0 <= t < vocab_size
+                                                                 for t in self.stop_token_ids),
+                   "stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {vocab_size})")
+        if self.logit_bias is not None:
+            self._verify_logit_bias(vocab_size)
+        if self.sampling_seed is not None:
+            _check(_is_int(self.sampling_seed) and 0 <= self.sampling_seed < 2**63, "sampling_seed",
+                   self.sampling_seed, "an integer in [0, 2**63)")
+
+    def _verify_stop(self) -> None:
+        stop = self.stop
+        if stop is None:
+            self.stop_strs = []
+            return
+        if isinstance(stop, str):
+            stop = [stop]
+        _check(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop), "stop", self.stop,
+               "a non-empty string or a list of non-empty strings")
+        self.stop_strs = list(stop)
+
+    def _verify_logit_bias(self, vocab_size: int) -> None:
+        _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "an object of token id -> bias")
+        for k, v in self.logit_bias.items():
+            try:
+                tid = int(k)
+            except (TypeError, ValueError):
+                tid = -1
+            _check(0 <= tid < vocab_size, "logit_bias", k, f"keyed by token ids in [0, {vocab_size})")
+            _check(_is_number(v) and -100 <= v <= 100, f"logit_bias[{k}]", v, "in [-100, 100]")

@@ -1,0 +1,85 @@
+"""Small helpers shared across the runtime: device, dtype and memory queries."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+
+import numpy as np
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16: bf16 matmuls run several times faster than fp32 on such CPUs."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be one of auto, cpu, cuda; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto` is bfloat16 where the device multiplies bf16 fast, else float32."""
+    if dtype == "auto":
+        if device == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory a KV pool may draw from: device memory on CUDA, available RAM on CPU."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    return psutil.virtual_memory().available
+
+
+def set_random_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def configure_logger(level: str = "info", prefix: str = "") -> None:
+    fmt = f"[%(asctime)s{prefix}] %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, datefmt="%H:%M:%S", force=True)
+
+
+def set_torch_threads() -> None:
+    """Use the cores this process may run on (containers often allow fewer than the host has)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, n))

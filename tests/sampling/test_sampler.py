@@ -1,0 +1,154 @@
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.sampler import Sampler, filter_probs, seeded_exponential
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.sampling.sampling_params import SamplingParams
+
+V = 50
+EOS = {2}
+
+
+@dataclass
+class Req:
+    sampling_params: SamplingParams
+    origin_input_ids: list = field(default_factory=lambda: [3, 4])
+    output_ids: list = field(default_factory=list)
+
+
+def info_for(*params, outputs=None, vocab=V):
+    reqs = [Req(p) for p in params]
+    for r, o in zip(reqs, outputs or []):
+        r.output_ids = list(o)
+    return SamplingBatchInfo.from_reqs(reqs, vocab, EOS, "cpu")
+
+
+def sample(logits, info, **kw):
+    return Sampler()(LogitsProcessorOutput(next_token_logits=logits.clone()), info, **kw)
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(8, V)
+    info = info_for(*[SamplingParams(temperature=0)] * 8)
+    assert info.is_all_greedy
+    assert torch.equal(sample(logits, info), logits.argmax(-1))
+    # greedy rows stay argmax inside a batch that also samples
+    info = info_for(SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(top_k=1))
+    out = sample(logits[:3], info)
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def _mask_of(probs, **kw):
+    info = info_for(SamplingParams(**kw))
+    return filter_probs(probs, info) > 0
+
+
+def test_top_k_top_p_min_p_masks():
+    probs = torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])
+    assert _mask_of(probs, top_k=2).tolist() == [[True, True, False, False, False]]
+    # top_p keeps the smallest prefix whose mass reaches p
+    assert _mask_of(probs, top_p=0.7).tolist() == [[True, True, False, False, False]]
+    assert _mask_of(probs, top_p=0.71).tolist() == [[True, True, True, False, False]]
+    assert _mask_of(probs, top_p=0.1).tolist() == [[True, False, False, False, False]]
+    # min_p drops tokens below min_p * max prob
+    assert _mask_of(probs, min_p=0.3).tolist() == [[True, True, True, False, False]]
+    # unsorted input: masks follow the probabilities, not positions
+    shuffled = probs[:, [3, 0, 4, 2, 1]]
+    assert _mask_of(shuffled, top_k=2).tolist() == [[False, True, False, False, True]]
+
+
+def test_sampling_respects_masks_statistically():
+    torch.manual_seed(0)
+    logits = torch.randn(1, V).repeat(2000, 1)
+    info = info_for(*[SamplingParams(top_k=3)] * 2000)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    out = sample(logits, info)
+    assert set(out.tolist()) == allowed
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(1)
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
+    logits = probs.clamp_min(1e-30).log().unsqueeze(0).repeat(20000, 1)
+    out = sample(logits, info_for(*[SamplingParams(temperature=1.0)] * 20000))
+    freq = torch.bincount(out, minlength=V).float() / 20000
+    torch.testing.assert_close(freq[:3], probs[:3], atol=0.02, rtol=0)
+    assert freq[3:].sum() == 0
+
+
+def test_seed_reproducible_and_batch_independent():
+    logits = torch.randn(4, V)
+    p = SamplingParams(temperature=1.0, sampling_seed=1234)
+    a = sample(logits, info_for(p, p, p, p))
+    b = sample(logits, info_for(p, p, p, p))
+    assert torch.equal(a, b)
+    # same row alone, or next to other requests, samples the same token
+    alone = sample(logits[2:3], info_for(p))
+    mixed = sample(logits[1:3], info_for(SamplingParams(temperature=1.0), p))
+    assert alone[0] == a[2] == mixed[1]
+    # a different seed or position changes the noise
+    n1 = seeded_exponential(torch.tensor([1]), torch.tensor([5]), V)
+    n2 = seeded_exponential(torch.tensor([2]), torch.tensor([5]), V)
+    n3 = seeded_exponential(torch.tensor([1]), torch.tensor([6]), V)
+    assert not torch.equal(n1, n2) and not torch.equal(n1, n3)
+    assert (n1 > 0).all() and abs(float(seeded_exponential(torch.tensor([7]), torch.tensor([0]), 100000).mean()) - 1) < 0.02
+
+
+def test_frequency_presence_penalties():
+    logits = torch.zeros(1, V)
+    info = info_for(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25),
+                    outputs=[[7, 7, 9]])
+    info.apply_logit_processors(logits)
+    assert logits[0, 7] == pytest.approx(-(0.5 * 2 + 0.25))
+    assert logits[0, 9] == pytest.approx(-(0.5 + 0.25))
+    assert logits[0, 3] == 0  # prompt tokens are not frequency-penalized
+
+
+def test_repetition_penalty_covers_prompt_and_output():
+    logits = torch.full((1, V), 2.0)
+    logits[0, 4] = -2.0
+    info = info_for(SamplingParams(temperature=0, repetition_penalty=2.0), outputs=[[9]])
+    info.apply_logit_processors(logits)
+    assert logits[0, 3] == 1.0 and logits[0, 9] == 1.0  # positive logits divided
+    assert logits[0, 4] == -4.0  # negative logits multiplied
+    assert logits[0, 5] == 2.0
+
+
+def test_penalty_changes_greedy_choice_only_for_its_row():
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 1.0
+    info = info_for(SamplingParams(temperature=0, frequency_penalty=2.0), SamplingParams(temperature=0),
+                    outputs=[[7], [7]])
+    out = sample(logits, info)
+    assert out[0] != 7 and out[1] == 7
+
+
+def test_min_new_tokens_bans_eos_and_stop_ids():
+    logits = torch.zeros(2, V)
+    logits[:, 2] = 10.0  # EOS is the argmax
+    info = info_for(SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[5]),
+                    SamplingParams(temperature=0, min_new_tokens=2), outputs=[[1], [1, 1]])
+    out = sample(logits, info)
+    assert out[0] != 2 and out[1] == 2  # second request already has 2 tokens
+    logits[0, 5] = 20.0
+    assert sample(logits, info)[0] not in (2, 5)
+
+
+def test_logit_bias():
+    logits = torch.zeros(1, V)
+    out = sample(logits, info_for(SamplingParams(temperature=0, logit_bias={"11": 5.0})))
+    assert out[0] == 11
+
+
+def test_logprobs_are_from_the_unpenalized_distribution():
+    logits = torch.randn(3, V)
+    info = info_for(*[SamplingParams(temperature=0, frequency_penalty=1.0)] * 3, outputs=[[0], [1], [2]])
+    lp_out = LogitsProcessorOutput(next_token_logits=logits.clone())
+    ids = Sampler()(lp_out, info, return_logprob=True, top_logprobs_nums=[2, 0, 1])
+    ref = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(lp_out.next_token_logprobs, ref.gather(1, ids[:, None]).squeeze(1))
+    assert lp_out.next_token_top_logprobs_val.shape == (3, 2)
+    torch.testing.assert_close(lp_out.next_token_top_logprobs_val, ref.topk(2, -1).values)
