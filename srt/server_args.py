@@ -23,6 +23,7 @@ class ServerArgs:
     page_size: int = 1
     # Kernels
     attention_backend: str = "torch_native"
+    disable_cpu_weight_prepack: bool = False
     # Parallelism
     tp_size: int = 1
     # Logging
@@ -65,6 +66,8 @@ class ServerArgs:
         g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
         g = parser.add_argument_group("kernels")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS))
+        g.add_argument("--disable-cpu-weight-prepack", action="store_true",
+                       help="on CPU, multiply with plain torch weights instead of oneDNN-prepacked ones")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", type=int, default=d.tp_size)
         g = parser.add_argument_group("logging")

@@ -8,11 +8,53 @@ tp_size.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from srt.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+
+logger = logging.getLogger(__name__)
+
+
+def linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ module.weight.T (+ bias), through oneDNN's prepacked weight when the module has one."""
+    packed = getattr(module, "packed_weight", None)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, module.weight, bias)
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Repack every linear weight (and the LM head) into oneDNN's blocked layout.
+
+    On CPUs, MKL's sgemm for the skinny shapes of decode (1-16 rows) streams weights at half the
+    memory bandwidth; oneDNN's packed inner product runs near it, and is faster at large M too.
+    Dense copies of linear weights are dropped afterwards; a tied LM head keeps its embedding.
+    Returns the number of modules packed (0 when oneDNN is unavailable or rejects the dtype).
+    """
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return 0
+    lm_head = getattr(model, "lm_head", None)
+    count = 0
+    for module in model.modules():
+        is_linear = isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear))
+        if not (is_linear or module is lm_head):
+            continue
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            probe = torch.zeros(1, module.weight.shape[1], dtype=module.weight.dtype)
+            torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        except RuntimeError as e:
+            logger.info("oneDNN weight packing unavailable for %s (%s); using torch matmul", module.weight.dtype, e)
+            return count
+        module.packed_weight = packed
+        if is_linear:
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+        count += 1
+    return count
 
 
 def _divide(n: int, d: int) -> int:
@@ -38,7 +80,7 @@ class ReplicatedLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -55,7 +97,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -121,7 +163,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:
-            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+            return linear(x, self, self.bias if self.tp_rank == 0 else None)
         # The bias is added once, after the partial sums are reduced.
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        out = tensor_model_parallel_all_reduce(linear(x, self))
         return out if self.bias is None else out + self.bias

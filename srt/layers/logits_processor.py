@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from srt.distributed import tensor_model_parallel_all_gather
+from srt.layers.linear import linear
 
 
 @dataclass
@@ -32,7 +32,7 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        logits = tensor_model_parallel_all_gather(F.linear(hidden, lm_head.weight))
+        logits = tensor_model_parallel_all_gather(linear(hidden, lm_head))
         return logits[:, : self.vocab_size].float()
 
     def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, forward_batch) -> LogitsProcessorOutput:

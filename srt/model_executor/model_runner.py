@@ -9,6 +9,7 @@ import torch
 from srt.configs.model_config import ModelConfig
 from srt.distributed import init_tp_group
 from srt.layers.attention import create_attention_backend
+from srt.layers.linear import prepack_cpu_weights
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -38,6 +39,9 @@ class ModelRunner:
         available_before = available_memory_bytes(self.device)
         self.model = load_model(model_config, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
+            packed = prepack_cpu_weights(self.model)
+            logger.info("Prepacked %d weight matrices for oneDNN", packed)
         self.init_memory_pool(available_before)
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()

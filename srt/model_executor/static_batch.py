@@ -7,6 +7,7 @@ tests drive the runner through this.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,8 @@ class StaticBatchGenerator:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.eos = runner.model_config.eos_token_ids
+        # Wall time of the last generate(): prefill (through its first token) and the decode steps.
+        self.last_timings: dict[str, float] = {}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  chunk_size: int | None = None, return_logprob: bool = False) -> list[StaticReq]:
@@ -46,11 +49,16 @@ class StaticBatchGenerator:
         reqs = [StaticReq(list(p), sp) for p, sp in zip(prompts, params)]
         self._alloc_slots(reqs)
         try:
+            start = time.perf_counter()
             self._prefill(reqs, chunk_size, return_logprob)
-            running = [r for r in reqs if r.finish_reason is None]
+            prefilled = time.perf_counter()
+            running, steps = [r for r in reqs if r.finish_reason is None], 0
             while running:
                 self._decode(running, return_logprob)
                 running = [r for r in running if r.finish_reason is None]
+                steps += 1
+            self.last_timings = {"prefill_s": prefilled - start, "decode_s": time.perf_counter() - prefilled,
+                                 "decode_steps": steps}
         finally:
             self.free(reqs)
         return reqs

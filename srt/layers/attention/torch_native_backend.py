@@ -3,8 +3,8 @@
 Decode (and the one-token rows of a mixed batch) runs as one batched computation per layer:
 K and V of each request are gathered from the pool straight into a `[batch, kv_heads, max_len,
 head_dim]` layout through one precomputed index, and each KV head is multiplied with its whole
-query group at once (GQA without repeating K/V). Multi-token extends run per request with SDPA
-and a causal mask offset by the cached prefix.
+query group at once (GQA without repeating K/V). Multi-token extends run per request through SDPA's fused CPU kernel,
+causal, with the mask offset by the cached prefix when there is one.
 """
 
 from __future__ import annotations
@@ -31,14 +31,8 @@ class _ExtendReq:
     q_start: int
     q_len: int
     kv_index: torch.Tensor  # [kv_heads * seq_len]
-    mask: torch.Tensor  # [q_len, seq_len] bool, True = may attend
+    mask: torch.Tensor | None  # [1, 1, q_len, seq_len] bool, True = may attend; None = plain causal
     seq_len: int
-    group_mask: torch.Tensor | None = None  # mask repeated for each query head of a KV head
-
-    def mask_for_group(self, group: int) -> torch.Tensor:
-        if self.group_mask is None or self.group_mask.shape[0] != group * self.q_len:
-            self.group_mask = self.mask.repeat(group, 1)
-        return self.group_mask
 
 
 def _gather_meta(req_to_token, req_pool_indices, seq_lens, max_len, kv_heads, rows) -> _GatherMeta:
@@ -78,8 +72,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             seq, prefix = fb.seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
             slots = req_to_token[fb.req_pool_indices[i], :seq].long()
             kv_index = (slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1))
-            q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
-            mask = torch.arange(seq, device=slots.device).unsqueeze(0) <= q_pos
+            mask = None
+            if prefix:
+                q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
+                mask = (torch.arange(seq, device=slots.device).unsqueeze(0) <= q_pos).view(1, 1, n, seq)
             self.extend_reqs.append(_ExtendReq(fb.extend_start_loc_cpu[i], n, kv_index.reshape(-1), mask, seq))
 
     @staticmethod
@@ -109,7 +105,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:
             self._save(layer, fb, k, v)
         hkv, d = layer.tp_k_head_num, layer.head_dim
-        group = layer.tp_q_head_num // hkv
         out = torch.empty_like(q)
         if self.gather is not None:
             out[self.gather.rows] = self._gathered_attention(q[self.gather.rows], layer, fb, self.gather)
@@ -117,9 +112,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_flat = fb.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, d)
         for r in self.extend_reqs:
             n = r.q_len
-            qr = q[r.q_start : r.q_start + n].view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
-            kr = k_flat.index_select(0, r.kv_index).view(hkv, r.seq_len, d)
-            vr = v_flat.index_select(0, r.kv_index).view(hkv, r.seq_len, d)
-            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=r.mask_for_group(group), scale=layer.scaling)
-            out[r.q_start : r.q_start + n] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+            # 4-D inputs: only these reach torch's fused (flash) CPU kernel, GQA included.
+            qr = q[r.q_start : r.q_start + n].view(1, n, -1, d).transpose(1, 2)
+            kr = k_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
+            vr = v_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
+            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None,
+                                               scale=layer.scaling, enable_gqa=True)
+            out[r.q_start : r.q_start + n] = o.transpose(1, 2).reshape(n, -1)
         return out
