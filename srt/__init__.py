@@ -2,4 +2,13 @@
 
 from srt.version import __version__
 
-__all__ = ["__version__"]
+__all__ = ["Engine", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import srt` stays cheap for tools that only need the version or server args.
+    if name == "Engine":
+        from srt.entrypoints.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

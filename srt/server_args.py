@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 import dataclasses
 from dataclasses import dataclass
 
 
 @dataclass
 class ServerArgs:
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
     # Model
     model_path: str | None = None
     tokenizer_path: str | None = None
@@ -21,13 +25,20 @@ class ServerArgs:
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
     page_size: int = 1
+    # Scheduling
+    schedule_policy: str = "fcfs"
+    chunked_prefill_size: int = 2048  # -1 disables chunking
+    max_prefill_tokens: int = 16384
+    disable_radix_cache: bool = False
     # Kernels
     attention_backend: str = "torch_native"
     disable_cpu_weight_prepack: bool = False
     # Parallelism
     tp_size: int = 1
-    # Logging
+    # Logging and debugging
     log_level: str = "info"
+    decode_log_interval: int = 40
+    debug_integrity_check: bool = False
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -38,6 +49,14 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"--max-total-tokens must be >= --page-size ({self.page_size})")
+        from srt.managers.schedule_policy import POLICIES
+
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {', '.join(POLICIES)}; got {self.schedule_policy!r}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"--chunked-prefill-size must be > 0 or -1 (off), got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
 
@@ -45,7 +64,12 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         from srt.layers.attention import ATTENTION_BACKENDS
 
+        from srt.managers.schedule_policy import POLICIES
+
         d = ServerArgs
+        g = parser.add_argument_group("http")
+        g.add_argument("--host", default=d.host)
+        g.add_argument("--port", type=int, default=d.port)
         g = parser.add_argument_group("model")
         g.add_argument("--model-path", default=d.model_path,
                        help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
@@ -64,6 +88,14 @@ class ServerArgs:
                        help="KV pool size in tokens (overrides --mem-fraction-static)")
         g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
         g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+        g = parser.add_argument_group("scheduling")
+        g.add_argument("--schedule-policy", default=d.schedule_policy, choices=POLICIES,
+                       help="order of the waiting queue")
+        g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                       help="max prompt tokens per prefill chunk; -1 disables chunking")
+        g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                       help="max new prompt tokens in one prefill batch")
+        g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
         g = parser.add_argument_group("kernels")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS))
         g.add_argument("--disable-cpu-weight-prepack", action="store_true",
@@ -72,7 +104,26 @@ class ServerArgs:
         g.add_argument("--tp-size", type=int, default=d.tp_size)
         g = parser.add_argument_group("logging")
         g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+        g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
+                       help="log decode stats every N decode steps")
+        g.add_argument("--debug-integrity-check", action="store_true",
+                       help="exit the scheduler when the KV accounting invariant is violated (tests)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class PortArgs:
+    """ZMQ endpoints between the processes: ipc:// paths in a private temp dir."""
+
+    ipc_dir: str
+    scheduler_input: str
+    detokenizer_input: str
+    tokenizer_input: str
+
+    @classmethod
+    def init_new(cls) -> "PortArgs":
+        d = tempfile.mkdtemp(prefix="radixserve-")
+        return cls(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer")

@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import psutil
+import zmq
 import torch
 
 logger = logging.getLogger(__name__)
@@ -83,3 +84,27 @@ def set_torch_threads() -> None:
     """Use the cores this process may run on (containers often allow fewer than the host has)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, n))
+
+
+def zmq_socket(context, socket_type, endpoint: str, bind: bool):
+    sock = context.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to kill this process when its parent dies (Linux), so a crashed or killed
+    server never leaves orphan workers."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass

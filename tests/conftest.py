@@ -70,3 +70,109 @@ def default_model_path() -> str:
     from srt.model_loader.default_model import resolve_default_model
 
     return resolve_default_model(progress=False)
+
+
+# -- live servers -------------------------------------------------------------------------------
+
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import requests  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m srt.launch_server` in its own process group, with its log in a file."""
+
+    def __init__(self, args: list[str], log_path: str, timeout: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), "--dtype", "float32",
+               "--debug-integrity-check", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def post(self, path: str, json=None, **kw) -> requests.Response:
+        return requests.post(self.url + path, json=json, timeout=kw.pop("timeout", 300), **kw)
+
+    def generate(self, **body) -> dict | list:
+        r = self.post("/generate", body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def state(self) -> dict:
+        return requests.get(self.url + "/server_info", timeout=30).json()["internal_states"][0]
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        """Wait until the scheduler is idle and has run its integrity check; returns its state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.state()
+            if s["idle"] and s["kv_available"] + s["kv_evictable"] == s["kv_capacity"] or time.monotonic() > deadline:
+                return s
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory):
+    servers: list[ServerProcess] = []
+    logs = tmp_path_factory.mktemp("server-logs")
+
+    def start(*args: str) -> ServerProcess:
+        s = ServerProcess(list(args), str(logs / f"server{len(servers)}.log"))
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, default_model_path) -> str:
+    """A tiny random Llama with the default model's tokenizer and an 8k context, for fast server tests."""
+    path = str(tmp_path_factory.mktemp("tiny-chat"))
+    build_tiny_model(path, "LlamaForCausalLM", vocab_size=49152, max_position_embeddings=8192, eos_token_id=2)
+    for name in os.listdir(default_model_path):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(default_model_path, name), path)
+    return path

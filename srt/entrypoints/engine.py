@@ -1,0 +1,152 @@
+"""`srt.Engine`: the runtime in-process, without HTTP.
+
+The same scheduler and detokenizer processes as the server; the TokenizerManager runs on an event
+loop in a background thread, so `generate` works from plain scripts, threads and notebooks alike,
+and `async_generate` from any running event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+from typing import Any, AsyncIterator, Iterator
+
+import uvloop
+
+from srt.entrypoints.processes import launch_subprocesses
+from srt.managers.io_struct import GenerateReqInput
+from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server_args import ServerArgs
+from srt.utils import configure_logger
+from srt.version import __version__
+
+_END = object()
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
+        self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        configure_logger(self.server_args.log_level)
+        self._subs = launch_subprocesses(self.server_args)
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
+        self._thread.start()
+        self.tokenizer_manager = TokenizerManager(self.server_args, self._subs.port_args, self._subs.scheduler_info)
+        self._run(self._start())
+        self._subs.watch(self.tokenizer_manager.fail_all)
+        self._closed = False
+
+    async def _start(self) -> None:
+        self.tokenizer_manager.start()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    def _request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                 return_text_in_logprobs, stream, rid, priority) -> GenerateReqInput:
+        return GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
+                                stream=stream, priority=priority)
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
+                 logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
+                 return_text_in_logprobs: bool = False, stream: bool = False, rid: str | list[str] | None = None,
+                 priority: int | list[int] | None = None) -> dict | list[dict] | Iterator[dict]:
+        """Same arguments and outputs as POST /generate. With stream=True, an iterator of chunks."""
+        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                            return_text_in_logprobs, stream, rid, priority)
+        if not stream:
+            return self._run(self._first(obj))
+        return self._iterate(obj)
+
+    async def _first(self, obj: GenerateReqInput):
+        gen = self.tokenizer_manager.generate_request(obj)
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    def _iterate(self, obj: GenerateReqInput) -> Iterator[dict]:
+        q: queue.Queue = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate_request(obj):
+                    q.put(out)
+            except BaseException as e:  # surfaced in the caller's thread
+                q.put(e)
+            q.put(_END)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := q.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=-1, top_logprobs_num=0, return_text_in_logprobs=False, stream=False,
+                             rid=None, priority=None):
+        """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
+        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                            return_text_in_logprobs, stream, rid, priority)
+        if not stream:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._first(obj), self._loop))
+        return self._aiterate(obj)
+
+    async def _aiterate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        caller = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate_request(obj):
+                    caller.call_soon_threadsafe(q.put_nowait, out)
+            except BaseException as e:
+                caller.call_soon_threadsafe(q.put_nowait, e)
+            caller.call_soon_threadsafe(q.put_nowait, _END)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await q.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache()).success
+
+    def get_server_info(self) -> dict:
+        state = self._run(self.tokenizer_manager.get_internal_state())
+        return {**dataclasses.asdict(self.server_args), **self._subs.scheduler_info,
+                "max_req_input_len": self.tokenizer_manager.max_req_input_len, "version": __version__,
+                "internal_states": [state]}
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._subs.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,204 @@
+"""The HTTP server: FastAPI over the TokenizerManager, SGLang's routes and JSON shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from srt.entrypoints.processes import Subprocesses, launch_subprocesses
+from srt.managers.io_struct import GenerateReqInput, InvalidRequest
+from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
+from srt.sampling.sampling_params import InvalidSamplingParams
+from srt.server_args import ServerArgs
+from srt.version import __version__
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20
+
+
+def json_response(payload, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str) -> Response:
+    return json_response({"error": {"message": message, "code": status}}, status)
+
+
+def to_error(e: Exception) -> Response:
+    """The one place client-visible exceptions map to HTTP statuses."""
+    if isinstance(e, (InvalidRequest, InvalidSamplingParams)):
+        return error_response(400, str(e))
+    if isinstance(e, ServiceUnavailable):
+        return error_response(503, str(e))
+    raise e
+
+
+def sse(payload) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
+    app = FastAPI(title="radixserve", version=__version__)
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        tm.start()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead_reason or tm.draining:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        try:
+            gen = tm.generate_request(obj)
+            await asyncio.wait_for(gen.__anext__(), HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, ServiceUnavailable):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": server_args.model_path,
+            "tokenizer_path": server_args.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "context_length": tm.context_len,
+            "chat_template": getattr(tm.tokenizer, "chat_template", None),
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        try:
+            state = await tm.get_internal_state()
+        except asyncio.TimeoutError:
+            state = None
+        return {
+            **dataclasses.asdict(server_args),
+            **tm.scheduler_info,
+            "max_req_input_len": tm.max_req_input_len,
+            "version": __version__,
+            "internal_states": [state],
+        }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        out = await tm.flush_cache()
+        if out.success:
+            return Response("Cache flushed.\n", status_code=200)
+        return error_response(400, f"Cache not flushed: {out.message}")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+        if not abort_all and not isinstance(rid, str) or not (rid or abort_all):
+            return error_response(400, "give `rid` (a string) or `abort_all: true`")
+        tm.abort_request(rid, abort_all)
+        return Response(status_code=200)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            obj = GenerateReqInput.from_dict(body)
+            gen = tm.generate_request(obj, request)
+            first = await gen.__anext__()
+        except (InvalidRequest, InvalidSamplingParams, ServiceUnavailable) as e:
+            return to_error(e)
+        if not obj.stream:
+            return json_response(first)
+
+        async def stream():
+            yield sse(first)
+            try:
+                async for out in gen:
+                    yield sse(out)
+            except ServiceUnavailable as e:
+                yield sse({"error": {"message": str(e), "code": 503}})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+async def _json_body(request: Request):
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        return error_response(400, f"request body is not valid JSON: {e}")
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    subs = launch_subprocesses(server_args)
+    tm = TokenizerManager(server_args, subs.port_args, subs.scheduler_info)
+    app = create_app(tm, server_args)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop",
+                            log_level="warning", timeout_keep_alive=5, access_log=False)
+    server = uvicorn.Server(config)
+
+    def on_child_death(reason: str) -> None:
+        tm.fail_all(reason)
+        logger.error("exiting: %s", reason)
+        os._exit(1)
+
+    subs.watch(on_child_death)
+    _install_drain_handlers(server, tm, subs)
+    url = f"http://{server_args.host}:{server_args.port}"
+    logger.info("The server is fired up and ready to roll! %s", url)
+    print(f"\nradixserve is serving {server_args.model_path} at {url}\n  curl {url}/generate -H 'Content-Type: "
+          f"application/json' -d '{{\"text\": \"The capital of France is\", \"sampling_params\": "
+          f"{{\"max_new_tokens\": 16, \"temperature\": 0}}}}'\n", flush=True)
+    try:
+        server.run()
+    finally:
+        subs.stop()
+    sys.exit(0)
+
+
+def _install_drain_handlers(server: uvicorn.Server, tm: TokenizerManager, subs: Subprocesses) -> None:
+    """SIGTERM / SIGINT: new requests get 503, in-flight ones finish, then the server exits 0.
+    A second signal exits at once."""
+    server.install_signal_handlers = lambda: None
+    state = {"signals": 0}
+
+    async def drain() -> None:
+        tm.draining = True
+        logger.info("draining: %d request(s) in flight", len(tm.rid_to_state))
+        while tm.rid_to_state:
+            await asyncio.sleep(0.1)
+        server.should_exit = True
+
+    def handler(signum, frame) -> None:
+        state["signals"] += 1
+        if state["signals"] > 1:
+            subs.stop(timeout=1)
+            os._exit(1)
+        if tm.loop is None:  # not serving yet: nothing to drain
+            subs.stop(timeout=1)
+            os._exit(0)
+        tm.loop.call_soon_threadsafe(lambda: tm.loop.create_task(drain()))
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

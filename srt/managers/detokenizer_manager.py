@@ -1,0 +1,133 @@
+"""The detokenizer process: token ids -> text, incrementally and UTF-8 safe.
+
+Each request's text only ever grows by whole characters, and what has been sent is always a
+prefix of the final text: a trailing partial UTF-8 sequence is held back until it completes, and
+so is any tail that could still turn into a stop string (stop strings are trimmed from the final
+text unless `no_stop_trim`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import zmq
+
+from srt.hf_transformers_utils import get_tokenizer
+from srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import configure_logger, die_with_parent, zmq_socket
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT = "\ufffd"
+
+
+def stop_holdback(text: str, stop_strs: tuple[str, ...]) -> int:
+    """How many trailing characters of text might still be the start of, or contain, a stop string."""
+    cut = len(text)
+    for s in stop_strs:
+        i = text.find(s)
+        if i != -1:
+            cut = min(cut, i)
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return len(text) - cut
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 stop_strs: tuple[str, ...] = (), no_stop_trim: bool = False):
+        self.tokenizer = tokenizer
+        self.kw = dict(skip_special_tokens=skip_special_tokens,
+                       spaces_between_special_tokens=spaces_between_special_tokens)
+        self.stop_strs, self.no_stop_trim = stop_strs, no_stop_trim
+        self.ids: list[int] = []
+        self.text = ""  # decoded text of ids[:read_offset]
+        self.surr_offset = 0
+        self.read_offset = 0
+        self.sent = 0  # characters of text already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self.kw)
+
+    def _advance(self, final: bool) -> None:
+        surr = self._decode(self.ids[self.surr_offset : self.read_offset])
+        full = self._decode(self.ids[self.surr_offset :])
+        if full.endswith(REPLACEMENT) and not final:
+            return  # a multi-byte character is still incomplete
+        self.text += full[len(surr) :]
+        self.surr_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def step(self, new_ids: list[int], finished_reason: dict | None) -> str:
+        """Feed new tokens; returns the text to emit now."""
+        if finished_reason is not None and finished_reason.get("type") == "stop" and not self.no_stop_trim \
+                and isinstance(finished_reason.get("matched"), int) and new_ids:
+            new_ids = new_ids[:-1]  # the matched stop token is not part of the text
+        self.ids.extend(new_ids)
+        final = finished_reason is not None
+        self._advance(final)
+        if final:
+            text = self.text
+            matched = finished_reason.get("matched")
+            if isinstance(matched, str) and not self.no_stop_trim:
+                i = text.find(matched)
+                if i != -1:
+                    text = text[:i]
+            end = len(text)
+        else:
+            end = len(self.text) - (stop_holdback(self.text, self.stop_strs) if not self.no_stop_trim else 0)
+            text = self.text
+        if end <= self.sent:
+            return ""
+        delta = text[self.sent : end]
+        self.sent = end
+        return delta
+
+
+class DetokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs):
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        ctx = zmq.Context(2)
+        self.recv_from_scheduler = zmq_socket(ctx, zmq.PULL, port_args.detokenizer_input, bind=True)
+        self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
+        self.decoders: dict[str, IncrementalDecoder] = {}
+
+    def handle(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
+        deltas = []
+        for rid, new_ids, reason, settings in zip(batch.rids, batch.new_output_ids, batch.finished_reasons,
+                                                  batch.decode_settings):
+            dec = self.decoders.get(rid)
+            if dec is None:
+                dec = self.decoders[rid] = IncrementalDecoder(self.tokenizer, *settings)
+            deltas.append(dec.step(new_ids, reason))
+            if reason is not None:
+                del self.decoders[rid]
+        return BatchStrOutput(batch.rids, batch.finished_reasons, deltas, batch.new_output_ids, batch.prompt_tokens,
+                              batch.completion_tokens, batch.cached_tokens, batch.retractions,
+                              batch.input_token_logprobs, batch.input_top_logprobs, batch.output_token_logprobs,
+                              batch.output_top_logprobs)
+
+    def event_loop(self) -> None:
+        while True:
+            batch = self.recv_from_scheduler.recv_pyobj()
+            self.send_to_tokenizer.send_pyobj(self.handle(batch))
+
+
+def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
+    die_with_parent()
+    configure_logger(server_args.log_level, prefix=" Detokenizer")
+    try:
+        manager = DetokenizerManager(server_args, port_args)
+        pipe_writer.send({"status": "ready"})
+        manager.event_loop()
+    except Exception as e:
+        logger.error("detokenizer crashed:\n%s", traceback.format_exc())
+        try:
+            pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        except OSError:
+            pass
+        sys.exit(1)

@@ -1,0 +1,186 @@
+"""Messages between the processes: the HTTP/Engine request shape, and what flows over ZMQ.
+
+TokenizerManager -> Scheduler: TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq.
+Scheduler -> Detokenizer: BatchTokenIDOutput.  Detokenizer -> TokenizerManager: BatchStrOutput.
+Scheduler -> TokenizerManager: FlushCacheReqOutput, GetInternalStateReqOutput.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from srt.sampling.sampling_params import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A client mistake in the request body; the HTTP layer answers 400 with this message."""
+
+
+def _item(value, i: int, batch: bool):
+    """Per-item value of a field that may be given once for the whole batch or as a list."""
+    return value[i] if batch and isinstance(value, list) else value
+
+
+@dataclass
+class GenerateReqInput:
+    """The native /generate body (SGLang's shape). Exactly one of text / input_ids."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    priority: int | list[int] | None = None
+    extra_key: str | list[str] | None = None
+
+    @classmethod
+    def from_dict(cls, body: Any) -> "GenerateReqInput":
+        if not isinstance(body, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        names = cls.__dataclass_fields__.keys()
+        return cls(**{k: v for k, v in body.items() if k in names})
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_batch:
+            return 1
+        return len(self.text) if self.text is not None else len(self.input_ids)
+
+    def validate(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequest("exactly one of `text` or `input_ids` must be given")
+        if self.text is not None:
+            ok = isinstance(self.text, str) or (isinstance(self.text, list) and self.text
+                                                and all(isinstance(t, str) for t in self.text))
+            if not ok:
+                raise InvalidRequest("`text` must be a string or a non-empty list of strings")
+        else:
+            ids = self.input_ids
+            flat = isinstance(ids, list) and ids and all(_is_token(t) for t in ids)
+            nested = isinstance(ids, list) and ids and all(
+                isinstance(x, list) and x and all(_is_token(t) for t in x) for x in ids)
+            if not (flat or nested):
+                raise InvalidRequest("`input_ids` must be a non-empty list of token ids or a list of such lists")
+        n = self.batch_size
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                     "priority", "extra_key"):
+            v = getattr(self, name)
+            if isinstance(v, list) and name != "input_ids" and (not self.is_batch or len(v) != n):
+                raise InvalidRequest(f"`{name}` is a list of {len(v)} but the request has {n} prompt(s)")
+        if not isinstance(self.stream, bool):
+            raise InvalidRequest(f"`stream` must be a boolean, got {self.stream!r}")
+
+    def item(self, i: int) -> "GenerateReqInput":
+        b = self.is_batch
+        return GenerateReqInput(
+            text=self.text[i] if b and self.text is not None else (None if b else self.text),
+            input_ids=self.input_ids[i] if b and self.input_ids is not None else (None if b else self.input_ids),
+            sampling_params=_item(self.sampling_params, i, b),
+            rid=_item(self.rid, i, b),
+            return_logprob=_item(self.return_logprob, i, b),
+            logprob_start_len=_item(self.logprob_start_len, i, b),
+            top_logprobs_num=_item(self.top_logprobs_num, i, b),
+            return_text_in_logprobs=self.return_text_in_logprobs,
+            stream=self.stream,
+            priority=_item(self.priority, i, b),
+            extra_key=_item(self.extra_key, i, b),
+        )
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    stream: bool
+    priority: int | None = None
+    extra_key: str | None = None
+    created_time: float = 0.0
+
+
+@dataclass
+class AbortReq:
+    rid: str = ""
+    abort_all: bool = False
+    message: str = "aborted"
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    state: dict
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """New tokens of the requests that made progress this step (deltas since the last send)."""
+
+    rids: list[str]
+    finished_reasons: list[dict | None]
+    new_output_ids: list[list[int]]
+    # detokenization settings, sent with each request's first output and reused afterwards
+    decode_settings: list[tuple | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    retractions: list[int]
+    # logprob deltas, each a list per request (empty when not requested)
+    input_token_logprobs: list[list] = field(default_factory=list)
+    input_top_logprobs: list[list] = field(default_factory=list)
+    output_token_logprobs: list[list] = field(default_factory=list)
+    output_top_logprobs: list[list] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOutput:
+    rids: list[str]
+    finished_reasons: list[dict | None]
+    text_deltas: list[str]
+    new_output_ids: list[list[int]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    retractions: list[int]
+    input_token_logprobs: list[list] = field(default_factory=list)
+    input_top_logprobs: list[list] = field(default_factory=list)
+    output_token_logprobs: list[list] = field(default_factory=list)
+    output_top_logprobs: list[list] = field(default_factory=list)

@@ -1,0 +1,240 @@
+"""Request state (`Req`) and the batch the scheduler runs (`ScheduleBatch`).
+
+A request's KV lives in `req_to_token[req.req_pool_idx, :req.kv_len]`: the first
+`len(req.prefix_indices)` slots belong to the prefix cache (locked through `req.last_node`), the
+rest to the request until the cache takes them when it finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.sampling.sampling_params import SamplingParams
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def finish_matched_token(token_id: int) -> dict:
+    return {"type": "stop", "matched": token_id}
+
+
+def finish_matched_str(s: str) -> dict:
+    return {"type": "stop", "matched": s}
+
+
+def finish_length(n: int) -> dict:
+    return {"type": "length", "length": n}
+
+
+def finish_abort(message: str) -> dict:
+    return {"type": "abort", "message": message}
+
+
+class Phase(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: int | None = None
+    extra_key: str | None = None
+    created_time: float = field(default_factory=time.time)
+
+    output_ids: list[int] = field(default_factory=list)
+    # memory
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    last_node: object = None
+    kv_len: int = 0
+    extend_input_len: int = 0  # tokens the next extend computes
+    # state
+    finished_reason: dict | None = None
+    to_abort: str | None = None
+    cached_tokens: int = 0
+    retractions: int = 0
+    queue_enter_time: float = field(default_factory=time.monotonic)
+    # logprobs: lists of (logprob, token_id); top lists hold (logprobs, ids) or None
+    input_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_logprobs_done: bool = False
+    # how much has been sent to the detokenizer
+    sent_output_len: int = 0
+    sent_input_logprob_len: int = 0
+    sent_output_logprob_len: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def is_chunked(self) -> bool:
+        """Still prefilling: some prompt tokens have no KV yet."""
+        return self.kv_len + self.extend_input_len < self.seq_len
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_done
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens
+
+    def match_prefix(self, tree_cache) -> None:
+        """Look up the longest cached prefix. The last token is never served from cache (its
+        logits are needed), nor are the rows prompt logprobs must be computed from."""
+        limit = self.seq_len - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit], self.extra_key)
+        self.kv_len = len(self.prefix_indices)
+        self.extend_input_len = self.seq_len - self.kv_len
+
+    def check_finished(self, eos_token_ids: set[int], context_len: int, tokenizer=None) -> None:
+        if self.finished:
+            return
+        if self.to_abort is not None:
+            self.finished_reason = finish_abort(self.to_abort)
+            return
+        p = self.sampling_params
+        n = len(self.output_ids)
+        if n >= p.min_new_tokens and n:
+            last = self.output_ids[-1]
+            if last in (p.stop_token_ids or ()) or (not p.ignore_eos and last in eos_token_ids):
+                self.finished_reason = finish_matched_token(last)
+                return
+            if p.stop_strs and tokenizer is not None:
+                tail_len = max(len(s) for s in p.stop_strs) * 4 + 2
+                tail = tokenizer.decode(self.output_ids[-tail_len:], skip_special_tokens=p.skip_special_tokens)
+                for s in p.stop_strs:
+                    if s in tail:
+                        self.finished_reason = finish_matched_str(s)
+                        return
+        if p.max_new_tokens is not None and n >= p.max_new_tokens:
+            self.finished_reason = finish_length(n)
+        elif self.seq_len >= context_len:
+            self.finished_reason = finish_length(n)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices, self.last_node, self.kv_len, self.extend_input_len = _EMPTY, None, 0, 0
+        self.retractions += 1
+        self.queue_enter_time = time.monotonic()
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    forward_mode: ForwardMode = ForwardMode.DECODE
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def filter_finished(self) -> None:
+        self.reqs = [r for r in self.reqs if not r.finished]
+
+    def merge(self, other: "ScheduleBatch") -> None:
+        self.reqs.extend(other.reqs)
+
+
+class BatchBuilder:
+    """Allocates KV for a batch and builds its ForwardBatch. Owns no state of its own: it works on
+    the runner's pools and the prefix cache."""
+
+    def __init__(self, req_to_token_pool, allocator, tree_cache, device: str):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.device = device
+
+    def _ensure_free(self, n: int) -> None:
+        if self.allocator.available_size() < n:
+            self.tree_cache.evict(n - self.allocator.available_size())
+
+    def _last_locs(self, reqs: list[Req], positions: list[int]) -> list[int]:
+        table = self.req_to_token_pool.req_to_token
+        return [int(table[r.req_pool_idx, p - 1]) if p > 0 else 0 for r, p in zip(reqs, positions)]
+
+    def prepare_for_extend(self, batch: ScheduleBatch) -> ForwardBatch:
+        reqs = batch.reqs
+        for r in reqs:
+            if r.req_pool_idx is None:
+                slot = self.req_to_token_pool.alloc(1)
+                assert slot is not None, "admission let in more requests than there are request slots"
+                r.req_pool_idx = slot[0]
+                self.req_to_token_pool.write(r.req_pool_idx, 0, r.prefix_indices)
+        prefix_lens = [r.kv_len for r in reqs]
+        seq_lens = [r.kv_len + r.extend_input_len for r in reqs]
+        page = self.allocator.page_size
+        self._ensure_free(sum(seq_lens) - sum(prefix_lens) + page * len(reqs))
+        loc = self.allocator.alloc_extend(prefix_lens, seq_lens, self._last_locs(reqs, prefix_lens))
+        if loc is None:
+            raise RuntimeError("KV pool exhausted during extend; admission budget was wrong")
+        offset = 0
+        for r, p, s in zip(reqs, prefix_lens, seq_lens):
+            self.req_to_token_pool.write(r.req_pool_idx, p, loc[offset : offset + s - p])
+            offset += s - p
+        input_ids = [t for r, p, s in zip(reqs, prefix_lens, seq_lens) for t in r.fill_ids[p:s]]
+        extra = self._logprob_fields(reqs, prefix_lens, seq_lens)
+        return ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
+                                  prefix_lens, loc, self.device, **extra)
+
+    def _logprob_fields(self, reqs, prefix_lens, seq_lens) -> dict:
+        if not any(r.return_logprob for r in reqs):
+            return {}
+        starts, next_tokens = [], []
+        for r, p, s in zip(reqs, prefix_lens, seq_lens):
+            if r.wants_input_logprobs:
+                first_row = max(max(r.logprob_start_len - 1, 0), p)
+            else:
+                first_row = s  # no rows
+            starts.append(min(first_row, s) - p)
+            ids = r.fill_ids
+            next_tokens.extend(ids[j + 1] if j + 1 < len(ids) else 0 for j in range(min(first_row, s), s))
+        return dict(return_logprob=True, top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+                    extend_logprob_start_lens_cpu=starts,
+                    extend_input_logprob_token_ids=torch.tensor(next_tokens, dtype=torch.int64).to(self.device))
+
+    def decode_slots_needed(self, reqs: list[Req]) -> int:
+        page = self.allocator.page_size
+        return sum(1 for r in reqs if r.kv_len % page == 0) * page
+
+    def prepare_for_decode(self, batch: ScheduleBatch) -> ForwardBatch:
+        reqs = batch.reqs
+        prefix_lens = [r.kv_len for r in reqs]
+        seq_lens = [p + 1 for p in prefix_lens]
+        self._ensure_free(self.decode_slots_needed(reqs))
+        loc = self.allocator.alloc_decode(torch.tensor(seq_lens), torch.tensor(self._last_locs(reqs, prefix_lens)))
+        if loc is None:
+            raise RuntimeError("KV pool exhausted during decode; retraction should have made room")
+        table = self.req_to_token_pool.req_to_token
+        table[torch.tensor([r.req_pool_idx for r in reqs]), torch.tensor(prefix_lens)] = loc.to(torch.int32)
+        return ForwardBatch.build(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], [r.req_pool_idx for r in reqs],
+                                  seq_lens, prefix_lens, loc, self.device,
+                                  return_logprob=any(r.return_logprob for r in reqs),
+                                  top_logprobs_nums=[r.top_logprobs_num for r in reqs])

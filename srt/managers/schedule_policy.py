@@ -1,0 +1,147 @@
+"""Which waiting requests to prefill next: queue ordering policies and the PrefillAdder's budgets."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+from srt.managers.schedule_batch import Req
+
+# Expected output length is capped at this when budgeting KV for a request's future decode.
+CLIP_MAX_NEW_TOKENS = 4096
+# Past this many waiting requests, prefix-aware policies fall back to fcfs (matching is O(queue)).
+PREFIX_POLICY_QUEUE_LIMIT = 128
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache, radix_enabled: bool):
+        if policy not in POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.radix_enabled = radix_enabled
+
+    def calc_priority(self, waiting: list[Req]) -> None:
+        """Order the waiting queue in place. Prefix-aware policies also refresh each request's
+        prefix match."""
+        policy = self.policy
+        prefix_aware = policy in ("lpm", "dfs-weight")
+        if prefix_aware and (not self.radix_enabled or len(waiting) > PREFIX_POLICY_QUEUE_LIMIT):
+            policy = "fcfs"
+        if policy == "fcfs":
+            return
+        if policy == "lof":
+            waiting.sort(key=lambda r: -(r.max_new_tokens or 0))
+        elif policy == "random":
+            random.shuffle(waiting)
+        elif policy == "priority":
+            waiting.sort(key=lambda r: (-(r.priority or 0), r.created_time))
+        else:
+            for r in waiting:
+                r.match_prefix(self.tree_cache)
+            if policy == "lpm":
+                waiting.sort(key=lambda r: -len(r.prefix_indices))
+            else:
+                self._dfs_weight(waiting)
+
+    def _dfs_weight(self, waiting: list[Req]) -> None:
+        """Visit the radix tree depth first, heavier subtrees (more waiting requests) first, so
+        requests that share prefixes run together."""
+        by_node: dict[int, list[Req]] = defaultdict(list)
+        for r in waiting:
+            by_node[id(r.last_node)].append(r)
+        weight: dict[int, int] = {}
+
+        def count(node) -> int:
+            w = len(by_node.get(id(node), ())) + sum(count(c) for c in node.children.values())
+            weight[id(node)] = w
+            return w
+
+        root = self.tree_cache.root
+        count(root)
+        order: list[Req] = []
+
+        def visit(node) -> None:
+            order.extend(by_node.get(id(node), ()))
+            for c in sorted(node.children.values(), key=lambda c: -weight[id(c)]):
+                if weight[id(c)]:
+                    visit(c)
+
+        visit(root)
+        waiting[:] = order
+
+
+class PrefillAdder:
+    """Admits requests into one prefill batch while every budget holds.
+
+    Budgets: `rem_total_tokens` (free + evictable KV minus what running requests are expected to
+    still need), `rem_input_tokens` (--max-prefill-tokens), `rem_chunk_tokens`
+    (--chunked-prefill-size; a request longer than what is left is cut into a chunk), and request
+    slots (--max-running-requests).
+    """
+
+    def __init__(self, tree_cache, allocator, running: list[Req], new_token_ratio: float,
+                 max_prefill_tokens: int, chunked_prefill_size: int | None, rem_running_slots: int):
+        self.tree_cache = tree_cache
+        self.page_size = allocator.page_size
+        self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - sum(
+            self._future_tokens(r, new_token_ratio) for r in running)
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size
+        self.rem_running_slots = rem_running_slots
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    @staticmethod
+    def _future_tokens(r: Req, ratio: float) -> float:
+        budget = min(r.max_new_tokens if r.max_new_tokens is not None else CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS)
+        return max(budget - len(r.output_ids), 0) * ratio
+
+    def _pages(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def add_chunked_req(self, req: Req) -> bool:
+        """Continue a request whose prompt is partly prefilled. Returns False if it still has more
+        chunks after this one."""
+        n = req.seq_len - req.kv_len
+        if self.rem_chunk_tokens is not None:
+            n = min(n, self.rem_chunk_tokens)
+        req.extend_input_len = n
+        self._take(req, n)
+        return not req.is_chunked
+
+    def _take(self, req: Req, n: int) -> None:
+        self.can_run.append(req)
+        self.rem_input_tokens -= n
+        self.rem_total_tokens -= self._pages(n)
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= n
+
+    def add_one_req(self, req: Req) -> bool:
+        """Try to admit req (its prefix already matched). Returns False when no further request
+        can fit, so the caller stops scanning the queue."""
+        if self.rem_running_slots <= 0 or self.rem_input_tokens <= 0:
+            return False
+        if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
+            return False
+        n, future = req.extend_input_len, self._future_tokens(req, 1.0)
+        if self._pages(n) + future > self.rem_total_tokens:
+            return False
+        if n > self.rem_input_tokens and self.can_run:
+            return False
+        # Locking the matched prefix takes its nodes out of the evictable pool.
+        evictable = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        self.rem_total_tokens -= evictable - self.tree_cache.evictable_size()
+        self.rem_running_slots -= 1
+        if self.rem_chunk_tokens is not None and n > self.rem_chunk_tokens:
+            req.extend_input_len = self.rem_chunk_tokens
+            self.new_chunked_req = req
+            self._take(req, req.extend_input_len)
+            self.rem_total_tokens -= self._pages(n - req.extend_input_len) + future
+            return False
+        self._take(req, n)
+        self.rem_total_tokens -= future
+        return True

@@ -1,0 +1,342 @@
+"""The scheduler process of one tensor-parallel rank: continuous batching with RadixAttention.
+
+Loop: receive requests -> pick the next batch (a prefill of waiting requests if budgets allow,
+else a decode step of the running ones) -> run it -> process the results and stream them to the
+detokenizer. Admission lives in PrefillAdder, caching in the prefix cache, batch tensors in
+BatchBuilder; this class only orchestrates.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from srt.configs.model_config import ModelConfig
+from srt.hf_transformers_utils import get_tokenizer
+from srt.managers.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+)
+from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch, finish_abort, finish_length
+from srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, SchedulePolicy
+from srt.managers.scheduler_output import BatchResult, SchedulerOutputMixin, to_batch_result
+from srt.managers.tp_worker import TpModelWorker
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.radix_cache import RadixCache
+from srt.model_executor.forward_batch_info import ForwardMode
+from srt.model_executor.static_batch import StaticBatchGenerator
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import configure_logger, die_with_parent, zmq_socket
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RETRACT_DECODE_STEPS = 20
+IDLE_POLL_MS = 1000
+
+
+class IntegrityError(RuntimeError):
+    pass
+
+
+class Scheduler(SchedulerOutputMixin):
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0):
+        self.server_args = server_args
+        self.model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
+        self.tp_worker = TpModelWorker(self.model_config, server_args, tp_rank)
+        runner = self.tp_worker.model_runner
+        self.runner = runner
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        self.eos_token_ids = self.model_config.eos_token_ids
+        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size)
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.builder = BatchBuilder(runner.req_to_token_pool, self.allocator, self.tree_cache, runner.device)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache)
+        self.max_running_requests = runner.max_running_requests
+        self.chunked_prefill_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
+        self.waiting_queue: list[Req] = []
+        self.running_batch = ScheduleBatch([])
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.rids: set[str] = set()
+        self.checked_idle = False
+        self.init_stats()
+        self.warmup()
+        ctx = zmq.Context(2)
+        self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input, bind=True)
+        self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
+        self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
+
+    def warmup(self) -> None:
+        """One tiny prefill and decode, so lazy initialization does not land on the first request."""
+        start = time.perf_counter()
+        StaticBatchGenerator(self.runner).generate([[0, 1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_new_tokens=3))
+        logger.info("Warm-up forward passes took %.2f s", time.perf_counter() - start)
+
+    def ready_info(self) -> dict:
+        return {
+            "max_total_num_tokens": self.runner.max_total_num_tokens,
+            "max_running_requests": self.max_running_requests,
+            "context_len": self.model_config.context_len,
+            "vocab_size": self.model_config.vocab_size,
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "device": self.runner.device,
+        }
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    def event_loop(self) -> None:
+        while True:
+            self.process_input_requests(self.recv_requests())
+            batch = self.get_next_batch_to_run()
+            if batch is None:
+                self.on_idle()
+                continue
+            self.checked_idle = False
+            self.process_batch_result(batch, self.run_batch(batch))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req)
+
+    def recv_requests(self) -> list:
+        msgs = []
+        if not self.has_work() and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
+            return msgs
+        while True:
+            try:
+                msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                return msgs
+
+    def process_input_requests(self, msgs: list) -> None:
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg)
+            elif isinstance(msg, FlushCacheReq):
+                self.send_to_tokenizer.send_pyobj(self.flush_cache())
+            elif isinstance(msg, GetInternalStateReq):
+                self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+            else:
+                logger.error("scheduler got an unknown message %r", type(msg))
+
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        req = Req(recv.rid, recv.input_ids, recv.sampling_params, recv.return_logprob, recv.logprob_start_len,
+                  recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time)
+        self.rids.add(req.rid)
+        self.waiting_queue.append(req)
+
+    def abort_request(self, recv: AbortReq) -> None:
+        def hit(r: Req) -> bool:
+            return recv.abort_all or r.rid == recv.rid
+
+        for r in [r for r in self.waiting_queue if hit(r)]:
+            self.waiting_queue.remove(r)
+            r.finished_reason = finish_abort(recv.message)
+            self.stream_output([r])
+            self.rids.discard(r.rid)
+        for r in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
+            if hit(r):
+                r.to_abort = recv.message
+
+    # -- batch selection -------------------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if self.running_batch.reqs:
+            self.update_running_batch()
+            if self.running_batch.reqs:
+                self.running_batch.forward_mode = ForwardMode.DECODE
+                return self.running_batch
+        return None
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
+        if running >= self.max_running_requests and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        adder = PrefillAdder(self.tree_cache, self.allocator, self.running_batch.reqs, self.new_token_ratio,
+                             self.server_args.max_prefill_tokens, self.chunked_prefill_size,
+                             self.max_running_requests - running)
+        if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req):
+            self.chunked_req = None  # its last chunk runs in this batch
+        admitted = []
+        # Only one request is chunked at a time: while one continues, nothing new starts.
+        if self.chunked_req is None:
+            for req in self.waiting_queue:
+                req.match_prefix(self.tree_cache)  # fresh: the tree changes between rounds
+                ok = adder.add_one_req(req)
+                if adder.can_run and adder.can_run[-1] is req:
+                    admitted.append(req)
+                if not ok:
+                    break
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if not adder.can_run:
+            return None
+        admitted_set = set(map(id, admitted))
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_set]
+        for r in admitted:
+            if r.retractions == 0:
+                r.cached_tokens = len(r.prefix_indices)
+        self.log_prefill_stats(adder.can_run, running)
+        return ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
+
+    def update_running_batch(self) -> None:
+        """Make sure the next decode step has KV room: evict cache, then retract requests."""
+        batch = self.running_batch
+        batch.filter_finished()
+        needed = self.builder.decode_slots_needed(batch.reqs)
+        if self.allocator.available_size() + self.tree_cache.evictable_size() >= needed:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+            return
+        # Retract the requests that generated the fewest tokens (cheapest to redo).
+        batch.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted = []
+        while len(batch.reqs) > 1 and (self.allocator.available_size() + self.tree_cache.evictable_size()
+                                       < self.builder.decode_slots_needed(batch.reqs)):
+            req = batch.reqs.pop()
+            self.tree_cache.cache_finished_req(req)
+            req.reset_for_retract()
+            retracted.append(req)
+        self.waiting_queue[:0] = retracted
+        self.total_retractions += len(retracted)
+        decoded = sum(len(r.output_ids) for r in batch.reqs)
+        budget = sum(min(r.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS) for r in batch.reqs)
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / max(budget, 1))
+        logger.warning("KV cache full: retracted %d request(s); new_token_ratio %.2f", len(retracted),
+                       self.new_token_ratio)
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduleBatch):
+        if batch.forward_mode.is_extend():
+            fb = self.builder.prepare_for_extend(batch)
+        else:
+            fb = self.builder.prepare_for_decode(batch)
+        fb.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.eos_token_ids,
+                                                       self.runner.device)
+        logits_output, next_token_ids = self.tp_worker.forward_batch_generation(fb)
+        return to_batch_result(batch.reqs, logits_output, next_token_ids, fb), fb
+
+    def process_batch_result(self, batch: ScheduleBatch, result) -> None:
+        if batch.forward_mode.is_extend():
+            self.process_prefill_result(batch, result)
+        else:
+            self.process_decode_result(batch, result)
+
+    def process_prefill_result(self, batch: ScheduleBatch, result: tuple[BatchResult, object]) -> None:
+        res, fb = result
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += req.extend_input_len
+            req.extend_input_len = 0
+            if res.input_logprobs is not None:
+                self.append_input_logprobs(req, res.input_logprobs[i], req.kv_len)
+            if req.kv_len < req.seq_len:  # more chunks to come
+                if req.to_abort is None:
+                    self.tree_cache.cache_unfinished_req(req)
+                    continue
+            else:
+                req.input_logprobs_done = True
+            if req.to_abort is None and req.max_new_tokens == 0:
+                req.finished_reason = finish_length(0)
+            elif req.to_abort is None:
+                self.append_token(req, res.next_token_ids[i], res, i)
+            req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
+            if req.finished:
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self.release(req)
+            else:
+                self.running_batch.reqs.append(req)
+        self.stream_output(batch.reqs)
+
+    def process_decode_result(self, batch: ScheduleBatch, result: tuple[BatchResult, object]) -> None:
+        res, _ = result
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += 1
+            self.append_token(req, res.next_token_ids[i], res, i)
+            req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
+            if req.finished:
+                self.release(req)
+        self.stream_output(batch.reqs)
+        batch.filter_finished()
+        self.num_generated_tokens += len(batch.reqs)
+        self.maybe_log_decode_stats()
+
+    def release(self, req: Req) -> None:
+        self.tree_cache.cache_finished_req(req)
+        self.rids.discard(req.rid)
+
+    # -- idle, integrity, control ----------------------------------------------------------------
+
+    def on_idle(self) -> None:
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        if not self.checked_idle and not self.has_work():
+            self.checked_idle = True
+            self.check_integrity()
+
+    def check_integrity(self) -> None:
+        total = self.allocator.available_size() + self.tree_cache.evictable_size() + self.tree_cache.protected_size()
+        slots = self.runner.req_to_token_pool
+        problems = []
+        if total != self.allocator.size:
+            problems.append(f"KV slots: free {self.allocator.available_size()} + evictable "
+                            f"{self.tree_cache.evictable_size()} + protected {self.tree_cache.protected_size()} "
+                            f"!= capacity {self.allocator.size}")
+        if self.tree_cache.protected_size():
+            problems.append(f"{self.tree_cache.protected_size()} cached tokens still locked while idle")
+        if slots.available_size() != slots.size:
+            problems.append(f"request slots: {slots.size - slots.available_size()} still held while idle")
+        self.integrity_ok = not problems
+        if problems:
+            msg = "KV pool integrity violated: " + "; ".join(problems)
+            logger.error(msg)
+            if self.server_args.debug_integrity_check:
+                raise IntegrityError(msg)
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if self.has_work():
+            return FlushCacheReqOutput(False, "cannot flush the cache while requests are running or queued")
+        self.tree_cache.reset_with_free()
+        self.check_integrity()
+        return FlushCacheReqOutput(True)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer) -> None:
+    die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    configure_logger(server_args.log_level, prefix=f" TP{tp_rank}")
+    try:
+        scheduler = Scheduler(server_args, port_args, tp_rank)
+        pipe_writer.send({"status": "ready", **scheduler.ready_info()})
+    except Exception as e:
+        traceback.print_exc()
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+    try:
+        scheduler.event_loop()
+    except Exception:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        os._exit(1)

@@ -1,0 +1,164 @@
+"""The scheduler's bookkeeping around a batch: results as plain lists, logprob accounting,
+streaming deltas to the detokenizer, and SGLang-style progress logs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from srt.managers.io_struct import BatchTokenIDOutput
+from srt.managers.schedule_batch import Req
+
+logger = logging.getLogger("srt.managers.scheduler")
+
+
+@dataclass
+class BatchResult:
+    """A forward pass's outputs, moved to the host once per batch."""
+
+    next_token_ids: list[int]
+    next_token_logprobs: list[float] | None = None
+    next_top_logprobs: list[tuple[list[float], list[int]]] | None = None
+    # per request: (logprob per row, top-k values per row, top-k ids per row) for prompt rows
+    input_logprobs: list[tuple[list[float], list, list]] | None = None
+
+
+def to_batch_result(reqs: list[Req], logits_output, next_token_ids, fb) -> BatchResult:
+    result = BatchResult(next_token_ids.tolist())
+    if not fb.return_logprob:
+        return result
+    result.next_token_logprobs = logits_output.next_token_logprobs.tolist()
+    if logits_output.next_token_top_logprobs_val is not None:
+        vals = logits_output.next_token_top_logprobs_val.tolist()
+        idx = logits_output.next_token_top_logprobs_idx.tolist()
+        result.next_top_logprobs = [(v[: r.top_logprobs_num], i[: r.top_logprobs_num]) for r, v, i in zip(reqs, vals, idx)]
+    if logits_output.input_logprob_lens is not None:
+        flat = [] if logits_output.input_token_logprobs is None else logits_output.input_token_logprobs.tolist()
+        top_v = top_i = None
+        if logits_output.input_top_logprobs_val is not None:
+            top_v = logits_output.input_top_logprobs_val.tolist()
+            top_i = logits_output.input_top_logprobs_idx.tolist()
+        per_req, k = [], 0
+        for r, n in zip(reqs, logits_output.input_logprob_lens):
+            m = r.top_logprobs_num
+            tv = [v[:m] for v in top_v[k : k + n]] if top_v is not None and m else []
+            ti = [v[:m] for v in top_i[k : k + n]] if top_i is not None and m else []
+            per_req.append((flat[k : k + n], tv, ti))
+            k += n
+        result.input_logprobs = per_req
+    return result
+
+
+class SchedulerOutputMixin:
+    def init_stats(self) -> None:
+        self.total_retractions = 0
+        self.num_generated_tokens = 0
+        self.decode_steps = 0
+        self.last_decode_log = time.monotonic()
+        self.total_prompt_tokens = 0
+        self.total_cached_tokens = 0
+        self.integrity_ok = True
+
+    def append_token(self, req: Req, token: int, result: BatchResult, i: int) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_token_logprobs.append((result.next_token_logprobs[i], token))
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(result.next_top_logprobs[i])
+
+    def append_input_logprobs(self, req: Req, rows: tuple, chunk_end: int) -> None:
+        """Row at absolute position j gives the logprob of prompt token j + 1."""
+        vals, top_vals, top_ids = rows
+        if not req.wants_input_logprobs:
+            return
+        prompt = req.origin_input_ids
+        first_row = chunk_end - len(vals)
+        if req.logprob_start_len == 0 and not req.input_token_logprobs:
+            req.input_token_logprobs.append((None, prompt[0]))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.append(None)
+        for k, v in enumerate(vals):
+            pos = first_row + k + 1
+            if pos >= len(prompt):
+                break
+            req.input_token_logprobs.append((v, prompt[pos]))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.append((top_vals[k], top_ids[k]))
+
+    def stream_output(self, reqs: list[Req]) -> None:
+        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [])
+        for r in reqs:
+            mid_prompt = r.kv_len < len(r.origin_input_ids) and not r.finished
+            if mid_prompt or not (r.finished or r.stream):
+                continue
+            new_ids = r.output_ids[r.sent_output_len :]
+            if not r.finished and not new_ids:
+                continue
+            p = r.sampling_params
+            out.rids.append(r.rid)
+            out.finished_reasons.append(r.finished_reason)
+            out.new_output_ids.append(new_ids)
+            out.decode_settings.append((p.skip_special_tokens, p.spaces_between_special_tokens, tuple(p.stop_strs),
+                                        p.no_stop_trim))
+            out.prompt_tokens.append(len(r.origin_input_ids))
+            out.completion_tokens.append(len(r.output_ids))
+            out.cached_tokens.append(r.cached_tokens)
+            out.retractions.append(r.retractions)
+            out.input_token_logprobs.append(r.input_token_logprobs[r.sent_input_logprob_len :])
+            out.input_top_logprobs.append(r.input_top_logprobs[r.sent_input_logprob_len :])
+            out.output_token_logprobs.append(r.output_token_logprobs[r.sent_output_logprob_len :])
+            out.output_top_logprobs.append(r.output_top_logprobs[r.sent_output_logprob_len :])
+            r.sent_output_len = len(r.output_ids)
+            r.sent_input_logprob_len = len(r.input_token_logprobs)
+            r.sent_output_logprob_len = len(r.output_token_logprobs)
+        if out.rids:
+            self.send_to_detokenizer.send_pyobj(out)
+
+    # -- logs and state ----------------------------------------------------------------------------
+
+    def token_usage(self) -> float:
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
+        return 1.0 - free / self.allocator.size
+
+    def log_prefill_stats(self, can_run: list[Req], running_before: int) -> None:
+        new_tokens = sum(r.extend_input_len for r in can_run)
+        cached = sum(r.kv_len for r in can_run)
+        self.total_prompt_tokens += new_tokens + cached
+        self.total_cached_tokens += cached
+        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                    "#running-req: %d, #queue-req: %d, cache hit rate: %.1f%%", len(can_run), new_tokens, cached,
+                    self.token_usage(), running_before, len(self.waiting_queue), 100 * self.cache_hit_rate())
+
+    def cache_hit_rate(self) -> float:
+        return self.total_cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
+
+    def maybe_log_decode_stats(self) -> None:
+        self.decode_steps += 1
+        if self.decode_steps % self.server_args.decode_log_interval:
+            return
+        now = time.monotonic()
+        throughput = self.num_generated_tokens / max(now - self.last_decode_log, 1e-9)
+        self.num_generated_tokens, self.last_decode_log = 0, now
+        used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                    "#queue-req: %d", len(self.running_batch.reqs), used, self.token_usage(), throughput,
+                    len(self.waiting_queue))
+
+    def internal_state(self) -> dict:
+        return {
+            "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
+            "num_queue_reqs": len(self.waiting_queue),
+            "token_usage": self.token_usage(),
+            "cache_hit_rate": self.cache_hit_rate(),
+            "total_retractions": self.total_retractions,
+            "kv_available": self.allocator.available_size(),
+            "kv_evictable": self.tree_cache.evictable_size(),
+            "kv_protected": self.tree_cache.protected_size(),
+            "kv_capacity": self.allocator.size,
+            "req_slots_free": self.runner.req_to_token_pool.available_size(),
+            "integrity_ok": self.integrity_ok,
+            "idle": not self.has_work(),
+            "pid": os.getpid(),
+        }

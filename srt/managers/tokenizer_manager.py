@@ -1,0 +1,321 @@
+"""The TokenizerManager: runs in the HTTP (or Engine) process on asyncio.
+
+It validates and tokenizes requests, sends them to the scheduler, and turns the detokenizer's
+deltas back into each request's response: one final answer per accepted request, or a stream of
+cumulative chunks ending in the final one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import time
+from collections import deque
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from srt.hf_transformers_utils import get_tokenizer
+from srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    InvalidRequest,
+    TokenizedGenerateReqInput,
+    new_rid,
+)
+from srt.sampling.sampling_params import InvalidSamplingParams, SamplingParams
+from srt.server_args import PortArgs, ServerArgs
+from srt.utils import zmq_socket
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20
+DISCONNECT_POLL_S = 1.0
+
+
+class ServiceUnavailable(RuntimeError):
+    """The server cannot take the request now (draining, or a worker died); HTTP 503."""
+
+
+@dataclasses.dataclass
+class ReqState:
+    obj: GenerateReqInput
+    created: float
+    event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    text: str = ""
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: dict | None = None
+    finished: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+    input_token_logprobs: list = dataclasses.field(default_factory=list)
+    input_top_logprobs: list = dataclasses.field(default_factory=list)
+    output_token_logprobs: list = dataclasses.field(default_factory=list)
+    output_top_logprobs: list = dataclasses.field(default_factory=list)
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict):
+        self.server_args = server_args
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        self.scheduler_info = scheduler_info
+        self.context_len = scheduler_info["context_len"]
+        self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
+        self.vocab_size = scheduler_info["vocab_size"]
+        ctx = zmq.asyncio.Context(2)
+        self.recv_from_detokenizer = zmq_socket(ctx, zmq.PULL, port_args.tokenizer_input, bind=True)
+        self.send_to_scheduler = zmq_socket(ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.control_waiters: dict[type, deque[asyncio.Future]] = {}
+        self.draining = False
+        self.dead_reason: str | None = None
+        self.handle_loop_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Start receiving outputs; call from the event loop that will serve requests."""
+        if self.handle_loop_task is None:
+            self.loop = asyncio.get_running_loop()
+            self.handle_loop_task = self.loop.create_task(self.handle_loop())
+
+    @property
+    def max_req_input_len(self) -> int:
+        return min(self.context_len, self.max_total_num_tokens) - 1
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _check_accepting(self) -> None:
+        if self.dead_reason:
+            raise ServiceUnavailable(f"the server is not serving: {self.dead_reason}")
+        if self.draining:
+            raise ServiceUnavailable("the server is shutting down and accepts no new requests")
+
+    def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        """One prompt (obj.item(i)) -> a validated, tokenized request."""
+        if obj.input_ids is not None:
+            ids = list(obj.input_ids)
+            for i, t in enumerate(ids):
+                if not 0 <= t < self.vocab_size:
+                    raise InvalidRequest(f"input_ids[{i}] = {t} is out of range [0, {self.vocab_size})")
+        else:
+            ids = self.tokenizer.encode(obj.text)
+        if not ids:
+            raise InvalidRequest("the prompt is empty after tokenization")
+        params = SamplingParams.from_dict(obj.sampling_params)
+        params.verify(self.vocab_size)
+        n = len(ids)
+        if n > self.max_req_input_len:
+            raise InvalidRequest(f"the prompt has {n} tokens, more than the maximum of {self.max_req_input_len}")
+        if params.max_new_tokens is None:
+            params.max_new_tokens = min(self.context_len, self.max_total_num_tokens) - n
+        if n + params.max_new_tokens > self.context_len:
+            raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                                 f"{n + params.max_new_tokens} exceeds the context length ({self.context_len})")
+        if n + params.max_new_tokens > self.max_total_num_tokens:
+            raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                                 f"{n + params.max_new_tokens} exceeds the KV cache capacity "
+                                 f"({self.max_total_num_tokens} tokens)")
+        start = obj.logprob_start_len if obj.logprob_start_len is not None else -1
+        if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start <= n:
+            raise InvalidRequest(f"logprob_start_len = {start!r} must be an integer in [-1, {n}] (prompt tokens)")
+        top = obj.top_logprobs_num or 0
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs_num = {top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
+            raise InvalidRequest(f"priority = {obj.priority!r} must be an integer")
+        rid = obj.rid or new_rid()
+        if not isinstance(rid, str):
+            raise InvalidRequest(f"rid = {rid!r} must be a string")
+        if rid in self.rid_to_state:
+            raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
+        return TokenizedGenerateReqInput(rid, obj.text, ids, params, bool(obj.return_logprob), start, top,
+                                         obj.stream, obj.priority, obj.extra_key, time.time())
+
+    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator:
+        """Yields outputs: for one prompt with n = 1, its stream of dicts (or the final dict);
+        otherwise the final flat list, or, when streaming, each item's dicts with an `index`."""
+        self._check_accepting()
+        obj.validate()
+        items = [obj.item(i) for i in range(obj.batch_size)]
+        tokenized = [self.tokenize(item) for item in items]
+        n = tokenized[0].sampling_params.n
+        if any(t.sampling_params.n != n for t in tokenized):
+            raise InvalidRequest("all prompts of a batch must use the same sampling_params.n")
+        if not obj.is_batch and n == 1:
+            async for out in self._wait_one(items[0], tokenized[0], request):
+                yield out
+            return
+        if n > 1 and not self.server_args.disable_radix_cache:
+            await self._cache_prefixes(items, tokenized, request)
+        jobs = []
+        for item, tok in zip(items, tokenized):
+            for k in range(n):
+                t = copy.copy(tok)
+                t.rid = f"{tok.rid}_{k}" if n > 1 else tok.rid
+                t.sampling_params = copy.copy(tok.sampling_params)
+                if n > 1 and t.sampling_params.sampling_seed is not None:
+                    t.sampling_params.sampling_seed += k
+                jobs.append((item, t))
+        gens = [self._wait_one(item, t, request) for item, t in jobs]
+        if not obj.stream:
+            yield list(await asyncio.gather(*(self._last(g) for g in gens)))
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, g):
+            try:
+                async for out in g:
+                    await queue.put((i, out))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                    continue
+                yield {**out, "index": i}
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @staticmethod
+    async def _last(gen) -> dict:
+        out = None
+        async for out in gen:
+            pass
+        return out
+
+    async def _cache_prefixes(self, items, tokenized, request) -> None:
+        """Prefill each prompt once (max_new_tokens 0) so the n samples share its cached KV."""
+        warmups = []
+        for item, tok in zip(items, tokenized):
+            t = copy.copy(tok)
+            t.rid, t.stream, t.return_logprob = new_rid(), False, False
+            t.sampling_params = dataclasses.replace(tok.sampling_params, max_new_tokens=0, n=1)
+            warmups.append(self._last(self._wait_one(dataclasses.replace(item, stream=False), t, request)))
+        await asyncio.gather(*warmups)
+
+    async def _wait_one(self, obj: GenerateReqInput, tok: TokenizedGenerateReqInput, request) -> AsyncIterator[dict]:
+        state = ReqState(obj, time.time())
+        self.rid_to_state[tok.rid] = state
+        self.send_to_scheduler.send_pyobj(tok)
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        logger.info("client disconnected; aborting request %s", tok.rid)
+                        return
+                    continue
+                if self.dead_reason and not state.finished:
+                    raise ServiceUnavailable(f"the server stopped serving: {self.dead_reason}")
+                state.event.clear()
+                out = self._make_output(tok.rid, state)
+                if state.finished:
+                    yield out
+                    return
+                if obj.stream:
+                    yield out
+        finally:
+            if not state.finished:
+                self.abort_request(tok.rid)
+            self.rid_to_state.pop(tok.rid, None)
+
+    def _make_output(self, rid: str, s: ReqState) -> dict:
+        meta = {
+            "id": rid,
+            "finish_reason": s.finish_reason,
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens,
+            "cached_tokens": s.cached_tokens,
+            "total_retractions": s.retractions,
+            "e2e_latency": time.time() - s.created,
+        }
+        if s.obj.return_logprob:
+            with_text = s.obj.return_text_in_logprobs
+            meta["input_token_logprobs"] = self._lp_entries(s.input_token_logprobs, with_text)
+            meta["output_token_logprobs"] = self._lp_entries(s.output_token_logprobs, with_text)
+            if s.obj.top_logprobs_num:
+                meta["input_top_logprobs"] = [self._top_entries(t, with_text) for t in s.input_top_logprobs]
+                meta["output_top_logprobs"] = [self._top_entries(t, with_text) for t in s.output_top_logprobs]
+        return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
+
+    def _token_texts(self, ids: list[int], with_text: bool) -> list:
+        return self.tokenizer.batch_decode([[t] for t in ids]) if with_text else [None] * len(ids)
+
+    def _lp_entries(self, pairs: list, with_text: bool) -> list:
+        texts = self._token_texts([t for _, t in pairs], with_text)
+        return [[lp, t, x] for (lp, t), x in zip(pairs, texts)]
+
+    def _top_entries(self, top, with_text: bool):
+        if top is None:
+            return None
+        vals, ids = top
+        return [[v, t, x] for v, t, x in zip(vals, ids, self._token_texts(ids, with_text))]
+
+    # -- outputs and control ---------------------------------------------------------------------
+
+    async def handle_loop(self) -> None:
+        while True:
+            msg = await self.recv_from_detokenizer.recv_pyobj()
+            if isinstance(msg, BatchStrOutput):
+                self._handle_batch_output(msg)
+            else:
+                waiters = self.control_waiters.get(type(msg))
+                if waiters:
+                    fut = waiters.popleft()
+                    if not fut.done():
+                        fut.set_result(msg)
+
+    def _handle_batch_output(self, out: BatchStrOutput) -> None:
+        for i, rid in enumerate(out.rids):
+            s = self.rid_to_state.get(rid)
+            if s is None:
+                continue  # the client went away and the request was aborted
+            s.text += out.text_deltas[i]
+            s.output_ids.extend(out.new_output_ids[i])
+            s.prompt_tokens, s.completion_tokens = out.prompt_tokens[i], out.completion_tokens[i]
+            s.cached_tokens, s.retractions = out.cached_tokens[i], out.retractions[i]
+            s.input_token_logprobs.extend(out.input_token_logprobs[i])
+            s.input_top_logprobs.extend(out.input_top_logprobs[i])
+            s.output_token_logprobs.extend(out.output_token_logprobs[i])
+            s.output_top_logprobs.extend(out.output_top_logprobs[i])
+            if out.finished_reasons[i] is not None:
+                s.finish_reason, s.finished = out.finished_reasons[i], True
+            s.event.set()
+
+    def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> None:
+        self.send_to_scheduler.send_pyobj(AbortReq(rid, abort_all, message))
+
+    async def _control(self, req, reply_type: type, timeout: float = 60.0):
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters.setdefault(reply_type, deque()).append(fut)
+        self.send_to_scheduler.send_pyobj(req)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def get_internal_state(self) -> dict:
+        return (await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout=10.0)).state
+
+    def fail_all(self, reason: str) -> None:
+        """A worker died: every waiting request ends with an error instead of hanging."""
+        self.dead_reason = reason
+        for s in self.rid_to_state.values():
+            s.event.set()

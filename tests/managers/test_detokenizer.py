@@ -1,0 +1,87 @@
+"""Incremental detokenization: UTF-8 safe, prefix-monotonic, stop strings trimmed and held back."""
+
+import random
+
+import pytest
+
+from srt.hf_transformers_utils import get_tokenizer
+from srt.managers.detokenizer_manager import IncrementalDecoder, stop_holdback
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_path):
+    return get_tokenizer(default_model_path)
+
+
+def run(tok, ids, reason, chunk=1, **kw):
+    dec = IncrementalDecoder(tok, **kw)
+    pieces = []
+    for i in range(0, len(ids), chunk):
+        part = ids[i : i + chunk]
+        last = i + chunk >= len(ids)
+        pieces.append(dec.step(part, reason if last else None))
+    return pieces
+
+
+def test_stop_holdback():
+    assert stop_holdback("hello wor", ("world",)) == 3
+    assert stop_holdback("hello", ("world",)) == 0
+    assert stop_holdback("abc END tail", ("END",)) == len(" END tail") - 1
+    assert stop_holdback("xx<|", ("<|im", "|>")) == 2
+
+
+@pytest.mark.parametrize("text", ["héllo wörld ✓", "日本語のテキスト", "emoji 🤖🚀 and more 🎉", "mixed ascii and ünïcödé 𝔘"])
+def test_streaming_concat_equals_full_decode_with_multibyte(tok, text):
+    ids = tok.encode(text)
+    for chunk in (1, 2, 3):
+        pieces = run(tok, ids, {"type": "length", "length": len(ids)}, chunk)
+        assert "".join(pieces) == tok.decode(ids) == text
+        assert all("\ufffd" not in p for p in pieces)  # never a broken character
+
+
+def test_random_byte_tokens_never_emit_broken_or_duplicate_text(tok):
+    rng = random.Random(0)
+    # byte-level tokens: many are partial (or invalid) UTF-8 sequences
+    for _ in range(30):
+        ids = [rng.randrange(17, 49152) for _ in range(rng.randrange(1, 40))]
+        pieces = run(tok, ids, {"type": "length", "length": len(ids)})
+        final = tok.decode(ids)
+        assert "".join(pieces) == final
+        # every prefix sent so far is a prefix of the final text: nothing is sent twice or changed
+        sent = ""
+        for p in pieces:
+            sent += p
+            assert final.startswith(sent)
+
+
+def test_stop_string_straddling_tokens_is_trimmed_and_held_back(tok):
+    text = "The answer is forty-two. END of story"
+    ids = tok.encode(text)
+    # the scheduler stops once the stop string is in the decoded output
+    cut = next(i for i in range(1, len(ids) + 1) if "two. E" in tok.decode(ids[:i]))
+    pieces = run(tok, ids[:cut], {"type": "stop", "matched": "two. E"}, stop_strs=("two. E",))
+    assert "".join(pieces) == "The answer is forty-"
+    # nothing of the stop string leaked before the final piece
+    assert all("two" not in "".join(pieces[: k + 1]) for k in range(len(pieces)))
+
+
+def test_no_stop_trim_keeps_the_stop_string(tok):
+    ids = tok.encode("alpha beta gamma")
+    pieces = run(tok, ids, {"type": "stop", "matched": "beta"}, stop_strs=("beta",), no_stop_trim=True)
+    assert "".join(pieces) == "alpha beta gamma"
+
+
+def test_matched_stop_token_is_excluded_from_text(tok):
+    ids = tok.encode("hello world")
+    stop = tok.encode(" there")[0]
+    pieces = run(tok, ids + [stop], {"type": "stop", "matched": stop})
+    assert "".join(pieces) == "hello world"
+    kept = run(tok, ids + [stop], {"type": "stop", "matched": stop}, no_stop_trim=True)
+    assert "".join(kept) == tok.decode(ids + [stop])
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    ids = tok.encode("hi") + [2] + tok.encode(" there")
+    assert "".join(run(tok, ids, {"type": "length", "length": 3})) == "hi there"
+    shown = "".join(run(tok, ids, {"type": "length", "length": 3}, skip_special_tokens=False))
+    assert "<|im_end|>" in shown
