@@ -136,6 +136,14 @@ class Engine:
             return
         self._closed = True
         self._subs.stop()
+        task = self.tokenizer_manager.handle_loop_task
+
+        async def stop_receiving() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        if task is not None:
+            asyncio.run_coroutine_threadsafe(stop_receiving(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 

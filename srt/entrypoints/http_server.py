@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -156,7 +157,7 @@ def launch_server(server_args: ServerArgs) -> None:
     app = create_app(tm, server_args)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop",
                             log_level="warning", timeout_keep_alive=5, access_log=False)
-    server = uvicorn.Server(config)
+    server = _Server(config)
 
     def on_child_death(reason: str) -> None:
         tm.fail_all(reason)
@@ -177,10 +178,17 @@ def launch_server(server_args: ServerArgs) -> None:
     sys.exit(0)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: ours drains first (see _install_drain_handlers)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 def _install_drain_handlers(server: uvicorn.Server, tm: TokenizerManager, subs: Subprocesses) -> None:
     """SIGTERM / SIGINT: new requests get 503, in-flight ones finish, then the server exits 0.
     A second signal exits at once."""
-    server.install_signal_handlers = lambda: None
     state = {"signals": 0}
 
     async def drain() -> None:

@@ -45,8 +45,11 @@ class RadixCache(BasePrefixCache):
     # -- tree primitives ---------------------------------------------------------------------
 
     def reset(self) -> None:
-        self.root = TreeNode([], _EMPTY, None, None)
-        self.root.lock_ref = 1
+        # The root object survives resets: running requests that matched nothing hold it as last_node.
+        if not hasattr(self, "root"):
+            self.root = TreeNode([], _EMPTY, None, None)
+            self.root.lock_ref = 1
+        self.root.children = {}
         self._evictable = 0
         self._protected = 0
 

@@ -421,6 +421,24 @@ def test_flush_refused_while_locked_and_frees_everything_otherwise():
 # eviction
 
 
+def test_flush_while_a_request_holds_the_root():
+    """reset_with_free's guard (protected_size() == 0) admits a flush while requests that matched
+    nothing are running: they hold the root, which locks nothing, and must keep working after it."""
+    sim = Sim()
+    r1 = sim.admit(list(range(10)), compute=4)  # matched nothing: last_node is the root
+    r2 = sim.admit(list(range(50, 60)), compute=4)
+    assert r1.last_node is sim.cache.root and sim.cache.protected_size() == 0
+    sim.cache.reset_with_free()  # allowed: nothing is protected
+    sim.check()
+    sim.chunk(r1, 8)  # dec_lock_ref(old root): 1 -> 0, silently
+    sim.check()
+    sim.chunk(r2, 8)  # dec_lock_ref(old root) again: "unbalanced dec_lock_ref"
+    sim.finish_all()
+    sim.check()
+    assert sim.cache.evict(10**9) == 16
+    assert sim.alloc.available_size() == sim.alloc.size
+
+
 def test_lru_eviction_order():
     sim = Sim()
     c = sim.cache
@@ -674,7 +692,7 @@ def test_randomized_protocol_keeps_accounting(page, seed):
         elif op < 0.80 and sim.running:
             sim.finish(rng.choice(sim.running))
             stats["finish"] += 1
-        elif op < 0.95:
+        elif op < 0.96:
             before_ev, before_av = c.evictable_size(), sim.alloc.available_size()
             n = rng.randrange(1, 40)
             freed = c.evict(n)
@@ -683,7 +701,12 @@ def test_randomized_protocol_keeps_accounting(page, seed):
             assert sim.alloc.available_size() == before_av + freed
             stats["evict"] += 1
             stats["evicted"] += freed
-        elif not sim.running:  # the scheduler flushes only when idle (see test_flush_with_running_root_holder)
+        else:
+            # flush_cache: the scheduler only flushes when idle (see test_flush_while_a_request_holds_the_root)
+            while sim.running:
+                sim.finish(rng.choice(sim.running))
+                sim.check()
+            assert c.protected_size() == 0
             before = sim.alloc.available_size() + c.evictable_size()
             c.reset_with_free()
             assert c.total_size() == 0 and sim.alloc.available_size() == before

@@ -1,0 +1,61 @@
+"""Process lifecycle: a dead worker takes the server down cleanly; SIGTERM drains in-flight work."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+
+def children(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_killing_the_scheduler_exits_nonzero_without_orphans(server_factory, tiny_chat_model):
+    server = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "4096")
+    kids = children(server.proc.pid)
+    assert len(kids) >= 2
+    sched_pid = server.state()["pid"]
+    start = time.monotonic()
+    os.kill(sched_pid, signal.SIGKILL)
+    code = server.proc.wait(15)
+    assert time.monotonic() - start < 10
+    assert code != 0
+    assert "scheduler process exited unexpectedly" in server.tail()
+    time.sleep(0.5)
+    assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(server_factory, tiny_chat_model):
+    server = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192")
+    result = {}
+
+    def long_request():
+        result["out"] = server.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1500,
+                                                                              "ignore_eos": True, "temperature": 0})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    r = requests.post(server.url + "/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 2}},
+                      timeout=10)
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    assert requests.get(server.url + "/health", timeout=10).status_code == 503
+    t.join(120)
+    assert result["out"]["meta_info"]["finish_reason"] == {"type": "length", "length": 1500}
+    assert server.proc.wait(30) == 0
+
+
+def test_bad_model_path_fails_fast_with_a_clear_message(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "srt.launch_server", "--model-path", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "model path not found" in r.stderr + r.stdout

@@ -1,0 +1,97 @@
+"""Streaming deltas concatenated == non-streaming text: multi-byte UTF-8 and straddling stop strings."""
+
+import json
+
+import pytest
+import requests
+
+from srt.hf_transformers_utils import get_tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_chat_model):
+    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192")
+
+
+def stream_text(server, body) -> tuple[str, list[str], dict]:
+    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        texts, last = [], None
+        for line in r.iter_lines():
+            if line and line != b"data: [DONE]":
+                last = json.loads(line[len(b"data: "):])
+                texts.append(last["text"])
+    # cumulative chunks -> deltas: each chunk extends the previous one
+    deltas = [texts[0]] + [b[len(a):] for a, b in zip(texts, texts[1:])]
+    for a, b in zip(texts, texts[1:]):
+        assert b.startswith(a), (a, b)
+    return "".join(deltas), deltas, last
+
+
+def prompts_with_multibyte_output(server, want: int = 4) -> list[dict]:
+    """Random-weight models emit arbitrary byte-level tokens, many of them pieces of multi-byte
+    characters; keep prompts whose greedy output has non-ASCII text spread over several tokens."""
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    prompts = [[100 + seed, 200 + seed, 300 + seed] for seed in range(64)]
+    outs = server.generate(input_ids=prompts, sampling_params=params)
+    found = [{"input_ids": p, "sampling_params": params} for p, o in zip(prompts, outs)
+             if any(ord(c) > 127 for c in o["text"]) and "\ufffd" not in o["text"]]
+    assert len(found) >= want, "too few prompts produced multi-byte output"
+    return found[:want]
+
+
+def test_stream_equals_non_stream_with_multibyte_characters(server):
+    for body in prompts_with_multibyte_output(server):
+        full = server.generate(**body)
+        streamed, deltas, last = stream_text(server, body)
+        assert streamed == full["text"] == last["text"]
+        assert "\ufffd" not in "".join(deltas)
+        assert last["output_ids"] == full["output_ids"]
+
+
+def test_stop_strings_straddling_tokens(server, tiny_chat_model):
+    tok = get_tokenizer(tiny_chat_model)
+    checked = 0
+    params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    prompts = [[1000 + seed, 7] for seed in range(32)]
+    for prompt, out in zip(prompts, server.generate(input_ids=prompts, sampling_params=params)):
+        body = {"input_ids": prompt, "sampling_params": dict(params)}
+        ids = out["output_ids"]
+        # a stop string made of the end of token k and the start of token k+1
+        for k in range(3, len(ids) - 2):
+            a, b = tok.decode(ids[k : k + 1]), tok.decode(ids[k + 1 : k + 2])
+            if len(a) >= 2 and len(b) >= 2 and "\ufffd" not in a + b:
+                stop = a[-2:] + b[:2]
+                break
+        else:
+            continue
+        text = out["text"]
+        if text.find(stop) < len(tok.decode(ids[:k])) - 2:
+            continue  # the stop string occurs earlier than the boundary we picked
+        body["sampling_params"]["stop"] = [stop]
+        full = server.generate(**body)
+        streamed, _, last = stream_text(server, body)
+        assert full["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert full["text"] == text[: text.find(stop)]
+        assert streamed == full["text"] == last["text"]
+        body["sampling_params"]["no_stop_trim"] = True
+        kept = server.generate(**body)
+        assert kept["text"].endswith(stop) or stop in kept["text"]
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3
+
+
+def test_stop_token_ids_and_eos(server):
+    out = server.generate(input_ids=[11, 12, 13], sampling_params={"temperature": 0, "max_new_tokens": 20,
+                                                                   "ignore_eos": True})
+    stop_id = out["output_ids"][4]
+    first = out["output_ids"].index(stop_id)
+    got = server.generate(input_ids=[11, 12, 13], sampling_params={"temperature": 0, "max_new_tokens": 20,
+                                                                   "stop_token_ids": [stop_id]})
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert got["output_ids"] == out["output_ids"][: first + 1]
+    streamed, _, _ = stream_text(server, {"input_ids": [11, 12, 13], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_id]}})
+    assert streamed == got["text"]
