@@ -8,17 +8,22 @@ STAMP := $(VENV)/.radixserve-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 30000
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install bench bench-runtime clean
 
 serve: $(STAMP)
-	$(PY) examples/offline_demo.py $(ARGS)
+	$(PY) -m srt.launch_server --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmark/bench_one_batch.py --compare-hf $(ARGS)
+
+bench-runtime: $(STAMP)
+	$(PY) benchmark/bench_runtime.py $(ARGS)
 
 install: $(STAMP)
 

@@ -7,7 +7,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from srt.model_loader.errors import ModelLoadError

@@ -154,15 +154,16 @@ class GetInternalStateReqOutput:
 class BatchTokenIDOutput:
     """New tokens of the requests that made progress this step (deltas since the last send)."""
 
-    rids: list[str]
-    finished_reasons: list[dict | None]
-    new_output_ids: list[list[int]]
-    # detokenization settings, sent with each request's first output and reused afterwards
-    decode_settings: list[tuple | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    retractions: list[int]
+    rids: list[str] = field(default_factory=list)
+    finished_reasons: list[dict | None] = field(default_factory=list)
+    new_output_ids: list[list[int]] = field(default_factory=list)
+    # (skip_special_tokens, spaces_between_special_tokens, stop strings, no_stop_trim); the
+    # detokenizer reads them from a request's first output
+    decode_settings: list[tuple] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    retractions: list[int] = field(default_factory=list)
     # logprob deltas, each a list per request (empty when not requested)
     input_token_logprobs: list[list] = field(default_factory=list)
     input_top_logprobs: list[list] = field(default_factory=list)

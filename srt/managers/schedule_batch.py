@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum, auto
 
 import torch
 
@@ -33,12 +32,6 @@ def finish_length(n: int) -> dict:
 
 def finish_abort(message: str) -> dict:
     return {"type": "abort", "message": message}
-
-
-class Phase(Enum):
-    WAITING = auto()
-    RUNNING = auto()
-    FINISHED = auto()
 
 
 @dataclass(eq=False)
@@ -66,7 +59,6 @@ class Req:
     to_abort: str | None = None
     cached_tokens: int = 0
     retractions: int = 0
-    queue_enter_time: float = field(default_factory=time.monotonic)
     # logprobs: lists of (logprob, token_id); top lists hold (logprobs, ids) or None
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
@@ -141,7 +133,6 @@ class Req:
     def reset_for_retract(self) -> None:
         self.prefix_indices, self.last_node, self.kv_len, self.extend_input_len = _EMPTY, None, 0, 0
         self.retractions += 1
-        self.queue_enter_time = time.monotonic()
 
 
 @dataclass

@@ -74,7 +74,6 @@ class Scheduler(SchedulerOutputMixin):
         self.running_batch = ScheduleBatch([])
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.rids: set[str] = set()
         self.checked_idle = False
         self.init_stats()
         self.warmup()
@@ -140,7 +139,6 @@ class Scheduler(SchedulerOutputMixin):
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = Req(recv.rid, recv.input_ids, recv.sampling_params, recv.return_logprob, recv.logprob_start_len,
                   recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time)
-        self.rids.add(req.rid)
         self.waiting_queue.append(req)
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -151,7 +149,6 @@ class Scheduler(SchedulerOutputMixin):
             self.waiting_queue.remove(r)
             r.finished_reason = finish_abort(recv.message)
             self.stream_output([r])
-            self.rids.discard(r.rid)
         for r in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
             if hit(r):
                 r.to_abort = recv.message
@@ -287,7 +284,6 @@ class Scheduler(SchedulerOutputMixin):
 
     def release(self, req: Req) -> None:
         self.tree_cache.cache_finished_req(req)
-        self.rids.discard(req.rid)
 
     # -- idle, integrity, control ----------------------------------------------------------------
 

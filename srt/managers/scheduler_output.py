@@ -88,7 +88,7 @@ class SchedulerOutputMixin:
                 req.input_top_logprobs.append((top_vals[k], top_ids[k]))
 
     def stream_output(self, reqs: list[Req]) -> None:
-        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOutput()
         for r in reqs:
             mid_prompt = r.kv_len < len(r.origin_input_ids) and not r.finished
             if mid_prompt or not (r.finished or r.stream):

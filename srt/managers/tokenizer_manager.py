@@ -31,7 +31,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     new_rid,
 )
-from srt.sampling.sampling_params import InvalidSamplingParams, SamplingParams
+from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import zmq_socket
 
