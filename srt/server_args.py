@@ -30,6 +30,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048  # -1 disables chunking
     max_prefill_tokens: int = 16384
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
     # Kernels
     attention_backend: str = "torch_native"
     disable_cpu_weight_prepack: bool = False
@@ -96,6 +97,8 @@ class ServerArgs:
         g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                        help="max new prompt tokens in one prefill batch")
         g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
+        g.add_argument("--disable-overlap-schedule", action="store_true",
+                       help="prepare the next batch only after the current one finished (no worker thread)")
         g = parser.add_argument_group("kernels")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS))
         g.add_argument("--disable-cpu-weight-prepack", action="store_true",

@@ -1,8 +1,10 @@
-"""Request state (`Req`) and the batch the scheduler runs (`ScheduleBatch`).
+"""Request state (`Req`), the batch the scheduler runs (`ScheduleBatch`), and how a batch's
+KV is allocated and its ForwardBatch built (`BatchBuilder`).
 
 A request's KV lives in `req_to_token[req.req_pool_idx, :req.kv_len]`: the first
 `len(req.prefix_indices)` slots belong to the prefix cache (locked through `req.last_node`), the
-rest to the request until the cache takes them when it finishes.
+rest to the request until the cache takes them when it finishes. `kv_len` advances when a batch
+is launched, before its results are known (the overlap scheduler builds the next batch then).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -52,8 +55,9 @@ class Req:
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)
     last_node: object = None
-    kv_len: int = 0
-    extend_input_len: int = 0  # tokens the next extend computes
+    kv_len: int = 0  # slots allocated and written (or being written) by launched batches
+    extend_input_len: int = 0  # tokens the next (or last launched) extend computes
+    future_slot: int | None = None  # where a launched batch puts this request's next token
     # state
     finished_reason: dict | None = None
     to_abort: str | None = None
@@ -77,6 +81,20 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def kv_committed_len(self) -> int:
+        """Leading tokens of fill_ids with KV: the last sampled token has none yet, and a step
+        launched after the request finished computed KV for a token that was dropped."""
+        return min(self.kv_len, len(self.origin_input_ids) + max(len(self.output_ids) - 1, 0))
+
+    @property
+    def needs_fresh_history(self) -> bool:
+        """Sampling reads the output history (penalties, the min_new_tokens ban), so the next step
+        cannot be built while a token of this request is still pending."""
+        p = self.sampling_params
+        return (p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
+                or len(self.output_ids) < p.min_new_tokens)
 
     @property
     def finished(self) -> bool:
@@ -139,6 +157,8 @@ class Req:
 class ScheduleBatch:
     reqs: list[Req]
     forward_mode: ForwardMode = ForwardMode.DECODE
+    future_slots: list[int] | None = None  # set when launched
+    kv_ends: list[int] | None = None  # each request's kv_len right after this batch was launched
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -154,14 +174,30 @@ class ScheduleBatch:
 
 
 class BatchBuilder:
-    """Allocates KV for a batch and builds its ForwardBatch. Owns no state of its own: it works on
-    the runner's pools and the prefix cache."""
+    """Allocates KV for a batch, advances each request's kv_len, hands out future-token slots and
+    builds the ForwardBatch. Works on the runner's pools and the prefix cache."""
 
-    def __init__(self, req_to_token_pool, allocator, tree_cache, device: str):
+    def __init__(self, req_to_token_pool, allocator, tree_cache, future_map, device: str):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
+        self.future_map = future_map
         self.device = device
+
+    def build(self, batch: ScheduleBatch, vocab_size: int, eos_token_ids: set[int]) -> tuple[ForwardBatch, list[int]]:
+        """The ForwardBatch for batch, and the future-map slot of each row's sampled token."""
+        if batch.forward_mode.is_extend():
+            fb = self.prepare_for_extend(batch)
+        else:
+            fb = self.prepare_for_decode(batch)
+        fb.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, vocab_size, eos_token_ids, self.device,
+                                                       positions=[r.kv_len for r in batch.reqs])
+        slots = self.future_map.alloc(len(batch.reqs))
+        for r, slot in zip(batch.reqs, slots):
+            r.future_slot = slot
+        batch.future_slots = slots
+        batch.kv_ends = [r.kv_len for r in batch.reqs]
+        return fb, slots
 
     def _ensure_free(self, n: int) -> None:
         if self.allocator.available_size() < n:
@@ -192,6 +228,8 @@ class BatchBuilder:
             offset += s - p
         input_ids = [t for r, p, s in zip(reqs, prefix_lens, seq_lens) for t in r.fill_ids[p:s]]
         extra = self._logprob_fields(reqs, prefix_lens, seq_lens)
+        for r, s in zip(reqs, seq_lens):
+            r.kv_len = s
         return ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
                                   prefix_lens, loc, self.device, **extra)
 
@@ -225,7 +263,11 @@ class BatchBuilder:
             raise RuntimeError("KV pool exhausted during decode; retraction should have made room")
         table = self.req_to_token_pool.req_to_token
         table[torch.tensor([r.req_pool_idx for r in reqs]), torch.tensor(prefix_lens)] = loc.to(torch.int32)
-        return ForwardBatch.build(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], [r.req_pool_idx for r in reqs],
+        # A token still being sampled by a launched batch is fed as -slot; the worker swaps it in.
+        input_ids = [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs]
+        for r in reqs:
+            r.kv_len += 1
+        return ForwardBatch.build(ForwardMode.DECODE, input_ids, [r.req_pool_idx for r in reqs],
                                   seq_lens, prefix_lens, loc, self.device,
                                   return_logprob=any(r.return_logprob for r in reqs),
                                   top_logprobs_nums=[r.top_logprobs_num for r in reqs])

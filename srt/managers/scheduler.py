@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+from collections import deque
+from concurrent.futures import Future
 import os
 import signal
 import sys
@@ -30,13 +32,13 @@ from srt.managers.io_struct import (
 )
 from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch, finish_abort, finish_length
 from srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, SchedulePolicy
-from srt.managers.scheduler_output import BatchResult, SchedulerOutputMixin, to_batch_result
+from srt.managers.scheduler_output import BatchResult, SchedulerOutputMixin
 from srt.managers.tp_worker import TpModelWorker
+from srt.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
-from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import configure_logger, die_with_parent, zmq_socket
@@ -66,7 +68,12 @@ class Scheduler(SchedulerOutputMixin):
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size)
         self.allocator = runner.token_to_kv_pool_allocator
-        self.builder = BatchBuilder(runner.req_to_token_pool, self.allocator, self.tree_cache, runner.device)
+        self.builder = BatchBuilder(runner.req_to_token_pool, self.allocator, self.tree_cache,
+                                    self.tp_worker.future_map, runner.device)
+        self.overlap = not server_args.disable_overlap_schedule
+        self.worker_client = TpModelWorkerClient(self.tp_worker) if self.overlap else None
+        self.pending: deque[tuple[ScheduleBatch, Future]] = deque()  # launched, results not processed
+        self.last_prefill: ScheduleBatch | None = None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache)
         self.max_running_requests = runner.max_running_requests
         self.chunked_prefill_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
@@ -101,6 +108,9 @@ class Scheduler(SchedulerOutputMixin):
     # -- loop ----------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
+        (self.event_loop_overlap if self.overlap else self.event_loop_normal)()
+
+    def event_loop_normal(self) -> None:
         while True:
             self.process_input_requests(self.recv_requests())
             batch = self.get_next_batch_to_run()
@@ -108,10 +118,34 @@ class Scheduler(SchedulerOutputMixin):
                 self.on_idle()
                 continue
             self.checked_idle = False
-            self.process_batch_result(batch, self.run_batch(batch))
+            fb, slots = self.builder.build(batch, self.model_config.vocab_size, self.eos_token_ids)
+            self.process_batch_result(batch, self.timed(self.tp_worker.run(fb, slots)))
+
+    def event_loop_overlap(self) -> None:
+        """Launch batch N on the worker thread, then process batch N-1's results while N runs."""
+        while True:
+            self.process_input_requests(self.recv_requests())
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                self.checked_idle = False
+                fb, slots = self.builder.build(batch, self.model_config.vocab_size, self.eos_token_ids)
+                self.pending.append((batch, self.worker_client.launch(fb, slots)))
+            while len(self.pending) > (1 if batch is not None else 0):
+                self.process_oldest_pending()
+            if batch is None and not self.pending:
+                self.on_idle()
+
+    def process_oldest_pending(self) -> None:
+        batch, future = self.pending.popleft()
+        self.process_batch_result(batch, self.timed(future.result()))
+
+    def sync_pending(self) -> None:
+        """Process every launched batch: needed before a decision that must see their tokens."""
+        while self.pending:
+            self.process_oldest_pending()
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req)
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.pending)
 
     def recv_requests(self) -> list:
         msgs = []
@@ -156,19 +190,30 @@ class Scheduler(SchedulerOutputMixin):
     # -- batch selection -------------------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.last_prefill is not None:
+            # Requests whose prompt is complete join the decode batch, even before their prefill
+            # results are processed (their first token is then a future-map placeholder).
+            self.running_batch.reqs.extend(r for r in self.last_prefill.reqs
+                                           if not r.finished and r is not self.chunked_req)
+            self.last_prefill = None
+        if any(r.future_slot is not None and r.needs_fresh_history for r in self.running_batch.reqs):
+            self.sync_pending()
+        self.running_batch.filter_finished()
         batch = self.get_new_batch_prefill()
         if batch is not None:
+            self.last_prefill = batch
             return batch
         if self.running_batch.reqs:
             self.update_running_batch()
             if self.running_batch.reqs:
-                self.running_batch.forward_mode = ForwardMode.DECODE
-                return self.running_batch
+                return ScheduleBatch(list(self.running_batch.reqs), ForwardMode.DECODE)
         return None
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
+        if self.chunked_req is not None:
+            self.sync_pending()  # its next chunk starts from the KV the previous chunk committed
         running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
@@ -203,11 +248,13 @@ class Scheduler(SchedulerOutputMixin):
     def update_running_batch(self) -> None:
         """Make sure the next decode step has KV room: evict cache, then retract requests."""
         batch = self.running_batch
-        batch.filter_finished()
         needed = self.builder.decode_slots_needed(batch.reqs)
         if self.allocator.available_size() + self.tree_cache.evictable_size() >= needed:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
             return
+        # Retraction needs every request's tokens: finish processing launched batches first.
+        self.sync_pending()
+        batch.filter_finished()
         # Retract the requests that generated the fewest tokens (cheapest to redo).
         batch.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         retracted = []
@@ -227,60 +274,57 @@ class Scheduler(SchedulerOutputMixin):
 
     # -- running ---------------------------------------------------------------------------------
 
-    def run_batch(self, batch: ScheduleBatch):
-        if batch.forward_mode.is_extend():
-            fb = self.builder.prepare_for_extend(batch)
-        else:
-            fb = self.builder.prepare_for_decode(batch)
-        fb.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.model_config.vocab_size, self.eos_token_ids,
-                                                       self.runner.device)
-        logits_output, next_token_ids = self.tp_worker.forward_batch_generation(fb)
-        return to_batch_result(batch.reqs, logits_output, next_token_ids, fb), fb
-
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
         if batch.forward_mode.is_extend():
             self.process_prefill_result(batch, result)
         else:
             self.process_decode_result(batch, result)
 
-    def process_prefill_result(self, batch: ScheduleBatch, result: tuple[BatchResult, object]) -> None:
-        res, fb = result
+    def process_prefill_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
+        progressed = []
         for i, req in enumerate(batch.reqs):
-            req.kv_len += req.extend_input_len
-            req.extend_input_len = 0
+            if req.finished:
+                continue
+            chunk_end = batch.kv_ends[i]
             if res.input_logprobs is not None:
-                self.append_input_logprobs(req, res.input_logprobs[i], req.kv_len)
-            if req.kv_len < req.seq_len:  # more chunks to come
-                if req.to_abort is None:
-                    self.tree_cache.cache_unfinished_req(req)
-                    continue
-            else:
-                req.input_logprobs_done = True
+                self.append_input_logprobs(req, res.input_logprobs[i], chunk_end)
+            if chunk_end < req.seq_len and req.to_abort is None:  # more chunks to come
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            progressed.append(req)
+            req.input_logprobs_done = True
             if req.to_abort is None and req.max_new_tokens == 0:
                 req.finished_reason = finish_length(0)
             elif req.to_abort is None:
                 self.append_token(req, res.next_token_ids[i], res, i)
+            self.take_future_slot(req, batch.future_slots[i])
             req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
             if req.finished:
                 if req is self.chunked_req:
                     self.chunked_req = None
                 self.release(req)
-            else:
-                self.running_batch.reqs.append(req)
-        self.stream_output(batch.reqs)
+        self.stream_output(progressed)
 
-    def process_decode_result(self, batch: ScheduleBatch, result: tuple[BatchResult, object]) -> None:
-        res, _ = result
+    def process_decode_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
+        progressed = []
         for i, req in enumerate(batch.reqs):
-            req.kv_len += 1
+            if req.finished:
+                continue  # finished in the previous step's results: this step's token is dropped
+            progressed.append(req)
             self.append_token(req, res.next_token_ids[i], res, i)
+            self.take_future_slot(req, batch.future_slots[i])
             req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
             if req.finished:
                 self.release(req)
-        self.stream_output(batch.reqs)
-        batch.filter_finished()
-        self.num_generated_tokens += len(batch.reqs)
+        self.stream_output(progressed)
+        self.num_generated_tokens += len(progressed)
         self.maybe_log_decode_stats()
+
+    @staticmethod
+    def take_future_slot(req: Req, slot: int) -> None:
+        """The token is on the host now; a later launch may already have given req a new slot."""
+        if req.future_slot == slot:
+            req.future_slot = None
 
     def release(self, req: Req) -> None:
         self.tree_cache.cache_finished_req(req)
@@ -289,6 +333,7 @@ class Scheduler(SchedulerOutputMixin):
 
     def on_idle(self) -> None:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.last_forward_end = None  # a gap while idle is not the scheduler's overhead
         if not self.checked_idle and not self.has_work():
             self.checked_idle = True
             self.check_integrity()

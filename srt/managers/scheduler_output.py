@@ -23,17 +23,20 @@ class BatchResult:
     next_top_logprobs: list[tuple[list[float], list[int]]] | None = None
     # per request: (logprob per row, top-k values per row, top-k ids per row) for prompt rows
     input_logprobs: list[tuple[list[float], list, list]] | None = None
+    forward_start: float = 0.0
+    forward_end: float = 0.0
 
 
-def to_batch_result(reqs: list[Req], logits_output, next_token_ids, fb) -> BatchResult:
+def to_batch_result(logits_output, next_token_ids, fb) -> BatchResult:
     result = BatchResult(next_token_ids.tolist())
     if not fb.return_logprob:
         return result
+    nums = fb.top_logprobs_nums
     result.next_token_logprobs = logits_output.next_token_logprobs.tolist()
     if logits_output.next_token_top_logprobs_val is not None:
         vals = logits_output.next_token_top_logprobs_val.tolist()
         idx = logits_output.next_token_top_logprobs_idx.tolist()
-        result.next_top_logprobs = [(v[: r.top_logprobs_num], i[: r.top_logprobs_num]) for r, v, i in zip(reqs, vals, idx)]
+        result.next_top_logprobs = [(v[:m], i[:m]) for m, v, i in zip(nums, vals, idx)]
     if logits_output.input_logprob_lens is not None:
         flat = [] if logits_output.input_token_logprobs is None else logits_output.input_token_logprobs.tolist()
         top_v = top_i = None
@@ -41,8 +44,7 @@ def to_batch_result(reqs: list[Req], logits_output, next_token_ids, fb) -> Batch
             top_v = logits_output.input_top_logprobs_val.tolist()
             top_i = logits_output.input_top_logprobs_idx.tolist()
         per_req, k = [], 0
-        for r, n in zip(reqs, logits_output.input_logprob_lens):
-            m = r.top_logprobs_num
+        for m, n in zip(nums, logits_output.input_logprob_lens):
             tv = [v[:m] for v in top_v[k : k + n]] if top_v is not None and m else []
             ti = [v[:m] for v in top_i[k : k + n]] if top_i is not None and m else []
             per_req.append((flat[k : k + n], tv, ti))
@@ -60,6 +62,23 @@ class SchedulerOutputMixin:
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
         self.integrity_ok = True
+        # Forward worker time: busy computing vs waiting for the scheduler between batches.
+        self.forward_busy_s = self.forward_wait_s = 0.0
+        self.interval_busy_s = self.interval_wait_s = 0.0
+        self.last_forward_end: float | None = None
+
+    def timed(self, res: BatchResult) -> BatchResult:
+        busy = res.forward_end - res.forward_start
+        wait = 0.0 if self.last_forward_end is None else max(0.0, res.forward_start - self.last_forward_end)
+        self.forward_busy_s += busy
+        self.forward_wait_s += wait
+        self.interval_busy_s += busy
+        self.interval_wait_s += wait
+        self.last_forward_end = res.forward_end
+        return res
+
+    def forward_idle_fraction(self, busy: float, wait: float) -> float:
+        return wait / (busy + wait) if busy + wait else 0.0
 
     def append_token(self, req: Req, token: int, result: BatchResult, i: int) -> None:
         req.output_ids.append(token)
@@ -90,8 +109,7 @@ class SchedulerOutputMixin:
     def stream_output(self, reqs: list[Req]) -> None:
         out = BatchTokenIDOutput()
         for r in reqs:
-            mid_prompt = r.kv_len < len(r.origin_input_ids) and not r.finished
-            if mid_prompt or not (r.finished or r.stream):
+            if not (r.finished or r.stream):
                 continue
             new_ids = r.output_ids[r.sent_output_len :]
             if not r.finished and not new_ids:
@@ -142,9 +160,11 @@ class SchedulerOutputMixin:
         throughput = self.num_generated_tokens / max(now - self.last_decode_log, 1e-9)
         self.num_generated_tokens, self.last_decode_log = 0, now
         used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+        idle = self.forward_idle_fraction(self.interval_busy_s, self.interval_wait_s)
+        self.interval_busy_s = self.interval_wait_s = 0.0
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                    "#queue-req: %d", len(self.running_batch.reqs), used, self.token_usage(), throughput,
-                    len(self.waiting_queue))
+                    "#queue-req: %d, forward idle: %.1f%%", len(self.running_batch.reqs), used, self.token_usage(),
+                    throughput, len(self.waiting_queue), 100 * idle)
 
     def internal_state(self) -> dict:
         return {
@@ -159,6 +179,10 @@ class SchedulerOutputMixin:
             "kv_capacity": self.allocator.size,
             "req_slots_free": self.runner.req_to_token_pool.available_size(),
             "integrity_ok": self.integrity_ok,
+            "forward_busy_s": self.forward_busy_s,
+            "forward_wait_s": self.forward_wait_s,
+            "forward_idle_fraction": self.forward_idle_fraction(self.forward_busy_s, self.forward_wait_s),
+            "overlap_schedule": self.overlap,
             "idle": not self.has_work(),
             "pid": os.getpid(),
         }

@@ -16,8 +16,10 @@ class MatchResult(NamedTuple):
 class BasePrefixCache(ABC):
     """Owns the KV slots of cached prefixes; requests own the rest of their slots.
 
-    A request's KV slots are `req_to_token[req.req_pool_idx, :req.kv_len]`. The first
-    `len(req.prefix_indices)` of them belong to the cache (locked through `req.last_node`), the
+    A request's KV slots are `req_to_token[req.req_pool_idx, :req.kv_len]`; the first
+    `req.kv_committed_len` of them hold computed KV of `origin_input_ids + output_ids` (the rest
+    belong to a step whose token was dropped, or to the last sampled token). The first
+    `len(req.prefix_indices)` slots belong to the cache (locked through `req.last_node`), the
     others to the request. Accounting invariant: allocator free + evictable + protected +
     request-owned slots == pool capacity.
     """

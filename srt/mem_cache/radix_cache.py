@@ -185,8 +185,9 @@ class RadixCache(BasePrefixCache):
     def _insert_req(self, req) -> tuple[list[int], torch.Tensor, int]:
         """Insert the request's page-aligned computed tokens; free its duplicate slots."""
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long()
-        tokens = (req.origin_input_ids + req.output_ids)[: req.kv_len]
-        aligned = self._aligned(req.kv_len)
+        committed = req.kv_committed_len
+        tokens = (req.origin_input_ids + req.output_ids)[:committed]
+        aligned = self._aligned(committed)
         cached = self.insert(tokens[:aligned], kv[:aligned], req.extra_key)
         own = len(req.prefix_indices)
         if cached > own:
@@ -195,13 +196,14 @@ class RadixCache(BasePrefixCache):
 
     def cache_finished_req(self, req) -> None:
         _, kv, aligned = self._insert_req(req)
-        if aligned < req.kv_len:
+        if aligned < req.kv_len:  # the unaligned tail, and slots of a step whose token was dropped
             self.token_to_kv_pool_allocator.free(kv[aligned:])
         self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.prefix_indices = None, None, _EMPTY
 
     def cache_unfinished_req(self, req) -> None:
+        assert req.kv_committed_len == req.kv_len, "cache_unfinished_req with KV still being computed"
         tokens, _, _ = self._insert_req(req)
         indices, node = self.match_prefix(tokens, req.extra_key)
         own = len(req.prefix_indices)

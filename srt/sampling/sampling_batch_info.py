@@ -28,7 +28,10 @@ class SamplingBatchInfo:
     seed_positions: torch.Tensor | None = None  # [B] position of the token being sampled
 
     @classmethod
-    def from_reqs(cls, reqs, vocab_size: int, eos_token_ids: set[int], device) -> "SamplingBatchInfo":
+    def from_reqs(cls, reqs, vocab_size: int, eos_token_ids: set[int], device,
+                  positions: list[int] | None = None) -> "SamplingBatchInfo":
+        """positions: the sequence position of each row's sampled token (seeds hash it); by
+        default the request's current length."""
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k for p in ps]
@@ -62,8 +65,9 @@ class SamplingBatchInfo:
         if any(p.sampling_seed is not None for p in ps):
             info.seeds = torch.tensor([-1 if p.sampling_seed is None else p.sampling_seed for p in ps],
                                       dtype=torch.int64, device=device)
-            info.seed_positions = torch.tensor([len(r.origin_input_ids) + len(r.output_ids) for r in reqs],
-                                               dtype=torch.int64, device=device)
+            if positions is None:
+                positions = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+            info.seed_positions = torch.tensor(positions, dtype=torch.int64, device=device)
         return info
 
     @property

@@ -16,6 +16,10 @@ class Req:
         self.req_pool_idx, self.kv_len, self.last_node = None, 0, None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
 
+    @property
+    def kv_committed_len(self) -> int:
+        return self.kv_len
+
 
 def setup(page):
     req_pool = ReqToTokenPool(4, 256, "cpu")

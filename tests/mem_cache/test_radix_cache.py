@@ -37,6 +37,10 @@ class Req:
     def tokens(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    @property
+    def kv_committed_len(self) -> int:
+        return self.kv_len  # every allocated slot holds computed KV here
+
 
 class Sim:
     """The scheduler's side of the protocol: admit, extend (prefill / chunk / decode), finish."""
