@@ -31,6 +31,7 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    enable_overlap_schedule: bool = False
     # Kernels
     attention_backend: str = "torch_native"
     disable_cpu_weight_prepack: bool = False
@@ -58,8 +59,16 @@ class ServerArgs:
             raise ValueError(f"--chunked-prefill-size must be > 0 or -1 (off), got {self.chunked_prefill_size}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+
+    def overlap_schedule_enabled(self, device: str) -> bool:
+        """On by default where the forward runs asynchronously (GPU); on CPU only when forced."""
+        if self.disable_overlap_schedule:
+            return False
+        return self.enable_overlap_schedule or device == "cuda"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +108,8 @@ class ServerArgs:
         g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
         g.add_argument("--disable-overlap-schedule", action="store_true",
                        help="prepare the next batch only after the current one finished (no worker thread)")
+        g.add_argument("--enable-overlap-schedule", action="store_true",
+                       help="overlap batch preparation with the forward on CPU too (on by default on GPU only)")
         g = parser.add_argument_group("kernels")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS))
         g.add_argument("--disable-cpu-weight-prepack", action="store_true",

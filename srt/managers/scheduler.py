@@ -70,7 +70,10 @@ class Scheduler(SchedulerOutputMixin):
         self.allocator = runner.token_to_kv_pool_allocator
         self.builder = BatchBuilder(runner.req_to_token_pool, self.allocator, self.tree_cache,
                                     self.tp_worker.future_map, runner.device)
-        self.overlap = not server_args.disable_overlap_schedule
+        self.overlap = server_args.overlap_schedule_enabled(runner.device)
+        if runner.device == "cpu" and not self.overlap and not server_args.disable_overlap_schedule:
+            logger.info("Overlap schedule off on CPU: the forward already uses every core, and a worker thread "
+                        "sharing them (and the GIL) makes decoding slower; --enable-overlap-schedule forces it")
         self.worker_client = TpModelWorkerClient(self.tp_worker) if self.overlap else None
         self.pending: deque[tuple[ScheduleBatch, Future]] = deque()  # launched, results not processed
         self.last_prefill: ScheduleBatch | None = None
@@ -145,7 +148,8 @@ class Scheduler(SchedulerOutputMixin):
             self.process_oldest_pending()
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.pending)
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.pending
+                    or self.last_prefill is not None)
 
     def recv_requests(self) -> list:
         msgs = []
@@ -183,8 +187,9 @@ class Scheduler(SchedulerOutputMixin):
             self.waiting_queue.remove(r)
             r.finished_reason = finish_abort(recv.message)
             self.stream_output([r])
-        for r in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
-            if hit(r):
+        launched = self.last_prefill.reqs if self.last_prefill is not None else []
+        for r in self.running_batch.reqs + launched + ([self.chunked_req] if self.chunked_req else []):
+            if hit(r) and not r.finished:
                 r.to_abort = recv.message
 
     # -- batch selection -------------------------------------------------------------------------

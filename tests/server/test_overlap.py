@@ -1,5 +1,6 @@
-"""The overlap scheduler (default) against --disable-overlap-schedule: identical greedy (and
-seeded) outputs across the runtime's scenarios, and a whole KV pool after each one."""
+"""The overlap scheduler (forced on with --enable-overlap-schedule: on CPU it is off by default)
+against the normal loop: identical greedy (and seeded) outputs across the runtime's scenarios, and
+a whole KV pool after each one."""
 
 import asyncio
 import random
@@ -15,8 +16,8 @@ POOL = ["--max-total-tokens", "1600", "--chunked-prefill-size", "64"]
 
 @pytest.fixture(scope="module")
 def servers(server_factory, tiny_chat_model):
-    on = server_factory("--model-path", tiny_chat_model, *POOL)
-    off = server_factory("--model-path", tiny_chat_model, *POOL, "--disable-overlap-schedule")
+    on = server_factory("--model-path", tiny_chat_model, *POOL, "--enable-overlap-schedule")
+    off = server_factory("--model-path", tiny_chat_model, *POOL)
     assert on.state()["overlap_schedule"] and not off.state()["overlap_schedule"]
     return on, off
 

@@ -16,9 +16,12 @@ def tree_prompts(n: int, seed: int = 0) -> list[dict]:
         parent = rng.choice(nodes)
         nodes.append(parent + [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 24))])
     out = []
-    for _ in range(n):
+    for i in range(n):
+        # every tenth request generates long; long ones growing together overrun what admission
+        # expected (it assumes only new_token_ratio < 1 of the remaining tokens), which forces retractions
+        new_tokens = rng.randrange(150, 200) if i % 10 == 0 else rng.randrange(8, 48)
         out.append({"input_ids": rng.choice(nodes) + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 6))],
-                    "sampling_params": {"temperature": 0, "max_new_tokens": rng.randrange(8, 48), "ignore_eos": True}})
+                    "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
     return out
 
 
