@@ -148,8 +148,9 @@ class Scheduler(SchedulerOutputMixin):
             self.process_oldest_pending()
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.pending
-                    or self.last_prefill is not None)
+        launched = self.last_prefill.reqs if self.last_prefill is not None else []
+        return bool(self.waiting_queue or self.chunked_req or self.pending
+                    or any(not r.finished for r in self.running_batch.reqs + launched))
 
     def recv_requests(self) -> list:
         msgs = []

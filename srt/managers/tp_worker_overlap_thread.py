@@ -5,9 +5,12 @@ time that the forward's own threads leave idle."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from concurrent.futures import Future
+
+import torch
 
 from srt.managers.scheduler_output import BatchResult
 from srt.managers.tp_worker import TpModelWorker
@@ -17,6 +20,7 @@ from srt.model_executor.forward_batch_info import ForwardBatch
 class TpModelWorkerClient:
     def __init__(self, worker: TpModelWorker):
         self.worker = worker
+        self.stream = torch.cuda.Stream() if worker.device == "cuda" else None
         self.input_queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="forward-worker", daemon=True)
         self.thread.start()
@@ -27,9 +31,14 @@ class TpModelWorkerClient:
         return fut
 
     def _loop(self) -> None:
-        while True:
-            fb, slots, fut = self.input_queue.get()
-            try:
-                fut.set_result(self.worker.run(fb, slots))
-            except BaseException as e:  # re-raised in the scheduler thread by fut.result()
-                fut.set_exception(e)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx:
+            while True:
+                fb, slots, fut = self.input_queue.get()
+                if self.stream is not None:
+                    # the batch's host-to-device copies were queued on the scheduler's stream
+                    self.stream.wait_stream(torch.cuda.default_stream())
+                try:
+                    fut.set_result(self.worker.run(fb, slots))
+                except BaseException as e:  # re-raised in the scheduler thread by fut.result()
+                    fut.set_exception(e)

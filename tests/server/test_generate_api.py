@@ -99,7 +99,7 @@ def test_prompt_logprobs_are_the_same_with_a_cached_prefix(server):
     server.generate(input_ids=prompt, sampling_params=GREEDY)  # caches the prompt
     a = server.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=40)
     assert a["meta_info"]["cached_tokens"] == 39  # the rows logprobs need are recomputed
-    server.post("/flush_cache")
+    assert server.post("/flush_cache").status_code == 200
     b = server.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=40)
     assert b["meta_info"]["cached_tokens"] == 0
     for x, y in zip(a["meta_info"]["input_token_logprobs"], b["meta_info"]["input_token_logprobs"]):
