@@ -86,8 +86,8 @@ class PrefillAdder:
                  max_prefill_tokens: int, chunked_prefill_size: int | None, rem_running_slots: int):
         self.tree_cache = tree_cache
         self.page_size = allocator.page_size
-        self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - sum(
-            self._future_tokens(r, new_token_ratio) for r in running)
+        self.free_tokens = allocator.available_size() + tree_cache.evictable_size()
+        self.rem_total_tokens = self.free_tokens - sum(self._future_tokens(r, new_token_ratio) for r in running)
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size
         self.rem_running_slots = rem_running_slots
@@ -102,12 +102,16 @@ class PrefillAdder:
     def _pages(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
-    def add_chunked_req(self, req: Req) -> bool:
-        """Continue a request whose prompt is partly prefilled. Returns False if it still has more
-        chunks after this one."""
+    def add_chunked_req(self, req: Req) -> bool | None:
+        """Continue a request whose prompt is partly prefilled, with as much of the next chunk as
+        memory allows right now. Returns whether this is its last chunk, or None when nothing fits
+        this round (decodes then run, and retract if they must)."""
         n = req.seq_len - req.kv_len
         if self.rem_chunk_tokens is not None:
             n = min(n, self.rem_chunk_tokens)
+        n = min(n, self.free_tokens - self.page_size + 1)  # new pages may round n up by page_size - 1
+        if n <= 0:
+            return None
         req.extend_input_len = n
         self._take(req, n)
         return not req.is_chunked
@@ -127,14 +131,16 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
             return False
         n, future = req.extend_input_len, self._future_tokens(req, 1.0)
-        if self._pages(n) + future > self.rem_total_tokens:
-            return False
         if n > self.rem_input_tokens and self.can_run:
             return False
-        # Locking the matched prefix takes its nodes out of the evictable pool.
+        # Locking the matched prefix takes its nodes out of the evictable pool the budget counted.
         evictable = self.tree_cache.evictable_size()
         self.tree_cache.inc_lock_ref(req.last_node)
-        self.rem_total_tokens -= evictable - self.tree_cache.evictable_size()
+        locked = evictable - self.tree_cache.evictable_size()
+        if self._pages(n) + future + locked > self.rem_total_tokens:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return False
+        self.rem_total_tokens -= locked
         self.rem_running_slots -= 1
         if self.rem_chunk_tokens is not None and n > self.rem_chunk_tokens:
             req.extend_input_len = self.rem_chunk_tokens

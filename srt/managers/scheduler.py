@@ -227,7 +227,7 @@ class Scheduler(SchedulerOutputMixin):
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running_batch.reqs, self.new_token_ratio,
                              self.server_args.max_prefill_tokens, self.chunked_prefill_size,
                              self.max_running_requests - running)
-        if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req):
+        if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req) is True:
             self.chunked_req = None  # its last chunk runs in this batch
         admitted = []
         # Only one request is chunked at a time: while one continues, nothing new starts.
@@ -264,8 +264,8 @@ class Scheduler(SchedulerOutputMixin):
         # Retract the requests that generated the fewest tokens (cheapest to redo).
         batch.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         retracted = []
-        while len(batch.reqs) > 1 and (self.allocator.available_size() + self.tree_cache.evictable_size()
-                                       < self.builder.decode_slots_needed(batch.reqs)):
+        while batch.reqs and (self.allocator.available_size() + self.tree_cache.evictable_size()
+                              < self.builder.decode_slots_needed(batch.reqs)):
             req = batch.reqs.pop()
             self.tree_cache.cache_finished_req(req)
             req.reset_for_retract()

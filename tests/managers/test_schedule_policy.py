@@ -133,3 +133,32 @@ def test_adder_locks_matched_prefixes_and_counts_them():
     assert adder.rem_total_tokens == 700 - 2 - 10
     cache.dec_lock_ref(r.last_node)
     assert torch.equal(cache.match_prefix(list(range(300)))[0], r.prefix_indices)
+
+
+def test_adder_counts_the_prefix_it_locks_before_admitting():
+    """A retracted request's own KV sits in the cache as evictable; locking it to reuse it frees
+    nothing, so it must not be admitted into a full pool on the strength of that KV."""
+    cache, alloc = make_cache(200)
+    cache_tokens(cache, alloc, range(167))
+    used = alloc.alloc(alloc.available_size())  # everything else is held by running requests
+    assert alloc.available_size() == 0 and cache.evictable_size() == 167
+    adder = PrefillAdder(cache, alloc, [], 1.0, 10000, None, 10)
+    r = req("retracted", list(range(168)), max_new=20)
+    assert admit_all(adder, cache, [r]) == []
+    assert cache.protected_size() == 0 and cache.evictable_size() == 167  # the lock was undone
+    alloc.free(used)
+    adder = PrefillAdder(cache, alloc, [], 1.0, 10000, None, 10)
+    assert admit_all(adder, cache, [r]) == ["retracted"]
+
+
+def test_chunk_continuation_shrinks_to_the_memory_left():
+    cache, alloc = make_cache(300)
+    held = alloc.alloc(250)  # decodes grew into what the long prompt's admission had reserved
+    long = req("long", range(280))
+    long.kv_len = 100
+    adder = PrefillAdder(cache, alloc, [], 1.0, 10000, 128, 10)
+    assert adder.add_chunked_req(long) is False and long.extend_input_len == 50
+    alloc.alloc(50)
+    adder = PrefillAdder(cache, alloc, [], 1.0, 10000, 128, 10)
+    assert adder.add_chunked_req(long) is None and adder.can_run == []  # nothing fits: decodes go first
+    alloc.free(held)
