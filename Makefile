@@ -11,13 +11,16 @@ ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test install bench bench-runtime clean
+.PHONY: serve test stress install bench bench-runtime clean
 
 serve: $(STAMP)
 	$(PY) -m srt.launch_server --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+stress: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmark/bench_one_batch.py --compare-hf $(ARGS)
