@@ -36,11 +36,11 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def bench_ours(path: str, dtype: str, args) -> dict:
+def bench_ours(path: str, dtype: str, args, backend: str | None = None) -> dict:
     max_bs = max(args.batch_sizes)
     tokens = max(max_bs * (args.input_len + args.output_len + 2), args.prefill_len + 2) + 64
     sa = ServerArgs(model_path=path, dtype=dtype, max_total_tokens=tokens, max_running_requests=max_bs,
-                    attention_backend=args.attention_backend)
+                    attention_backend=backend)
     gen = StaticBatchGenerator(ModelRunner(ModelConfig.from_path(path), sa))
     vocab = gen.runner.model_config.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
@@ -91,7 +91,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request in the decode runs")
     p.add_argument("--output-len", type=int, default=32, help="new tokens per request in the decode runs")
     p.add_argument("--prefill-len", type=int, default=1024)
-    p.add_argument("--attention-backend", default="torch_native")
+    p.add_argument("--attention-backend", default="cpu",
+                   help="comma-separated backends to compare, e.g. cpu,torch_native")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same weights")
     p.add_argument("--output-file", default=None, help="append one JSON record per run")
     args = p.parse_args()
@@ -99,7 +100,9 @@ def main() -> None:
     set_torch_threads()
     path = resolve_model_path(args.model_path)
     dtypes = args.dtype.split(",")
-    engines = [("radixserve", bench_ours)] + ([("hf", bench_hf)] if args.compare_hf else [])
+    engines = [(f"radixserve {b}", lambda p_, d_, a_, b=b: bench_ours(p_, d_, a_, b))
+               for b in args.attention_backend.split(",")]
+    engines += [("hf", bench_hf)] if args.compare_hf else []
     results: dict[tuple[str, str], dict] = {}
     for dtype in tqdm(dtypes, desc="dtypes"):
         for name, fn in engines:
@@ -113,10 +116,10 @@ def main() -> None:
         vals = [r["prefill_tok_s"]] + [r["decode_tok_s"][b] for b in args.batch_sizes]
         print(f"| {name} | {dtype} | " + " | ".join(f"{v:,.1f}" for v in vals) + " |")
         if name == "hf":
-            ours = results[("radixserve", dtype)]
+            ours = results[(engines[0][0], dtype)]
             ratio = [ours["prefill_tok_s"] / r["prefill_tok_s"]] + [
                 ours["decode_tok_s"][b] / r["decode_tok_s"][b] for b in args.batch_sizes]
-            print(f"| ratio radixserve/hf | {dtype} | " + " | ".join(f"{v:.2f}x" for v in ratio) + " |")
+            print(f"| ratio {engines[0][0]} / hf | {dtype} | " + " | ".join(f"{v:.2f}x" for v in ratio) + " |")
     if args.output_file:
         with open(args.output_file, "a") as f:
             for (name, dtype), r in results.items():

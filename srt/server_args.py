@@ -33,7 +33,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     enable_overlap_schedule: bool = False
     # Kernels
-    attention_backend: str = "torch_native"
+    attention_backend: str | None = None  # None: cpu (C++ kernels) on CPU when they build, else torch_native
     disable_cpu_weight_prepack: bool = False
     # Parallelism
     tp_size: int = 1
@@ -111,7 +111,8 @@ class ServerArgs:
         g.add_argument("--enable-overlap-schedule", action="store_true",
                        help="overlap batch preparation with the forward on CPU too (on by default on GPU only)")
         g = parser.add_argument_group("kernels")
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS))
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS),
+                       help="default: cpu (C++ kernels over the paged pool) on CPU when they build, else torch_native")
         g.add_argument("--disable-cpu-weight-prepack", action="store_true",
                        help="on CPU, multiply with plain torch weights instead of oneDNN-prepacked ones")
         g = parser.add_argument_group("parallelism")

@@ -95,14 +95,15 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m srt.launch_server` in its own process group, with its log in a file."""
 
-    def __init__(self, args: list[str], log_path: str, timeout: float = 300):
+    def __init__(self, args: list[str], log_path: str, timeout: float = 300, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), "--dtype", "float32",
                "--debug-integrity-check", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -157,8 +158,8 @@ def server_factory(tmp_path_factory):
     servers: list[ServerProcess] = []
     logs = tmp_path_factory.mktemp("server-logs")
 
-    def start(*args: str) -> ServerProcess:
-        s = ServerProcess(list(args), str(logs / f"server{len(servers)}.log"))
+    def start(*args: str, env: dict | None = None) -> ServerProcess:
+        s = ServerProcess(list(args), str(logs / f"server{len(servers)}.log"), env=env)
         servers.append(s)
         return s
 

@@ -45,6 +45,39 @@ def _gather_meta(req_to_token, req_pool_indices, seq_lens, max_len, kv_heads, ro
     return _GatherMeta(rows, kv_index, bias.view(len(seq_lens), 1, 1, max_len), max_len)
 
 
+def extend_reqs_meta(fb, indices: list[int]) -> list[_ExtendReq]:
+    """Per-request gather index and causal mask for the extends of requests `indices`."""
+    req_to_token = fb.req_to_token_pool.req_to_token
+    kv_heads = fb.token_to_kv_pool.head_num
+    out = []
+    for i in indices:
+        n, seq, prefix = fb.extend_seq_lens_cpu[i], fb.seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
+        slots = req_to_token[fb.req_pool_indices[i], :seq].long()
+        kv_index = (slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1))
+        mask = None
+        if prefix:
+            q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
+            mask = (torch.arange(seq, device=slots.device).unsqueeze(0) <= q_pos).view(1, 1, n, seq)
+        out.append(_ExtendReq(fb.extend_start_loc_cpu[i], n, kv_index.reshape(-1), mask, seq))
+    return out
+
+
+def extend_with_sdpa(q, out, layer, fb, reqs: list[_ExtendReq]) -> None:
+    """Each request's extend through SDPA's fused CPU kernel over its gathered K/V; writes out."""
+    hkv, d = layer.tp_k_head_num, layer.head_dim
+    k_flat = fb.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, d)
+    v_flat = fb.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, d)
+    for r in reqs:
+        n = r.q_len
+        # 4-D inputs: only these reach torch's fused (flash) CPU kernel, GQA included.
+        qr = q[r.q_start : r.q_start + n].view(1, n, -1, d).transpose(1, 2)
+        kr = k_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
+        vr = v_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
+        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None,
+                                           scale=layer.scaling, enable_gqa=True)
+        out[r.q_start : r.q_start + n] = o.transpose(1, 2).reshape(n, -1)
+
+
 @register_attention_backend("torch_native")
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
@@ -66,17 +99,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             rows = torch.tensor([fb.extend_start_loc_cpu[i] for i in single], device=fb.seq_lens.device)
             self.gather = _gather_meta(req_to_token, fb.req_pool_indices[idx], fb.seq_lens[idx],
                                        max(fb.seq_lens_cpu[i] for i in single), kv_heads, rows)
-        for i, n in enumerate(fb.extend_seq_lens_cpu):
-            if n <= 1:
-                continue
-            seq, prefix = fb.seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
-            slots = req_to_token[fb.req_pool_indices[i], :seq].long()
-            kv_index = (slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1))
-            mask = None
-            if prefix:
-                q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
-                mask = (torch.arange(seq, device=slots.device).unsqueeze(0) <= q_pos).view(1, 1, n, seq)
-            self.extend_reqs.append(_ExtendReq(fb.extend_start_loc_cpu[i], n, kv_index.reshape(-1), mask, seq))
+        self.extend_reqs = extend_reqs_meta(fb, [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1])
 
     @staticmethod
     def _save(layer, fb, k, v) -> None:
@@ -108,15 +131,5 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         if self.gather is not None:
             out[self.gather.rows] = self._gathered_attention(q[self.gather.rows], layer, fb, self.gather)
-        k_flat = fb.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, d)
-        v_flat = fb.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, d)
-        for r in self.extend_reqs:
-            n = r.q_len
-            # 4-D inputs: only these reach torch's fused (flash) CPU kernel, GQA included.
-            qr = q[r.q_start : r.q_start + n].view(1, n, -1, d).transpose(1, 2)
-            kr = k_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
-            vr = v_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
-            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None,
-                                               scale=layer.scaling, enable_gqa=True)
-            out[r.q_start : r.q_start + n] = o.transpose(1, 2).reshape(n, -1)
+        extend_with_sdpa(q, out, layer, fb, self.extend_reqs)
         return out

@@ -1,0 +1,79 @@
+"""The C++ CPU extension: built on first use with torch.utils.cpp_extension, cached on disk.
+
+`load()` returns the `torch.ops.radixserve` namespace, or None (with one log line saying why)
+when no compiler is available or the build fails; callers then fall back to torch_native.
+The build is keyed by the source, torch's version and the CPU's flags, because it is compiled
+for the host CPU (-march=native).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", "cpu_attention.cpp")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17"]
+_state: dict = {}
+
+
+def _build_key() -> str:
+    from srt.utils import cpu_flags
+
+    h = hashlib.sha256((torch.__version__ + " ".join(CFLAGS)).encode())
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    h.update(" ".join(sorted(cpu_flags())).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> str:
+    from srt.model_loader.default_model import cache_root
+
+    return os.path.join(cache_root(), "torch_extensions", f"radixserve_cpu_{_build_key()}")
+
+
+def load():
+    """torch.ops.radixserve with the kernels registered, or None if they cannot be built."""
+    if "ops" in _state:
+        return _state["ops"]
+    _state["ops"] = None
+    if os.environ.get("RADIXSERVE_DISABLE_CPU_KERNELS"):
+        logger.info("CPU kernels disabled by RADIXSERVE_DISABLE_CPU_KERNELS; attention falls back to torch_native")
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler found; attention falls back to torch_native")
+        return None
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory = build_dir()
+    cached = os.path.exists(os.path.join(directory, "radixserve_cpu.so"))
+    os.makedirs(directory, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        load_extension(name="radixserve_cpu", sources=SOURCES, build_directory=directory, is_python_module=False,
+                       extra_cflags=CFLAGS,
+                       verbose=False)
+    except Exception as e:  # a compiler error, a missing header: serve anyway, without the kernels
+        lines = [x for x in str(e).splitlines() if "error" in x.lower()] or [type(e).__name__]
+        logger.warning("building the CPU attention kernels failed (%s); attention falls back to torch_native",
+                       lines[0].strip())
+        return None
+    logger.info("CPU attention kernels %s in %.1f s (%s)", "loaded from cache" if cached else "built",
+                time.perf_counter() - start, directory)
+    _state["ops"] = torch.ops.radixserve
+    return _state["ops"]
+
+
+def num_decode_splits(batch: int, kv_heads: int, max_len: int) -> int:
+    """Enough work items for every thread, without splitting short contexts."""
+    threads = torch.get_num_threads()
+    want = -(-2 * threads // max(1, batch * kv_heads))
+    return max(1, min(want, -(-max_len // 256)))

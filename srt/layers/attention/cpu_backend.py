@@ -1,0 +1,69 @@
+"""`--attention-backend cpu`: the C++ kernels of kernels/csrc read K and V in place from the paged
+pool (no gathered copies), each KV head once for its whole query group.
+
+Long extends (prefill chunks) are compute-bound; there torch's fused SDPA kernel, with its blocked
+GEMMs, beats a hand-written loop even after gathering K/V, so they go through it."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu as cpu_kernels
+from srt.layers.attention.base_attn_backend import AttentionBackend
+from srt.layers.attention.registry import register_attention_backend
+from srt.layers.attention.torch_native_backend import extend_reqs_meta, extend_with_sdpa
+
+# Extends at least this long use SDPA; shorter ones (and mixed-batch decode rows) the C++ kernel.
+SDPA_MIN_EXTEND = 32
+
+
+@register_attention_backend("cpu")
+class CpuAttnBackend(AttentionBackend):
+    def __init__(self, model_runner=None):
+        self.ops = cpu_kernels.load()
+        if self.ops is None:
+            raise RuntimeError("the CPU attention kernels are unavailable")
+        self.num_splits = 1
+
+    def init_forward_metadata(self, fb) -> None:
+        if fb.forward_mode.is_decode():
+            kv_heads = fb.token_to_kv_pool.head_num
+            self.num_splits = cpu_kernels.num_decode_splits(fb.batch_size, kv_heads, max(fb.seq_lens_cpu))
+            return
+        lens = fb.extend_seq_lens_cpu
+        long = [i for i, n in enumerate(lens) if n >= SDPA_MIN_EXTEND]
+        self.sdpa_reqs = extend_reqs_meta(fb, long)
+        self.kernel_rows = None
+        if len(long) < len(lens):
+            idx = torch.tensor([i for i, n in enumerate(lens) if n < SDPA_MIN_EXTEND], device=fb.seq_lens.device)
+            self.kernel_rows = (fb.req_pool_indices[idx], fb.seq_lens[idx], fb.extend_start_loc[idx],
+                                fb.extend_seq_lens[idx])
+
+    @staticmethod
+    def _save(layer, fb, k, v) -> None:
+        fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc,
+                                          k.view(-1, layer.tp_k_head_num, layer.head_dim),
+                                          v.view(-1, layer.tp_v_head_num, layer.head_dim))
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save(layer, fb, k, v)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim).contiguous()
+        out = torch.empty_like(q3)
+        self.ops.decode_attention(q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                  fb.seq_lens, out, layer.scaling, self.num_splits)
+        return out.view(q.shape[0], -1)
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self._save(layer, fb, k, v)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim).contiguous()
+        out = torch.empty_like(q3)
+        if self.kernel_rows is not None:
+            self.ops.extend_attention(q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, *self.kernel_rows, out,
+                                      layer.scaling)
+        out = out.view(q.shape[0], -1)
+        extend_with_sdpa(q, out, layer, fb, self.sdpa_reqs)
+        return out
