@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", "cpu_attention.cpp")]
+SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("cpu_attention.cpp", "cpu_norm_act.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17"]
 _state: dict = {}
 
@@ -62,7 +62,8 @@ def load():
                        extra_cflags=CFLAGS,
                        verbose=False)
     except Exception as e:  # a compiler error, a missing header: serve anyway, without the kernels
-        lines = [x for x in str(e).splitlines() if "error" in x.lower()] or [type(e).__name__]
+        text = str(e).splitlines()
+        lines = [x for x in text if "error:" in x] or [x for x in text if "error" in x.lower()] or [type(e).__name__]
         logger.warning("building the CPU attention kernels failed (%s); attention falls back to torch_native",
                        lines[0].strip())
         return None

@@ -6,6 +6,25 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:], the gated MLP activation over a fused gate/up projection."""
 
+    fused_ops = None  # set by enable_fused_cpu_ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
+        if self.fused_ops is not None and x.dim() == 2 and x.is_contiguous():
+            out = torch.empty(x.shape[0], d, dtype=x.dtype, device=x.device)
+            self.fused_ops.silu_and_mul(out, x)
+            return out
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+def enable_fused_cpu_ops(model: nn.Module, ops) -> int:
+    """Route RMSNorm, SiLU-and-mul and NeoX rotary through the fused C++ CPU kernels."""
+    from srt.layers.layernorm import RMSNorm
+    from srt.layers.rotary_embedding import RotaryEmbedding
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            module.fused_ops = ops
+            count += 1
+    return count

@@ -108,8 +108,15 @@ class RotaryEmbedding(nn.Module):
         freqs[original:] = torch.outer(t, default_inv_freq(ntk_base, dim))
         return freqs
 
+    fused_ops = None  # set by enable_fused_cpu_ops (NeoX style only)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H * D], k: [T, Hkv * D]; returns rotated copies of the same shapes."""
+        """q: [T, H * D], k: [T, Hkv * D]; returns rotated tensors of the same shapes (the fused
+        CPU kernel rotates in place, rows may be strided slices of a fused QKV output)."""
+        if self.fused_ops is not None and self.is_neox_style and q.stride(-1) == 1 and k.stride(-1) == 1:
+            self.fused_ops.rotary_neox(q, positions, self.cos_cache, self.sin_cache, self.head_dim)
+            self.fused_ops.rotary_neox(k, positions, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
         cos = self.cos_cache.index_select(0, positions).to(q.dtype)
         sin = self.sin_cache.index_select(0, positions).to(q.dtype)
         return self._apply(q, cos, sin), self._apply(k, cos, sin)

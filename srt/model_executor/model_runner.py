@@ -8,6 +8,8 @@ import torch
 
 from srt.configs.model_config import ModelConfig
 from srt.distributed import init_tp_group
+from kernels import cpu as cpu_kernels
+from srt.layers.activation import enable_fused_cpu_ops
 from srt.layers.attention import create_attention_backend
 from srt.layers.linear import prepack_cpu_weights
 from srt.layers.logits_processor import LogitsProcessorOutput
@@ -42,6 +44,8 @@ class ModelRunner:
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             packed = prepack_cpu_weights(self.model)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
+        if self.device == "cpu" and (ops := cpu_kernels.load()) is not None:
+            logger.info("Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops))
         self.init_memory_pool(available_before)
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()

@@ -74,3 +74,42 @@ def test_cached_build_is_reused():
     import os
 
     assert os.path.exists(os.path.join(cpu_kernels.build_dir(), "radixserve_cpu.so"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_reference(dtype):
+    x = torch.randn(37, 96).to(dtype)
+    res = torch.randn(37, 96).to(dtype)
+    w = torch.randn(96).to(dtype)
+    ref_out, ref_res = reference.rms_norm(x, w, 1e-5, res)
+    a, r = x.clone(), res.clone()
+    OPS.rms_norm(a, r, w, 1e-5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(r, ref_res)
+    torch.testing.assert_close(a, ref_out, **tol)
+    b = x.clone()
+    OPS.rms_norm(b, None, w, 1e-5)
+    torch.testing.assert_close(b, reference.rms_norm(x, w, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_and_mul_matches_reference(dtype):
+    x = (torch.randn(19, 2 * 80) * 4).to(dtype)
+    out = torch.empty(19, 80, dtype=dtype)
+    OPS.silu_and_mul(out, x)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, reference.silu_and_mul(x), **tol)
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+def test_fused_rotary_matches_reference(rotary_dim):
+    from srt.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
+
+    head_dim, heads = 32, 3
+    rope = RotaryEmbedding(head_dim, rotary_dim, 512, 10000.0, None)
+    qkv = torch.randn(9, 2 * heads * head_dim)
+    pos = torch.tensor([0, 1, 2, 100, 511, 7, 7, 300, 42])
+    q = qkv[:, : heads * head_dim]  # a strided slice, like the runtime's fused QKV output
+    expect = reference.rotary_embedding(pos, q.clone(), head_dim, rotary_dim, default_inv_freq(10000.0, rotary_dim))
+    OPS.rotary_neox(q, pos, rope.cos_cache, rope.sin_cache, head_dim)
+    torch.testing.assert_close(q, expect, atol=1e-5, rtol=1e-5)
