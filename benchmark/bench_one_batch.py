@@ -6,6 +6,13 @@
 
 Prefill: one prompt of --prefill-len tokens. Decode: --batch-sizes prompts of --input-len tokens,
 --output-len new tokens each; decode tok/s = batch * steps / decode time (prefill excluded).
+
+    python benchmark/bench_one_batch.py --steps --dtype float32 --torch-compile
+
+--steps times single decode steps instead, at every --batch-sizes x --contexts point over a KV pool
+filled with random values (no prefill needed): the whole step for each attention backend, eager and
+(with --torch-compile) compiled, and the attention alone across all layers with its effective
+bandwidth (KV bytes read / attention time).
 """
 
 from __future__ import annotations
@@ -55,6 +62,102 @@ def bench_ours(path: str, dtype: str, args, backend: str | None = None) -> dict:
     return result
 
 
+def bench_steps(path: str, dtype: str, args) -> dict:
+    from srt.layers.attention import create_attention_backend
+    from srt.layers.radix_attention import RadixAttention
+    from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
+    sa = ServerArgs(model_path=path, dtype=dtype, max_total_tokens=max_bs * (max_ctx + 1) + 64,
+                    max_running_requests=max_bs, attention_backend="cpu", enable_torch_compile=args.torch_compile,
+                    torch_compile_max_bs=max_bs)
+    runner = ModelRunner(ModelConfig.from_path(path), sa, compile_buckets=args.batch_sizes)
+    backends = {name: create_attention_backend(name, runner) for name in args.attention_backend.split(",")}
+    layers = sorted((m for m in runner.model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id)
+    pool = runner.token_to_kv_pool
+    g = torch.Generator().manual_seed(0)
+    for buf in pool.k_buffer + pool.v_buffer:  # random keys: the softmax is not degenerate
+        buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32).to(buf.dtype))
+    modes = [False]
+    if args.torch_compile:
+        compiled = runner.compiled_decode
+        start = time.perf_counter()
+        with tqdm(total=len(compiled.buckets), desc="torch.compile") as bar:
+            while compiled.thread.is_alive():
+                bar.n = len(compiled.ready)
+                bar.refresh()
+                time.sleep(1)
+        if not compiled.wait():
+            raise RuntimeError(f"torch.compile failed: {compiled.failed}")
+        print(f"torch.compile: {len(compiled.buckets)} graphs in {time.perf_counter() - start:.1f} s")
+        modes.append(True)
+        runner.compiled_decode = None
+    cfg = runner.model_config
+    kv_bytes_per_token = pool.bytes_per_token(pool.head_num, pool.head_dim, pool.layer_num, pool.dtype)
+    rows = []
+    points = [(bs, ctx) for ctx in args.contexts for bs in args.batch_sizes]
+    for bs, ctx in tqdm(points, desc="decode steps"):
+        slots = runner.req_to_token_pool.alloc(bs)
+        kv = [runner.token_to_kv_pool_allocator.alloc(ctx + 1) for _ in slots]
+        for s, loc in zip(slots, kv):
+            runner.req_to_token_pool.write(s, 0, loc)
+        out_loc = torch.stack([loc[-1] for loc in kv])
+        fb = ForwardBatch.build(ForwardMode.DECODE, [7] * bs, slots, [ctx + 1] * bs, [ctx] * bs, out_loc, runner.device)
+        hd, qh, kh = cfg.head_dim, layers[0].tp_q_head_num, layers[0].tp_k_head_num
+        q = torch.randn(bs, qh * hd, generator=g).to(runner.dtype)
+        k, v = (torch.randn(bs, kh * hd, generator=g).to(runner.dtype) for _ in range(2))
+        for name, backend in backends.items():
+            runner.attn_backend = backend
+            for on in modes:
+                runner.compiled_decode = compiled if on else None
+                step = _time(lambda: runner.forward(fb), args.repeats)
+                rows.append({"backend": name, "compile": on, "bs": bs, "ctx": ctx, "step_ms": step * 1e3,
+                             "tok_s": bs / step})
+            fb.attn_backend = backend
+            backend.init_forward_metadata(fb)
+            attn = _time(lambda: [backend.forward(q, k, v, layer, fb) for layer in layers], args.repeats)
+            gbs = bs * (ctx + 1) * kv_bytes_per_token / attn / 1e9
+            rows.append({"backend": name, "attention": True, "bs": bs, "ctx": ctx, "attn_ms": attn * 1e3,
+                         "attn_gb_s": gbs})
+        runner.compiled_decode = None
+        for loc in kv:
+            runner.token_to_kv_pool_allocator.free(loc)
+        runner.req_to_token_pool.free(slots)
+    return {"rows": rows}
+
+
+def _time(fn, repeats: int) -> float:
+    """Median seconds of one call, after one warm-up call."""
+    with torch.no_grad():
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def print_steps(path: str, dtype: str, rows: list[dict], args) -> None:
+    print(f"\nmodel {path}, {dtype}, {torch.get_num_threads()} threads; decode step ms (tok/s), median of "
+          f"{args.repeats}\n")
+    points = [(bs, ctx) for ctx in args.contexts for bs in args.batch_sizes]
+    print("| backend | compiled | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
+    print("|---|---|" + "---|" * len(points))
+    steps = {(r["backend"], r["compile"], r["bs"], r["ctx"]): r for r in rows if "step_ms" in r}
+    for backend, on in dict.fromkeys((r["backend"], r["compile"]) for r in rows if "step_ms" in r):
+        cells = [steps[(backend, on, b, c)] for b, c in points]
+        print(f"| {backend} | {'yes' if on else 'no'} | "
+              + " | ".join(f"{x['step_ms']:.1f} ({x['tok_s']:.0f})" for x in cells) + " |")
+    print("\ndecode attention over all layers: ms (effective GB/s of KV read)\n")
+    print("| backend | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
+    print("|---|" + "---|" * len(points))
+    attn = {(r["backend"], r["bs"], r["ctx"]): r for r in rows if "attn_ms" in r}
+    for backend in dict.fromkeys(r["backend"] for r in rows if "attn_ms" in r):
+        print(f"| {backend} | " + " | ".join(
+            f"{attn[(backend, b, c)]['attn_ms']:.1f} ({attn[(backend, b, c)]['attn_gb_s']:.1f})" for b, c in points) + " |")
+
+
 def bench_hf(path: str, dtype: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -95,11 +198,24 @@ def main() -> None:
                    help="comma-separated backends to compare, e.g. cpu,torch_native")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same weights")
     p.add_argument("--output-file", default=None, help="append one JSON record per run")
+    p.add_argument("--steps", action="store_true", help="time single decode steps at --batch-sizes x --contexts")
+    p.add_argument("--contexts", default="128,512,2048", type=lambda s: [int(x) for x in s.split(",")],
+                   help="tokens already cached per request, with --steps")
+    p.add_argument("--torch-compile", action="store_true", help="with --steps: also time compiled decode steps")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per point, with --steps")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     set_torch_threads()
     path = resolve_model_path(args.model_path)
     dtypes = args.dtype.split(",")
+    if args.steps:
+        for dtype in dtypes:
+            rows = bench_steps(path, dtype, args)["rows"]
+            print_steps(path, dtype, rows, args)
+            if args.output_file:
+                with open(args.output_file, "a") as f:
+                    f.write(json.dumps({"dtype": dtype, **vars(args), "rows": rows}, default=str) + "\n")
+        return
     engines = [(f"radixserve {b}", lambda p_, d_, a_, b=b: bench_ours(p_, d_, a_, b))
                for b in args.attention_backend.split(",")]
     engines += [("hf", bench_hf)] if args.compare_hf else []

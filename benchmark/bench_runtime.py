@@ -6,6 +6,10 @@
 
     python benchmark/bench_runtime.py                  # default model, 64 x (256 in, 256 out)
     python benchmark/bench_runtime.py --concurrency 8 --output-len 64 --model-path DIR
+    python benchmark/bench_runtime.py --configs cpu= "torch_native=--attention-backend torch_native"
+
+With --configs, only the throughput run, once per server configuration (waiting for torch.compile's
+graphs first when a configuration enables it), printed side by side.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -97,6 +102,44 @@ async def shared_prefix_ttft(url: str, args) -> dict:
             "cached_tokens_mean": statistics.mean(r["cached"] for r in later)}
 
 
+def wait_compiled(url: str, timeout: float = 3600) -> None:
+    """With --enable-torch-compile: wait until every decode graph is ready, so the run measures them."""
+    deadline = time.monotonic() + timeout
+    with tqdm(desc="torch.compile (server)") as bar:
+        while time.monotonic() < deadline:
+            status = httpx.get(url + "/server_info", timeout=30).json()["internal_states"][0]["torch_compile"]
+            if status is None or status["failed"] or status["ready"] == status["buckets"]:
+                return
+            bar.n = len(status["ready"])
+            bar.total = len(status["buckets"])
+            bar.refresh()
+            time.sleep(2)
+    raise RuntimeError("torch.compile did not finish")
+
+
+def compare_configs(args, pool: str) -> None:
+    rows = {}
+    for spec in args.configs:
+        name, _, flags = spec.partition("=")
+        proc = start_server(args.port, ["--max-total-tokens", pool, *shlex.split(flags)], args)
+        url = f"http://127.0.0.1:{args.port}"
+        try:
+            wait_compiled(url)
+            rows[name] = asyncio.run(throughput(url, args))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    print(f"\n{args.concurrency} concurrent requests, {args.input_len} in / {args.output_len} out\n")
+    print("| config | output tok/s | total tok/s | wall s | mean TTFT s | median ITL ms |")
+    print("|---|---|---|---|---|---|")
+    for name, t in rows.items():
+        print(f"| {name} | {t['output_tok_s']:.1f} | {t['total_tok_s']:.1f} | {t['wall_s']:.1f} | "
+              f"{t['ttft_mean_s']:.2f} | {t['itl_median_ms']:.1f} |")
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps({"args": vars(args), "configs": rows}) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)
@@ -108,8 +151,15 @@ def main() -> None:
     p.add_argument("--prefix-requests", type=int, default=9)
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
+    p.add_argument("--configs", nargs="+", default=None, metavar="NAME=FLAGS",
+                   help="instead of the default run: the throughput run once per server configuration, side by "
+                        "side, e.g. cpu= 'torch_native=--attention-backend torch_native' "
+                        "'compiled=--enable-torch-compile --torch-compile-max-bs 64'")
     args = p.parse_args()
     pool = str(max(args.concurrency * (args.input_len + args.output_len) + 1024, 4 * args.prefix_len + 4096))
+    if args.configs:
+        compare_configs(args, pool)
+        return
     results = {}
     for name, extra in (("radix", []), ("no-radix", ["--disable-radix-cache"])):
         proc = start_server(args.port, ["--max-total-tokens", pool, *extra], args)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
 import dataclasses
+import os
+import tempfile
 from dataclasses import dataclass
 
 
@@ -13,9 +14,12 @@ class ServerArgs:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
+    api_key: str | None = None
     # Model
     model_path: str | None = None
     tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -35,6 +39,11 @@ class ServerArgs:
     # Kernels
     attention_backend: str | None = None  # None: cpu (C++ kernels) on CPU when they build, else torch_native
     disable_cpu_weight_prepack: bool = False
+    enable_torch_compile: bool = False
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 30.0
+    disable_jump_forward: bool = False
+    torch_compile_max_bs: int = 16
     # Parallelism
     tp_size: int = 1
     # Logging and debugging
@@ -61,6 +70,14 @@ class ServerArgs:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.enable_overlap_schedule and self.disable_overlap_schedule:
             raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
+        if not 1 <= self.torch_compile_max_bs <= 1024:
+            raise ValueError(f"--torch-compile-max-bs must be in [1, 1024], got {self.torch_compile_max_bs}")
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError(f"--grammar-backend must be xgrammar or none, got {self.grammar_backend!r}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
 
@@ -80,10 +97,16 @@ class ServerArgs:
         g = parser.add_argument_group("http")
         g.add_argument("--host", default=d.host)
         g.add_argument("--port", type=int, default=d.port)
+        g.add_argument("--api-key", default=d.api_key,
+                       help="require 'Authorization: Bearer KEY' on every route except /health")
         g = parser.add_argument_group("model")
         g.add_argument("--model-path", default=d.model_path,
                        help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
         g.add_argument("--tokenizer-path", default=d.tokenizer_path, help="tokenizer folder (default: model path)")
+        g.add_argument("--served-model-name", default=d.served_model_name,
+                       help="the model id in the OpenAI API (default: the model path)")
+        g.add_argument("--chat-template", default=d.chat_template,
+                       help="a Jinja chat template file (default: the tokenizer's template)")
         g.add_argument("--context-length", type=int, default=d.context_length,
                        help="maximum tokens per request (default: from the model config)")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
@@ -115,6 +138,18 @@ class ServerArgs:
                        help="default: cpu (C++ kernels over the paged pool) on CPU when they build, else torch_native")
         g.add_argument("--disable-cpu-weight-prepack", action="store_true",
                        help="on CPU, multiply with plain torch weights instead of oneDNN-prepacked ones")
+        g.add_argument("--enable-torch-compile", action="store_true",
+                       help="compile the decode step with torch.compile (inductor, max-autotune) for batch sizes "
+                            "up to --torch-compile-max-bs, in the background while serving eagerly; cached on disk")
+        g.add_argument("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs,
+                       help="largest decode batch run compiled; batches are padded to buckets 1, 2, 4, 8, ...")
+        g = parser.add_argument_group("structured output")
+        g.add_argument("--grammar-backend", default=d.grammar_backend, choices=["xgrammar", "none"],
+                       help="json_schema / regex / ebnf constraints; 'none' rejects constrained requests with 400")
+        g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                       help="seconds a request may wait for its grammar to compile before it fails with 400")
+        g.add_argument("--disable-jump-forward", action="store_true",
+                       help="decode strings a grammar forces token by token instead of appending them at once")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tp-size", type=int, default=d.tp_size)
         g = parser.add_argument_group("logging")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import os
 import signal
@@ -13,7 +14,11 @@ import sys
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from srt.entrypoints.openai.serving import OpenAIServing, openai_error_response
 
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
@@ -25,6 +30,7 @@ from srt.version import __version__
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20
+MAX_BODY_BYTES = 64 * 2**20
 
 
 def json_response(payload, status: int = 200) -> Response:
@@ -50,6 +56,38 @@ def sse(payload) -> bytes:
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     app = FastAPI(title="radixserve", version=__version__)
+    chat_template = None
+    if server_args.chat_template:
+        with open(server_args.chat_template) as f:
+            chat_template = f.read()
+    openai = OpenAIServing(tm, server_args.served_model_name or server_args.model_path, server_args.model_path,
+                           chat_template)
+
+    if server_args.api_key:
+        expected = f"Bearer {server_args.api_key}".encode()
+
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next):
+            # Deny by default: every route, including ones added later, except the liveness probe.
+            if request.url.path != "/health":
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    message = "missing or invalid API key (send 'Authorization: Bearer <key>')"
+                    if request.url.path.startswith("/v1/"):
+                        return openai_error_response(401, message, code="invalid_api_key")
+                    return error_response(401, message)
+            return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if request.url.path.startswith("/v1/"):
+            return openai_error_response(exc.status_code, message)
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, str(exc))
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -116,6 +154,28 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         tm.abort_request(rid, abort_all)
         return Response(status_code=200)
 
+    @app.get("/v1/models")
+    async def v1_models() -> dict:
+        return openai.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def v1_model(model_id: str) -> Response:
+        if model_id not in openai.aliases:
+            return openai_error_response(404, f"The model `{model_id}` does not exist", "model", "model_not_found")
+        return json_response(openai.model_card())
+
+    def openai_route(handler):
+        async def route(request: Request) -> Response:
+            body = await _json_body(request, openai_shape=True)
+            if isinstance(body, Response):
+                return body
+            return await handler(body, request)
+
+        return route
+
+    app.post("/v1/completions")(openai_route(openai.completions))
+    app.post("/v1/chat/completions")(openai_route(openai.chat))
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await _json_body(request)
@@ -144,11 +204,21 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     return app
 
 
-async def _json_body(request: Request):
+async def _json_body(request: Request, openai_shape: bool = False):
+    """The parsed JSON body, or the error response (413 over MAX_BODY_BYTES, 400 if not JSON)."""
+    error = openai_error_response if openai_shape else error_response
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return error(413, f"request body of {int(declared)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            return error(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
     try:
-        return orjson.loads(await request.body())
+        return orjson.loads(bytes(body))
     except orjson.JSONDecodeError as e:
-        return error_response(400, f"request body is not valid JSON: {e}")
+        return error(400, f"request body is not valid JSON: {e}")
 
 
 def launch_server(server_args: ServerArgs) -> None:

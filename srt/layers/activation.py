@@ -10,7 +10,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
-        if self.fused_ops is not None and x.dim() == 2 and x.is_contiguous():
+        if self.fused_ops is not None and not torch.compiler.is_dynamo_compiling() and x.dim() == 2 and x.is_contiguous():
             out = torch.empty(x.shape[0], d, dtype=x.dtype, device=x.device)
             self.fused_ops.silu_and_mul(out, x)
             return out

@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.fused_ops is not None and x.dim() == 2:
+        if self.fused_ops is not None and not torch.compiler.is_dynamo_compiling() and x.dim() == 2:
             if residual is None:
                 out = x.clone()  # the caller may keep x (it becomes the first residual)
                 self.fused_ops.rms_norm(out, None, self.weight, self.variance_epsilon)

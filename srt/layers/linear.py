@@ -22,17 +22,18 @@ logger = logging.getLogger(__name__)
 def linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ module.weight.T (+ bias), through oneDNN's prepacked weight when the module has one."""
     packed = getattr(module, "packed_weight", None)
-    if packed is not None:
+    if packed is not None and not torch.compiler.is_dynamo_compiling():  # inductor packs its own copy
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, module.weight, bias)
 
 
-def prepack_cpu_weights(model: nn.Module) -> int:
+def prepack_cpu_weights(model: nn.Module, keep_dense: bool = False) -> int:
     """Repack every linear weight (and the LM head) into oneDNN's blocked layout.
 
     On CPUs, MKL's sgemm for the skinny shapes of decode (1-16 rows) streams weights at half the
     memory bandwidth; oneDNN's packed inner product runs near it, and is faster at large M too.
-    Dense copies of linear weights are dropped afterwards; a tied LM head keeps its embedding.
+    Dense copies of linear weights are dropped afterwards (unless `keep_dense`: compiled graphs
+    read them); a tied LM head keeps its embedding.
     Returns the number of modules packed (0 when oneDNN is unavailable or rejects the dtype).
     """
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -51,7 +52,7 @@ def prepack_cpu_weights(model: nn.Module) -> int:
             logger.info("oneDNN weight packing unavailable for %s (%s); using torch matmul", module.weight.dtype, e)
             return count
         module.packed_weight = packed
-        if is_linear:
+        if is_linear and not keep_dense:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         count += 1
     return count

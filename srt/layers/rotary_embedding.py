@@ -113,7 +113,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H * D], k: [T, Hkv * D]; returns rotated tensors of the same shapes (the fused
         CPU kernel rotates in place, rows may be strided slices of a fused QKV output)."""
-        if self.fused_ops is not None and self.is_neox_style and q.stride(-1) == 1 and k.stride(-1) == 1:
+        fused = self.fused_ops is not None and not torch.compiler.is_dynamo_compiling()
+        if fused and self.is_neox_style and q.stride(-1) == 1 and k.stride(-1) == 1:
             self.fused_ops.rotary_neox(q, positions, self.cos_cache, self.sin_cache, self.head_dim)
             self.fused_ops.rotary_neox(k, positions, self.cos_cache, self.sin_cache, self.head_dim)
             return q, k

@@ -33,8 +33,13 @@ def finish_length(n: int) -> dict:
     return {"type": "length", "length": n}
 
 
-def finish_abort(message: str) -> dict:
-    return {"type": "abort", "message": message}
+def finish_abort(message: str, status_code: int | None = None) -> dict:
+    """status_code 400: the request itself was bad (e.g. its grammar does not compile); the
+    tokenizer manager answers it with an HTTP 400 when nothing was generated."""
+    reason = {"type": "abort", "message": message}
+    if status_code is not None:
+        reason["status_code"] = status_code
+    return reason
 
 
 @dataclass(eq=False)
@@ -63,12 +68,16 @@ class Req:
     to_abort: str | None = None
     cached_tokens: int = 0
     retractions: int = 0
+    admitted: bool = False  # prefilled at least once (cached_tokens is from the first admission)
+    jump_forward_tokens: int = 0  # output tokens appended by jump-forward, without forward passes
     # logprobs: lists of (logprob, token_id); top lists hold (logprobs, ids) or None
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_logprobs_done: bool = False
+    # structured output: the grammar's matcher once compiled (srt/constrained)
+    grammar: object = None
     # how much has been sent to the detokenizer
     sent_output_len: int = 0
     sent_input_logprob_len: int = 0
@@ -90,11 +99,11 @@ class Req:
 
     @property
     def needs_fresh_history(self) -> bool:
-        """Sampling reads the output history (penalties, the min_new_tokens ban), so the next step
+        """Sampling reads the output history (penalties, the min_new_tokens ban, the grammar), so the next step
         cannot be built while a token of this request is still pending."""
         p = self.sampling_params
         return (p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
-                or len(self.output_ids) < p.min_new_tokens)
+                or len(self.output_ids) < p.min_new_tokens or self.grammar is not None)
 
     @property
     def finished(self) -> bool:
@@ -148,9 +157,9 @@ class Req:
         elif self.seq_len >= context_len:
             self.finished_reason = finish_length(n)
 
-    def reset_for_retract(self) -> None:
+    def reset_for_retract(self, count: bool = True) -> None:
         self.prefix_indices, self.last_node, self.kv_len, self.extend_input_len = _EMPTY, None, 0, 0
-        self.retractions += 1
+        self.retractions += count
 
 
 @dataclass

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-from collections import deque
-from concurrent.futures import Future
 import os
 import signal
 import sys
 import time
 import traceback
+from collections import deque
+from concurrent.futures import Future
 
 import zmq
 
 from srt.configs.model_config import ModelConfig
+from srt.constrained.grammar_backend import GrammarError, XGrammarBackend, grammar_key
 from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.io_struct import (
     AbortReq,
@@ -50,6 +51,11 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RETRACT_DECODE_STEPS = 20
 IDLE_POLL_MS = 1000
+GRAMMAR_POLL_MS = 5
+# A jump-forward costs the request an extend pass of its own (outside the decode batch), so it pays
+# only for forced strings of several tokens (JSON keys, enum tails), not for a ", " between items.
+JUMP_FORWARD_MIN_TOKENS = 4
+JUMP_FORWARD_CONTEXT_TOKENS = 2  # generated tokens re-tokenized with the forced string
 
 
 class IntegrityError(RuntimeError):
@@ -85,6 +91,13 @@ class Scheduler(SchedulerOutputMixin):
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.checked_idle = False
+        self.grammar_backend = None
+        if server_args.grammar_backend == "xgrammar":
+            self.grammar_backend = XGrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                                   sorted(self.eos_token_ids))
+        self.grammar_queue: list[tuple[Req, Future, float]] = []  # (request, its compile, when it arrived)
+        # the request's KV waits in the prefix cache across a jump: without a radix cache it would be recomputed
+        self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         self.init_stats()
         self.warmup()
         ctx = zmq.Context(2)
@@ -116,6 +129,7 @@ class Scheduler(SchedulerOutputMixin):
     def event_loop_normal(self) -> None:
         while True:
             self.process_input_requests(self.recv_requests())
+            self.poll_grammar_queue()
             batch = self.get_next_batch_to_run()
             if batch is None:
                 self.on_idle()
@@ -128,6 +142,7 @@ class Scheduler(SchedulerOutputMixin):
         """Launch batch N on the worker thread, then process batch N-1's results while N runs."""
         while True:
             self.process_input_requests(self.recv_requests())
+            self.poll_grammar_queue()
             batch = self.get_next_batch_to_run()
             if batch is not None:
                 self.checked_idle = False
@@ -149,12 +164,19 @@ class Scheduler(SchedulerOutputMixin):
 
     def has_work(self) -> bool:
         launched = self.last_prefill.reqs if self.last_prefill is not None else []
-        return bool(self.waiting_queue or self.chunked_req or self.pending
+        return bool(self.waiting_queue or self.chunked_req or self.pending or self.grammar_queue
                     or any(not r.finished for r in self.running_batch.reqs + launched))
 
     def recv_requests(self) -> list:
         msgs = []
-        if not self.has_work() and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
+        if not self.has_work():
+            wait_ms = IDLE_POLL_MS
+        elif self.grammar_queue and not (self.waiting_queue or self.running_batch.reqs or self.pending
+                                         or self.chunked_req or self.last_prefill):
+            wait_ms = GRAMMAR_POLL_MS  # only compiles pending: do not spin against them
+        else:
+            wait_ms = 0
+        if wait_ms and not self.recv_from_tokenizer.poll(wait_ms):
             return msgs
         while True:
             try:
@@ -178,7 +200,43 @@ class Scheduler(SchedulerOutputMixin):
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = Req(recv.rid, recv.input_ids, recv.sampling_params, recv.return_logprob, recv.logprob_start_len,
                   recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time)
-        self.waiting_queue.append(req)
+        key = grammar_key(req.sampling_params)
+        if key is None:
+            self.waiting_queue.append(req)
+        elif self.grammar_backend is None:
+            self.fail_request(req, "structured output (json_schema / regex / ebnf) is disabled on this server "
+                                   "(--grammar-backend none)")
+        else:
+            self.grammar_queue.append((req, self.grammar_backend.submit(key), time.monotonic()))
+            self.poll_grammar_queue()
+
+    def fail_request(self, req: Req, message: str) -> None:
+        """A request that cannot run as asked: it ends before any token, answered with HTTP 400."""
+        req.finished_reason = finish_abort(message, status_code=400)
+        self.stream_output([req])
+
+    def poll_grammar_queue(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; failed or timed-out ones end."""
+        if not self.grammar_queue:
+            return
+        still, now, timeout = [], time.monotonic(), self.server_args.grammar_compile_timeout
+        for req, fut, since in self.grammar_queue:
+            if req.to_abort is not None:
+                req.finished_reason = finish_abort(req.to_abort)
+                self.stream_output([req])
+            elif fut.done():
+                result = fut.result()
+                if isinstance(result, GrammarError):
+                    self.fail_request(req, str(result))
+                else:
+                    req.grammar = self.grammar_backend.matcher(result)
+                    self.waiting_queue.append(req)
+            elif now - since > timeout:
+                self.fail_request(req, f"the grammar did not compile within {timeout:g} s "
+                                       f"(--grammar-compile-timeout)")
+            else:
+                still.append((req, fut, since))
+        self.grammar_queue = still
 
     def abort_request(self, recv: AbortReq) -> None:
         def hit(r: Req) -> bool:
@@ -188,6 +246,9 @@ class Scheduler(SchedulerOutputMixin):
             self.waiting_queue.remove(r)
             r.finished_reason = finish_abort(recv.message)
             self.stream_output([r])
+        for r, _, _ in self.grammar_queue:
+            if hit(r):
+                r.to_abort = recv.message  # ended by poll_grammar_queue
         launched = self.last_prefill.reqs if self.last_prefill is not None else []
         for r in self.running_batch.reqs + launched + ([self.chunked_req] if self.chunked_req else []):
             if hit(r) and not r.finished:
@@ -246,8 +307,9 @@ class Scheduler(SchedulerOutputMixin):
         admitted_set = set(map(id, admitted))
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_set]
         for r in admitted:
-            if r.retractions == 0:
+            if not r.admitted:
                 r.cached_tokens = len(r.prefix_indices)
+                r.admitted = True
         self.log_prefill_stats(adder.can_run, running)
         return ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
 
@@ -322,9 +384,51 @@ class Scheduler(SchedulerOutputMixin):
             req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
             if req.finished:
                 self.release(req)
+            elif req.grammar is not None and self.jump_forward:
+                self.try_jump_forward(req)
         self.stream_output(progressed)
         self.num_generated_tokens += len(progressed)
         self.maybe_log_decode_stats()
+
+    def try_jump_forward(self, req: Req) -> None:
+        """Append the string the grammar forces next without decoding it token by token.
+
+        The forced string is tokenized together with the last generated tokens; it is used only
+        when that keeps those tokens (else decoding goes on, and the next step tries again at a
+        cleaner boundary). The request then leaves the decode batch with its KV in the prefix
+        cache and comes back as one extend over the appended tokens."""
+        forced = req.grammar.jump_forward_string()
+        if not forced or req.return_logprob:
+            return
+        out = req.output_ids
+        tail = out[-JUMP_FORWARD_CONTEXT_TOKENS:]  # earlier tokens belong to finished pre-tokens
+        ids = self.tokenizer.encode(self.tokenizer.decode(tail, clean_up_tokenization_spaces=False) + forced,
+                                    add_special_tokens=False)
+        if ids[: len(tail)] != tail:
+            return
+        # The last forced token is left to the model: it may merge with the free text after it
+        # (e.g. ' "' + 'S' -> ' "S'), and decoding it keeps the tokens greedy decoding would pick.
+        extra = ids[len(tail) : -1]
+        if len(extra) < JUMP_FORWARD_MIN_TOKENS:
+            return
+        p = req.sampling_params
+        if (p.max_new_tokens is not None and len(out) + len(extra) >= p.max_new_tokens
+                or req.seq_len + len(extra) >= self.model_config.context_len):
+            return
+        if p.stop_strs or p.stop_token_ids and set(extra) & set(p.stop_token_ids) or set(extra) & self.eos_token_ids:
+            return  # a stop condition could fire inside the forced string: decode it normally
+        for k, t in enumerate(extra):
+            if not req.grammar.accept(t):
+                req.grammar.rollback(k)
+                return
+        out.extend(extra)
+        req.jump_forward_tokens += len(extra)
+        self.total_jump_forward_tokens += len(extra)
+        if req in self.running_batch.reqs:
+            self.running_batch.reqs.remove(req)
+        self.tree_cache.cache_finished_req(req)  # its KV so far becomes the prefix of its next extend
+        req.reset_for_retract(count=False)
+        self.waiting_queue.insert(0, req)
 
     @staticmethod
     def take_future_slot(req: Req, slot: int) -> None:

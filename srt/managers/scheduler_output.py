@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from srt.managers.io_struct import BatchTokenIDOutput
-from srt.managers.schedule_batch import Req
+from srt.managers.schedule_batch import Req, finish_abort, finish_matched_token
 
 logger = logging.getLogger("srt.managers.scheduler")
 
@@ -56,6 +56,8 @@ def to_batch_result(logits_output, next_token_ids, fb) -> BatchResult:
 class SchedulerOutputMixin:
     def init_stats(self) -> None:
         self.total_retractions = 0
+        self.forward_passes = 0
+        self.total_jump_forward_tokens = 0
         self.num_generated_tokens = 0
         self.decode_steps = 0
         self.last_decode_log = time.monotonic()
@@ -68,6 +70,7 @@ class SchedulerOutputMixin:
         self.last_forward_end: float | None = None
 
     def timed(self, res: BatchResult) -> BatchResult:
+        self.forward_passes += 1
         busy = res.forward_end - res.forward_start
         wait = 0.0 if self.last_forward_end is None else max(0.0, res.forward_start - self.last_forward_end)
         self.forward_busy_s += busy
@@ -86,6 +89,11 @@ class SchedulerOutputMixin:
             req.output_token_logprobs.append((result.next_token_logprobs[i], token))
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(result.next_top_logprobs[i])
+        if req.grammar is not None and not req.finished:
+            if not req.grammar.accept(token):  # the mask forbids this; never continue unconstrained
+                req.finished_reason = finish_abort(f"token {token} was sampled against the grammar")
+            elif req.grammar.is_terminated():
+                req.finished_reason = finish_matched_token(token)
 
     def append_input_logprobs(self, req: Req, rows: tuple, chunk_end: int) -> None:
         """Row at absolute position j gives the logprob of prompt token j + 1."""
@@ -173,6 +181,10 @@ class SchedulerOutputMixin:
             "token_usage": self.token_usage(),
             "cache_hit_rate": self.cache_hit_rate(),
             "total_retractions": self.total_retractions,
+            "forward_passes": self.forward_passes,
+            "jump_forward_tokens": self.total_jump_forward_tokens,
+            "grammar_queue": len(self.grammar_queue),
+            "grammar_compile": self.grammar_backend.stats() if self.grammar_backend else None,
             "kv_available": self.allocator.available_size(),
             "kv_evictable": self.tree_cache.evictable_size(),
             "kv_protected": self.tree_cache.protected_size(),
@@ -183,6 +195,8 @@ class SchedulerOutputMixin:
             "forward_wait_s": self.forward_wait_s,
             "forward_idle_fraction": self.forward_idle_fraction(self.forward_busy_s, self.forward_wait_s),
             "overlap_schedule": self.overlap,
+            "attention_backend": self.runner.attn_backend.name,
+            "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "idle": not self.has_work(),
             "pid": os.getpid(),
         }

@@ -225,6 +225,9 @@ class TokenizerManager:
                 if self.dead_reason and not state.finished:
                     raise ServiceUnavailable(f"the server stopped serving: {self.dead_reason}")
                 state.event.clear()
+                reason = state.finish_reason or {}
+                if state.finished and reason.get("status_code") == 400 and not state.output_ids:
+                    raise InvalidRequest(reason.get("message", "invalid request"))
                 out = self._make_output(tok.rid, state)
                 if state.finished:
                     yield out

@@ -27,7 +27,8 @@ DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.4}
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0):
+    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0,
+                 compile_buckets: list[int] | None = None):
         self.model_config = model_config
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
@@ -42,13 +43,18 @@ class ModelRunner:
         self.model = load_model(model_config, self.dtype, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
-            packed = prepack_cpu_weights(self.model)
+            packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
         if self.device == "cpu" and (ops := cpu_kernels.load()) is not None:
             logger.info("Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops))
         self.init_memory_pool(available_before)
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()
+        self.compiled_decode = None
+        if server_args.enable_torch_compile:
+            from srt.model_executor.compiled_decode import CompiledDecodeRunner
+
+            self.compiled_decode = CompiledDecodeRunner(self, server_args.torch_compile_max_bs, compile_buckets)
 
     def init_memory_pool(self, available_before: int) -> None:
         cfg, args = self.model_config, self.server_args
@@ -80,6 +86,8 @@ class ModelRunner:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
+        if self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch):
+            return self.compiled_decode.forward(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -26,6 +26,8 @@ class SamplingBatchInfo:
     min_tokens_block: list[tuple[int, list[int]]] | None = None  # (row, ids banned until min_new_tokens)
     seeds: torch.Tensor | None = None  # [B] int64, -1 = unseeded
     seed_positions: torch.Tensor | None = None  # [B] position of the token being sampled
+    vocab_mask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 token bitmask of constrained rows
+    vocab_mask_rows: list[int] | None = None  # the constrained rows (the others are left alone)
 
     @classmethod
     def from_reqs(cls, reqs, vocab_size: int, eos_token_ids: set[int], device,
@@ -68,17 +70,29 @@ class SamplingBatchInfo:
             if positions is None:
                 positions = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
             info.seed_positions = torch.tensor(positions, dtype=torch.int64, device=device)
+        rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+        if rows:
+            from srt.constrained.grammar_backend import allocate_token_bitmask
+
+            info.vocab_mask, info.vocab_mask_rows = allocate_token_bitmask(len(reqs), vocab_size), rows
+            for i in rows:
+                reqs[i].grammar.fill_bitmask(info.vocab_mask, i)
         return info
 
     @property
     def has_logit_processors(self) -> bool:
-        return self.penalties is not None or self.logit_bias is not None or self.min_tokens_block is not None
+        return (self.penalties is not None or self.logit_bias is not None or self.min_tokens_block is not None
+                or self.vocab_mask is not None)
 
     def apply_logit_processors(self, logits: torch.Tensor) -> None:
-        """Penalties, logit bias and the min_new_tokens ban, in place on [B, V] float32 logits."""
+        """Penalties, logit bias, the min_new_tokens ban and grammar masks, in place on [B, V] float32 logits."""
         if self.penalties is not None:
             self.penalties.apply(logits)
         if self.logit_bias is not None:
             logits += self.logit_bias
         for row, ids in self.min_tokens_block or ():
             logits[row, ids] = float("-inf")
+        if self.vocab_mask is not None:  # last: the grammar's choice is final
+            from srt.constrained.grammar_backend import apply_token_bitmask
+
+            apply_token_bitmask(logits, self.vocab_mask, self.vocab_mask_rows, self.vocab_size)

@@ -49,6 +49,10 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
+    # structured output: at most one of these (see srt/constrained)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     stop_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -94,6 +98,9 @@ class SamplingParams:
                    "stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {vocab_size})")
         if self.logit_bias is not None:
             self._verify_logit_bias(vocab_size)
+        from srt.constrained.grammar_backend import validate_grammar_params
+
+        validate_grammar_params(self)
         if self.sampling_seed is not None:
             _check(_is_int(self.sampling_seed) and 0 <= self.sampling_seed < 2**63, "sampling_seed",
                    self.sampling_seed, "an integer in [0, 2**63)")

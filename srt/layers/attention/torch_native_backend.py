@@ -127,7 +127,6 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         if save_kv_cache:
             self._save(layer, fb, k, v)
-        hkv, d = layer.tp_k_head_num, layer.head_dim
         out = torch.empty_like(q)
         if self.gather is not None:
             out[self.gather.rows] = self._gathered_attention(q[self.gather.rows], layer, fb, self.gather)

@@ -1,0 +1,326 @@
+"""`/v1/models`, `/v1/completions`, `/v1/chat/completions` over the TokenizerManager.
+
+Requests become native `GenerateReqInput`s (so `n`, stop strings, logprobs, penalties, seeds and
+structured output behave exactly as on `/generate`); answers and stream chunks take OpenAI's shapes,
+with SGLang's `matched_stop` and `usage.prompt_tokens_details.cached_tokens`. Errors use OpenAI's
+error object, also for `stream: true` when the error is known before the first chunk.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+import uuid
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+
+from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
+from srt.managers.io_struct import GenerateReqInput, InvalidRequest
+from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
+from srt.sampling.sampling_params import InvalidSamplingParams
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def openai_error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code or status}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _sse(payload) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _finish_reason(reason: dict | None) -> str | None:
+    return None if reason is None else reason.get("type")
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, served_model_name: str, model_path: str,
+                 chat_template: str | None = None):
+        self.tm = tm
+        self.model_name = served_model_name
+        self.aliases = {served_model_name, model_path, model_path.rstrip("/").rsplit("/", 1)[-1], "default"}
+        self.chat_template = chat_template
+        self.created = int(time.time())
+
+    # -- routes ----------------------------------------------------------------------------------
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixserve",
+                "root": self.model_name, "max_model_len": self.tm.context_len}
+
+    async def completions(self, body: Any, request: Request) -> Response:
+        try:
+            req = self._parse(CompletionRequest, body)
+            obj = self._completion_input(req)
+        except OpenAIError as e:
+            return openai_error_response(e.status, e.message, e.param, e.code)
+        prompts = self._prompt_texts(req)
+        return await self._run(obj, req, request, lambda outs: self._completion_body(req, outs, prompts),
+                               lambda: _CompletionStream(self, req, prompts))
+
+    async def chat(self, body: Any, request: Request) -> Response:
+        try:
+            req = self._parse(ChatCompletionRequest, body)
+            obj = self._chat_input(req)
+        except OpenAIError as e:
+            return openai_error_response(e.status, e.message, e.param, e.code)
+        return await self._run(obj, req, request, lambda outs: self._chat_body(req, outs),
+                               lambda: _ChatStream(self, req))
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _parse(self, cls, body: Any):
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "request body must be a JSON object")
+        try:
+            req = cls.model_validate(body)
+        except ValidationError as e:
+            raise OpenAIError(400, format_validation_error(e)) from None
+        if req.model and req.model not in self.aliases:
+            raise OpenAIError(404, f"The model `{req.model}` does not exist; this server serves "
+                                   f"`{self.model_name}`", "model", "model_not_found")
+        return req
+
+    def _sampling(self, req, max_new_tokens: int | None) -> dict:
+        try:
+            return req.sampling_params(max_new_tokens)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), "response_format") from None
+
+    def _completion_input(self, req: CompletionRequest) -> GenerateReqInput:
+        if req.suffix:
+            raise OpenAIError(400, "`suffix` is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(400, f"`best_of` = {req.best_of} is not supported unless it equals n ({req.n})",
+                              "best_of")
+        p = req.prompt
+        text = p if isinstance(p, str) or (isinstance(p, list) and isinstance(p[0], str)) else None
+        ids = None if text is not None else p
+        want_lp = req.logprobs is not None
+        return GenerateReqInput(
+            text=text, input_ids=ids, sampling_params=self._sampling(req, req.max_tokens), rid=req.rid,
+            return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
+            logprob_start_len=0 if (want_lp and req.echo) else -1, return_text_in_logprobs=True,
+            stream=req.stream)
+
+    def _prompt_texts(self, req: CompletionRequest) -> list[str]:
+        """Each prompt's text, for echo."""
+        if not req.echo:
+            return []
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], str):
+            return list(p)
+        batches = p if isinstance(p[0], list) else [p]
+        return [self.tm.tokenizer.decode(ids) for ids in batches]
+
+    def _chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
+        tok = self.tm.tokenizer
+        template = self.chat_template or getattr(tok, "chat_template", None)
+        if not template:
+            raise OpenAIError(400, "this model has no chat template; start the server with --chat-template FILE "
+                                   "or use /v1/completions")
+        messages = []
+        for i, m in enumerate(req.messages):
+            try:
+                msg = {"role": m.role, "content": m.text() or ""}
+            except ValueError as e:
+                raise OpenAIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content") from None
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            messages.append(msg)
+        try:
+            prompt = tok.apply_chat_template(
+                messages, tools=req.tools, tokenize=False, chat_template=self.chat_template,
+                add_generation_prompt=not req.continue_final_message,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # a template's own raise_exception (e.g. roles must alternate) or a bad kwarg
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        ids = tok.encode(prompt, add_special_tokens=False)
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return GenerateReqInput(
+            input_ids=ids, sampling_params=self._sampling(req, max_new), rid=req.rid,
+            return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+            return_text_in_logprobs=True, stream=req.stream)
+
+    async def _run(self, obj: GenerateReqInput, req, request: Request, make_body, make_stream) -> Response:
+        try:
+            gen = self.tm.generate_request(obj, request)
+            first = await gen.__anext__()
+        except (InvalidRequest, InvalidSamplingParams) as e:
+            return openai_error_response(400, str(e))
+        except ServiceUnavailable as e:
+            return openai_error_response(503, str(e))
+        if not req.stream:
+            return Response(orjson.dumps(make_body(first if isinstance(first, list) else [first])),
+                            media_type="application/json")
+        stream = make_stream()
+
+        async def events():
+            try:
+                yield stream.chunk(first)
+                async for out in gen:
+                    yield stream.chunk(out)
+                tail = stream.usage_chunk()
+                if tail:
+                    yield tail
+            except ServiceUnavailable as e:
+                yield _sse({"error": {"message": str(e), "type": ERROR_TYPES[503], "param": None, "code": 503}})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # -- responses -------------------------------------------------------------------------------
+
+    @staticmethod
+    def usage(outs: list[dict], n: int) -> dict:
+        metas = [o["meta_info"] for o in outs]
+        prompt = sum(m["prompt_tokens"] for m in metas[::n])  # n samples share one prompt
+        completion = sum(m["completion_tokens"] for m in metas)
+        cached = sum(m["cached_tokens"] for m in metas[::n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @staticmethod
+    def completion_logprobs(meta: dict, echo: bool, offset: int = 0) -> dict:
+        entries = (meta.get("input_token_logprobs") or [] if echo else []) + meta.get("output_token_logprobs", [])
+        tops = ((meta.get("input_top_logprobs") or [] if echo else []) + (meta.get("output_top_logprobs") or []))
+        tokens = [e[2] for e in entries]
+        text_offset, pos = [], offset
+        for t in tokens:
+            text_offset.append(pos)
+            pos += len(t or "")
+        top = [None if t is None else {e[2]: e[0] for e in t} for t in tops] if tops else None
+        return {"tokens": tokens, "token_logprobs": [e[0] for e in entries], "top_logprobs": top,
+                "text_offset": text_offset}
+
+    @staticmethod
+    def chat_logprobs(meta: dict, start: int = 0) -> dict:
+        entries = meta.get("output_token_logprobs", [])[start:]
+        tops = (meta.get("output_top_logprobs") or [])[start:]
+        content = []
+        for i, (lp, _tid, text) in enumerate(entries):
+            top = tops[i] if i < len(tops) and tops[i] else []
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                             for v, _id, t in top]})
+        return {"content": content}
+
+    def _completion_body(self, req: CompletionRequest, outs: list[dict], prompts: list[str]) -> dict:
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            echo = prompts[i // req.n] if req.echo else ""
+            choices.append({
+                "index": i, "text": echo + out["text"],
+                "logprobs": self.completion_logprobs(meta, req.echo) if req.logprobs is not None else None,
+                "finish_reason": _finish_reason(meta["finish_reason"]),
+                "matched_stop": (meta["finish_reason"] or {}).get("matched"),
+            })
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": self.usage(outs, req.n)}
+
+    def _chat_body(self, req: ChatCompletionRequest, outs: list[dict]) -> dict:
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            choices.append({
+                "index": i, "message": {"role": "assistant", "content": out["text"]},
+                "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
+                "finish_reason": _finish_reason(meta["finish_reason"]),
+                "matched_stop": (meta["finish_reason"] or {}).get("matched"),
+            })
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": self.usage(outs, req.n)}
+
+
+class _Stream(abc.ABC):
+    """Turns the TokenizerManager's cumulative per-index outputs into OpenAI delta chunks."""
+
+    object_name = ""
+
+    def __init__(self, serving: OpenAIServing, req):
+        self.serving, self.req = serving, req
+        self.id = f"{'chatcmpl' if self.object_name.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.sent_text: dict[int, int] = {}
+        self.sent_lp: dict[int, int] = {}
+        self.final: dict[int, dict] = {}
+
+    def chunk(self, out: dict) -> bytes:
+        i = out.get("index", 0)
+        meta = out["meta_info"]
+        first = i not in self.sent_text
+        delta_text = out["text"][self.sent_text.get(i, 0):]
+        self.sent_text[i] = len(out["text"])
+        n_lp = len(meta.get("output_token_logprobs") or [])
+        choice = self.choice(i, first, delta_text, meta, self.sent_lp.get(i, 0))
+        self.sent_lp[i] = n_lp
+        reason = meta["finish_reason"]
+        if reason is not None:
+            self.final[i] = out
+            choice["finish_reason"] = _finish_reason(reason)
+            choice["matched_stop"] = reason.get("matched")
+        body = {"id": self.id, "object": self.object_name, "created": self.created,
+                "model": self.serving.model_name, "choices": [choice]}
+        if self.req.stream_options and self.req.stream_options.continuous_usage_stats:
+            body["usage"] = self.serving.usage([out], 1)
+        return _sse(body)
+
+    def usage_chunk(self) -> bytes | None:
+        if not (self.req.stream_options and self.req.stream_options.include_usage):
+            return None
+        outs = [self.final[i] for i in sorted(self.final)]
+        return _sse({"id": self.id, "object": self.object_name, "created": self.created,
+                     "model": self.serving.model_name, "choices": [], "usage": self.serving.usage(outs, self.req.n)})
+
+    @abc.abstractmethod
+    def choice(self, i: int, first: bool, text: str, meta: dict, lp_start: int) -> dict:
+        """One choice of a chunk: `text` is new since the last chunk of index i."""
+
+
+class _CompletionStream(_Stream):
+    object_name = "text_completion"
+
+    def __init__(self, serving, req, prompts):
+        super().__init__(serving, req)
+        self.prompts = prompts
+
+    def choice(self, i, first, text, meta, lp_start):
+        if first and self.req.echo:
+            text = self.prompts[i // self.req.n] + text
+        logprobs = None
+        if self.req.logprobs is not None:
+            full = self.serving.completion_logprobs(meta, self.req.echo and first)
+            if not (self.req.echo and first):
+                full = {k: (v[lp_start:] if v is not None else None) for k, v in full.items()}
+            logprobs = full
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None, "matched_stop": None}
+
+
+class _ChatStream(_Stream):
+    object_name = "chat.completion.chunk"
+
+    def choice(self, i, first, text, meta, lp_start):
+        delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
+        logprobs = self.serving.chat_logprobs(meta, lp_start) if self.req.logprobs else None
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None, "matched_stop": None}

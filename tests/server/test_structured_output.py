@@ -1,0 +1,193 @@
+"""Structured output through a live server (default model): JSON schemas on /generate and through
+OpenAI's response_format, regex, EBNF, mixed constrained and unconstrained load, bad grammars as
+400s, --grammar-backend none, and jump-forward (same greedy text, fewer forward passes)."""
+
+import concurrent.futures
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from srt.hf_transformers_utils import get_tokenizer
+
+S = {"type": "string", "maxLength": 16}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "person": {"type": "object", "properties": {"first": S, "last": S}, "required": ["first", "last"],
+                   "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3}},
+     "required": ["person", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "shade": {"type": "string", "enum": ["light", "dark"]}},
+     "required": ["color", "shade"], "additionalProperties": False},
+    {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                      "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["zip", "code"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
+                                      "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+                                      "rating": {"type": "number", "minimum": 0, "maximum": 10}},
+     "required": ["title"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -99,
+                                                                       "maximum": 99},
+                                                                 "y": {"type": "integer", "minimum": -99,
+                                                                       "maximum": 99}},
+                                "required": ["x", "y"], "additionalProperties": False},
+     "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"],
+                                                                          "maxLength": 20}},
+     "required": ["ok", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"version": {"const": "v1"}, "count": {"type": "integer", "minimum": 1,
+                                                                           "maximum": 9}},
+     "required": ["version", "count"], "additionalProperties": False},
+    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
+                                                          {"type": "string", "maxLength": 8}]}},
+     "required": ["value"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
+        "type": "object", "properties": {"c": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 50}, "maxItems": 3}},
+        "required": ["c"], "additionalProperties": False}}, "required": ["b"], "additionalProperties": False}},
+     "required": ["a"], "additionalProperties": False},
+]
+TASKS = ["Describe a person as JSON.", "Give me some data about a movie.", "Output JSON for a color.",
+         "Return a JSON answer.", "Make up an example record."]
+REGEX = r"(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day, [0-9]{1,2} (January|February|March) 20[0-9]{2}"
+EBNF = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "maybe"'
+LONG_KEYS = {"type": "object", "properties": {
+    "customer_full_legal_name_as_registered": {"type": "string", "maxLength": 12},
+    "customer_primary_contact_email_address": {"type": "string", "maxLength": 12},
+    "customer_account_creation_year_number": {"type": "integer", "minimum": 1990, "maximum": 2030}},
+    "required": ["customer_full_legal_name_as_registered", "customer_primary_contact_email_address",
+                 "customer_account_creation_year_number"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def chat(default_model_path):
+    tok = get_tokenizer(default_model_path)
+    return lambda q: tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=False)
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory("--max-total-tokens", "32768")
+
+
+def gen(server, text, max_new_tokens=160, **constraint):
+    return server.generate(text=text, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens,
+                                                       **constraint})
+
+
+def test_fifty_json_schema_generations_validate(server, chat):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    jobs = [(schema, task, i % 2) for schema in SCHEMAS for i, task in enumerate(TASKS)]
+
+    def run(job):
+        schema, task, via_openai = job
+        if via_openai:
+            out = client.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": task}], temperature=0, max_tokens=160,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            return out.choices[0].message.content, out.choices[0].finish_reason
+        out = gen(server, chat(task), json_schema=json.dumps(schema))
+        return out["text"], out["meta_info"]["finish_reason"]["type"]
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        results = list(pool.map(run, jobs))
+    for (schema, task, _), (text, reason) in zip(jobs, results):
+        assert reason == "stop", (task, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_response_format(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    messages = [{"role": "user", "content": 'Reply with the JSON object {"answer": "yes"} and nothing else.'}]
+    out = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=160,
+                                         response_format={"type": "json_object"})
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_regex_and_ebnf(server, chat):
+    for q in ("When is the meeting?", "What date is it?"):
+        text = gen(server, chat(q), 40, regex=REGEX)["text"]
+        assert re.fullmatch(REGEX, text), text
+    text = gen(server, chat("Is water wet?"), 40, ebnf=EBNF)["text"]
+    assert re.fullmatch(r"The answer is (yes|no|maybe)\.", text), text
+
+
+def test_mixed_concurrent_load(server, chat):
+    def run(i):
+        if i % 2:
+            return "free", gen(server, chat(f"Tell me a fact number {i}."), 24)
+        return "regex", gen(server, chat(f"Pick a date {i}."), 40, regex=REGEX)
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(run, range(40)))
+    for kind, out in results:
+        assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+        if kind == "regex":
+            assert re.fullmatch(REGEX, out["text"]), out["text"]
+    assert server.wait_idle()["integrity_ok"]
+
+
+@pytest.mark.parametrize("constraint, words", [
+    ({"json_schema": '{"type": "object", "properties": {"a": {"type": "strin"}}}'}, "json_schema"),
+    ({"json_schema": "{not json"}, "not valid JSON"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"ebnf": "root ::= missing_rule"}, "ebnf"),
+    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "at most one"),
+])
+def test_bad_grammars_are_400_and_the_server_keeps_serving(server, chat, constraint, words):
+    r = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, **constraint}})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, **constraint})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert gen(server, chat("Hello"), 4)["meta_info"]["completion_tokens"] == 4
+
+
+def test_cached_grammar_is_reused(server, chat):
+    schema = json.dumps({"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}},
+                         "required": ["k"], "additionalProperties": False})
+    a = gen(server, chat("A digit?"), 20, json_schema=schema)["text"]
+    b = gen(server, chat("A digit?"), 20, json_schema=schema)["text"]
+    assert a == b and json.loads(a)["k"] in range(10)
+
+
+def test_jump_forward_same_text_fewer_forward_passes(server, server_factory, chat):
+    # The example shows the keys, so the model's own greedy tokens for them are the canonical ones
+    # jump-forward appends. (A weak model forced away from what it wanted to write may spell a key
+    # in odd sub-tokens instead; then jump-forward's canonical tokens change what follows.)
+    example = json.dumps({"customer_full_legal_name_as_registered": "Ann Lee",
+                          "customer_primary_contact_email_address": "ann@x.io",
+                          "customer_account_creation_year_number": 2001})
+    prompts = [chat(f"Here is a customer record: {example}\nWrite another customer record in the same JSON format."),
+               chat(f"Example: {example}\nNow a record for a customer called Bob.")]
+
+    def run(s):
+        before = s.wait_idle()
+        outs = [gen(s, p, 200, json_schema=json.dumps(LONG_KEYS)) for p in prompts]  # one at a time
+        after = s.wait_idle()
+        return [(o["text"], o["output_ids"]) for o in outs], after["forward_passes"] - before["forward_passes"], after
+
+    with_jf, passes_jf, state = run(server)
+    off = server_factory("--max-total-tokens", "32768", "--disable-jump-forward")
+    without, passes_plain, state_off = run(off)
+    for text, _ in with_jf:
+        jsonschema.validate(json.loads(text), LONG_KEYS)
+    assert with_jf == without
+    assert state["jump_forward_tokens"] > 0 and state_off["jump_forward_tokens"] == 0
+    assert passes_jf < passes_plain, (passes_jf, passes_plain)
+    assert state["integrity_ok"]
+
+
+def test_grammar_backend_none_rejects_constraints(server_factory, tiny_chat_model):
+    s = server_factory("--model-path", tiny_chat_model, "--grammar-backend", "none", "--max-total-tokens", "4096")
+    r = s.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "regex": "a+"}})
+    assert r.status_code == 400 and "--grammar-backend none" in r.json()["error"]["message"]
+    r = s.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200
