@@ -84,7 +84,7 @@ def bench_steps(path: str, dtype: str, args) -> dict:
         start = time.perf_counter()
         with tqdm(total=len(compiled.buckets), desc="torch.compile") as bar:
             while compiled.thread.is_alive():
-                bar.n = len(compiled.ready)
+                bar.n = len(compiled.compile_seconds)
                 bar.refresh()
                 time.sleep(1)
         if not compiled.wait():

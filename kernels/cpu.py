@@ -2,7 +2,7 @@
 
 `load()` returns the `torch.ops.radixserve` namespace, or None (with one log line saying why)
 when no compiler is available or the build fails; callers then fall back to torch_native.
-The build is keyed by the source, torch's version and the CPU's flags, because it is compiled
+The build is keyed by the sources and headers, torch's version and the CPU's flags, because it is compiled
 for the host CPU (-march=native).
 """
 
@@ -18,7 +18,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("cpu_attention.cpp", "cpu_norm_act.cpp")]
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+SOURCES = [os.path.join(CSRC, name) for name in ("cpu_attention.cpp", "cpu_norm_act.cpp")]
+HEADERS = [os.path.join(CSRC, "cpu_common.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17"]
 _state: dict = {}
 
@@ -27,7 +29,7 @@ def _build_key() -> str:
     from srt.utils import cpu_flags
 
     h = hashlib.sha256((torch.__version__ + " ".join(CFLAGS)).encode())
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             h.update(f.read())
     h.update(" ".join(sorted(cpu_flags())).encode())
@@ -59,15 +61,14 @@ def load():
     start = time.perf_counter()
     try:
         load_extension(name="radixserve_cpu", sources=SOURCES, build_directory=directory, is_python_module=False,
-                       extra_cflags=CFLAGS,
-                       verbose=False)
+                       extra_cflags=CFLAGS, extra_include_paths=[CSRC], verbose=False)
     except Exception as e:  # a compiler error, a missing header: serve anyway, without the kernels
         text = str(e).splitlines()
         lines = [x for x in text if "error:" in x] or [x for x in text if "error" in x.lower()] or [type(e).__name__]
-        logger.warning("building the CPU attention kernels failed (%s); attention falls back to torch_native",
+        logger.warning("building the CPU kernels failed (%s); attention falls back to torch_native",
                        lines[0].strip())
         return None
-    logger.info("CPU attention kernels %s in %.1f s (%s)", "loaded from cache" if cached else "built",
+    logger.info("CPU kernels %s in %.1f s (%s)", "loaded from cache" if cached else "built",
                 time.perf_counter() - start, directory)
     _state["ops"] = torch.ops.radixserve
     return _state["ops"]

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -18,34 +20,13 @@
 
 namespace {
 
+using radixserve_cpu::to_float;
+using radixserve_cpu::vexp;
+
 constexpr int64_t kTile = 32;        // positions per softmax tile
 constexpr int64_t kQueryBlock = 16;  // extend: query tokens per task
 constexpr int64_t kPrefetch = 8;     // positions ahead whose K/V rows are prefetched
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), written so the compiler vectorizes it:
-// 2^n * p(r) with n = round(x / ln2) and a degree-6 polynomial on |r| <= ln2/2 (rel. error ~2e-7).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38; -inf (masked) lands here and becomes ~0
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Online-softmax attention of `rows` query rows (float, pre-scaled, [rows][d]) of one KV head over
 // positions [start, end) of one request. Row r may see positions < limit[r]. Updates the running
@@ -89,11 +70,11 @@ void attend_impl(const float* q, int64_t rows, const int64_t* limit, const T* kb
         continue;
       }
       const float m_new = std::max(m[r], tile_max);
-      const float corr = m[r] == kNegInf ? 0.f : exp_nonpositive(m[r] - m_new);
+      const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < n; ++j) {
-        const float e = sc[j] == kNegInf ? 0.f : exp_nonpositive(sc[j] - m_new);
+        const float e = sc[j] == kNegInf ? 0.f : vexp(sc[j] - m_new);
         sc[j] = e;
         sum += e;
       }
@@ -143,7 +124,30 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
   TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers must share a dtype");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.is_contiguous(), "req_to_token: int32");
   TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(q.dim() == 3 && k_buffer.size(2) == q.size(2) && q.size(1) % k_buffer.size(1) == 0,
+              "head shapes do not match the KV pool");
 }
+
+// The batch's rows of req_to_token: request b's KV slots are slots(b)[0, seq_len(b)).
+struct PageTable {
+  at::Tensor req_idx, lens;  // int64 copies kept alive for the raw pointers below
+  const int64_t* ridx;
+  const int64_t* slen;
+  const int32_t* table;
+  int64_t stride;
+
+  PageTable(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens)
+      : req_idx(req_pool_indices.to(at::kLong).contiguous()),
+        lens(seq_lens.to(at::kLong).contiguous()),
+        ridx(req_idx.data_ptr<int64_t>()),
+        slen(lens.data_ptr<int64_t>()),
+        table(req_to_token.data_ptr<int32_t>()),
+        stride(req_to_token.stride(0)) {}
+
+  int64_t batch() const { return lens.size(0); }
+  int64_t seq_len(int64_t b) const { return slen[b]; }
+  const int32_t* slots(int64_t b) const { return table + ridx[b] * stride; }
+};
 
 template <typename Q>
 void load_query(const Q* q, int64_t rows, int64_t d, float scale, float* dst) {
@@ -159,14 +163,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
   check_inputs(q, k_buffer, v_buffer, req_to_token, out);
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
-  TORCH_CHECK(k_buffer.size(2) == d && heads % kv_heads == 0, "head shapes do not match the KV pool");
   const int64_t splits = std::max<int64_t>(1, num_splits);
-  auto req_idx = req_pool_indices.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
-  const int64_t* ridx = req_idx.data_ptr<int64_t>();
-  const int64_t* slen = lens.data_ptr<int64_t>();
-  const int32_t* table = req_to_token.data_ptr<int32_t>();
-  const int64_t stride = req_to_token.stride(0);
+  const PageTable pages(req_to_token, req_pool_indices, seq_lens);
   // partial results per (request, kv head, split): running max, sum, and output
   auto part_ml = at::empty({batch, kv_heads, splits, group, 2}, q.options().dtype(at::kFloat));
   auto part_o = at::empty({batch, kv_heads, splits, group, d}, q.options().dtype(at::kFloat));
@@ -185,7 +183,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
         std::vector<int64_t> limit(group);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / (kv_heads * splits), h = (task / splits) % kv_heads, s = task % splits;
-          const int64_t len = slen[b], chunk = (len + splits - 1) / splits;
+          const int64_t len = pages.seq_len(b), chunk = (len + splits - 1) / splits;
           const int64_t lo = std::min(len, s * chunk), hi = std::min(len, lo + chunk);
           float* m = ml + task * group * 2;  // [group][2]: max, sum
           float* acc = po + task * group * d;
@@ -193,8 +191,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
           std::fill(acc, acc + group * d, 0.f);
           load_query(qp + (b * heads + h * group) * d, group, d, static_cast<float>(scale), qf.data());
           std::fill(limit.begin(), limit.end(), len);
-          attend<kv_t>(qf.data(), group, limit.data(), kbuf, vbuf, kv_heads, h, d, table + ridx[b] * stride, lo, hi,
-                       mm.data(), ll.data(), acc, scores);
+          attend<kv_t>(qf.data(), group, limit.data(), kbuf, vbuf, kv_heads, h, d, pages.slots(b), lo, hi, mm.data(),
+                       ll.data(), acc, scores);
           for (int64_t g = 0; g < group; ++g) {
             m[2 * g] = mm[g];
             m[2 * g + 1] = ll[g];
@@ -238,18 +236,12 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
   check_inputs(q, k_buffer, v_buffer, req_to_token, out);
   const int64_t heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
-  TORCH_CHECK(k_buffer.size(2) == d && heads % kv_heads == 0, "head shapes do not match the KV pool");
-  auto req_idx = req_pool_indices.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
+  const PageTable pages(req_to_token, req_pool_indices, seq_lens);
   auto starts = extend_start_loc.to(at::kLong).contiguous();
   auto ext = extend_seq_lens.to(at::kLong).contiguous();
-  const int64_t batch = lens.size(0);
-  const int64_t* ridx = req_idx.data_ptr<int64_t>();
-  const int64_t* slen = lens.data_ptr<int64_t>();
+  const int64_t batch = pages.batch();
   const int64_t* sloc = starts.data_ptr<int64_t>();
   const int64_t* elen = ext.data_ptr<int64_t>();
-  const int32_t* table = req_to_token.data_ptr<int32_t>();
-  const int64_t stride = req_to_token.stride(0);
   struct Task {
     int64_t b, q0, q1, h;
   };
@@ -270,7 +262,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
         std::vector<int64_t> limit;
         for (int64_t ti = begin; ti < end; ++ti) {
           const Task t = tasks[ti];
-          const int64_t prefix = slen[t.b] - elen[t.b];
+          const int64_t prefix = pages.seq_len(t.b) - elen[t.b];
           const int64_t rows = (t.q1 - t.q0) * group;
           qf.resize(rows * d);
           acc.assign(rows * d, 0.f);
@@ -280,13 +272,13 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
           for (int64_t i = t.q0; i < t.q1; ++i) {
             for (int64_t g = 0; g < group; ++g) {
               const int64_t r = (i - t.q0) * group + g;
-              const scalar_t* src = qp + ((sloc[t.b] + i) * heads + t.h * group + g) * d;
-              for (int64_t x = 0; x < d; ++x) qf[r * d + x] = to_float(src[x]) * static_cast<float>(scale);
+              load_query(qp + ((sloc[t.b] + i) * heads + t.h * group + g) * d, 1, d, static_cast<float>(scale),
+                         qf.data() + r * d);
               limit[r] = prefix + i + 1;
             }
           }
-          attend<kv_t>(qf.data(), rows, limit.data(), kbuf, vbuf, kv_heads, t.h, d, table + ridx[t.b] * stride, 0,
-                       prefix + t.q1, m.data(), l.data(), acc.data(), scores);
+          attend<kv_t>(qf.data(), rows, limit.data(), kbuf, vbuf, kv_heads, t.h, d, pages.slots(t.b), 0, prefix + t.q1,
+                       m.data(), l.data(), acc.data(), scores);
           for (int64_t i = t.q0; i < t.q1; ++i) {
             for (int64_t g = 0; g < group; ++g) {
               const int64_t r = (i - t.q0) * group + g;

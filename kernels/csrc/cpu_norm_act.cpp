@@ -6,36 +6,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-namespace {
-
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-// exp on [-87, 88] written so that it vectorizes; relative error ~2e-7.
-inline float vexp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-}  // namespace
+using radixserve_cpu::to_float;
+using radixserve_cpu::vexp;
 
 // In place: residual += x; x = rmsnorm(residual) * weight. With no residual (undefined tensor):
 // x = rmsnorm(x) * weight. Both [tokens, hidden], contiguous. Same operation order as HF: the norm

@@ -6,24 +6,23 @@ grammar compiles on a worker thread (other requests keep running); compiled gram
 --grammar-compile-timeout, fails its request with a 400 that carries the compiler's message;
 nothing ever runs unconstrained by accident.
 
-The matcher of a running request fills its row of the batch's token bitmask before sampling,
-accepts each sampled token, and finishes the request when the grammar terminates. With
-jump-forward on, a string the grammar forces is appended without forward passes (see
-`Scheduler.jump_forward`).
+A running request holds an xgrammar `GrammarMatcher` (`Req.grammar`): it fills the request's row
+of the batch's token bitmask before sampling, accepts each sampled token, and finishes the request
+when the grammar terminates. With jump-forward on, a string the grammar forces is appended without
+forward passes (see `Scheduler.try_jump_forward`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 MAX_CACHED_GRAMMARS = 1024
 
 
@@ -31,42 +30,8 @@ class GrammarError(ValueError):
     """The grammar cannot be used; the message is the compiler's (shown to the client)."""
 
 
-def grammar_key(params) -> tuple[str, str] | None:
-    """(kind, text) of a request's grammar, or None when it is unconstrained."""
-    for kind in GRAMMAR_KINDS:
-        text = getattr(params, kind, None)
-        if text is not None:
-            return kind, text
-    return None
-
-
-class Grammar:
-    """One request's matcher over a compiled grammar."""
-
-    def __init__(self, matcher):
-        self.matcher = matcher
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
-    def accept(self, token: int) -> bool:
-        return self.matcher.accept_token(token)
-
-    def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
-
-    def jump_forward_string(self) -> str:
-        return self.matcher.find_jump_forward_string()
-
-    def rollback(self, n: int) -> None:
-        self.matcher.rollback(n)
-
-
 class XGrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], any_whitespace: bool = False):
-        import xgrammar as xgr
-
-        self.xgr = xgr
         self.vocab_size = vocab_size
         start = time.perf_counter()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
@@ -107,8 +72,9 @@ class XGrammarBackend:
         self.compile_max_s = max(self.compile_max_s, seconds)
         return compiled
 
-    def matcher(self, compiled) -> Grammar:
-        return Grammar(self.xgr.GrammarMatcher(compiled, max_rollback_tokens=-1))
+    @staticmethod
+    def matcher(compiled) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
 
     def stats(self) -> dict:
         return {"compiled": self.compiled, "total_s": round(self.compile_total_s, 4),
@@ -116,35 +82,10 @@ class XGrammarBackend:
 
 
 def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    import xgrammar as xgr
-
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
     """-inf on the tokens each constrained row's grammar forbids; other rows are untouched."""
-    import xgrammar as xgr
-
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size,
                                     indices=rows)
-
-
-def validate_grammar_params(params) -> None:
-    """Cheap checks done in the tokenizer manager (the compile itself happens in the scheduler)."""
-    from srt.sampling.sampling_params import InvalidSamplingParams
-
-    given = [k for k in GRAMMAR_KINDS if getattr(params, k, None) is not None]
-    if len(given) > 1:
-        raise InvalidSamplingParams(f"sampling_params: give at most one of json_schema, regex, ebnf (got "
-                                    f"{', '.join(given)})")
-    for kind in given:
-        text = getattr(params, kind)
-        if not isinstance(text, str) or not text:
-            raise InvalidSamplingParams(f"sampling_params.{kind} = {text!r} is invalid: must be a non-empty string")
-    if params.json_schema is not None:
-        try:
-            schema = json.loads(params.json_schema)
-        except json.JSONDecodeError as e:
-            raise InvalidSamplingParams(f"sampling_params.json_schema is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidSamplingParams("sampling_params.json_schema must be a JSON object (a JSON Schema)")

@@ -19,7 +19,6 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from srt.entrypoints.openai.serving import OpenAIServing, openai_error_response
-
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
@@ -39,6 +38,13 @@ def json_response(payload, status: int = 200) -> Response:
 
 def error_response(status: int, message: str) -> Response:
     return json_response({"error": {"message": message, "code": status}}, status)
+
+
+def route_error(request: Request, status: int, message: str, **openai_fields) -> Response:
+    """An error in the route's shape: OpenAI's under /v1/, the native one elsewhere."""
+    if request.url.path.startswith("/v1/"):
+        return openai_error_response(status, message, **openai_fields)
+    return error_response(status, message)
 
 
 def to_error(e: Exception) -> Response:
@@ -72,18 +78,13 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             if request.url.path != "/health":
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
-                    message = "missing or invalid API key (send 'Authorization: Bearer <key>')"
-                    if request.url.path.startswith("/v1/"):
-                        return openai_error_response(401, message, code="invalid_api_key")
-                    return error_response(401, message)
+                    return route_error(request, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                       code="invalid_api_key")
             return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        if request.url.path.startswith("/v1/"):
-            return openai_error_response(exc.status_code, message)
-        return error_response(exc.status_code, message)
+        return route_error(request, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -166,7 +167,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     def openai_route(handler):
         async def route(request: Request) -> Response:
-            body = await _json_body(request, openai_shape=True)
+            body = await _json_body(request)
             if isinstance(body, Response):
                 return body
             return await handler(body, request)
@@ -204,9 +205,12 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     return app
 
 
-async def _json_body(request: Request, openai_shape: bool = False):
+async def _json_body(request: Request):
     """The parsed JSON body, or the error response (413 over MAX_BODY_BYTES, 400 if not JSON)."""
-    error = openai_error_response if openai_shape else error_response
+
+    def error(status: int, message: str) -> Response:
+        return route_error(request, status, message)
+
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         return error(413, f"request body of {int(declared)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")

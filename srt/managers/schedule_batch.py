@@ -69,14 +69,13 @@ class Req:
     cached_tokens: int = 0
     retractions: int = 0
     admitted: bool = False  # prefilled at least once (cached_tokens is from the first admission)
-    jump_forward_tokens: int = 0  # output tokens appended by jump-forward, without forward passes
     # logprobs: lists of (logprob, token_id); top lists hold (logprobs, ids) or None
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_logprobs_done: bool = False
-    # structured output: the grammar's matcher once compiled (srt/constrained)
+    # structured output: the xgrammar GrammarMatcher once the grammar compiled (srt/constrained)
     grammar: object = None
     # how much has been sent to the detokenizer
     sent_output_len: int = 0

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import zmq
 
 from srt.configs.model_config import ModelConfig
-from srt.constrained.grammar_backend import GrammarError, XGrammarBackend, grammar_key
+from srt.constrained.grammar_backend import GrammarError, XGrammarBackend
 from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.io_struct import (
     AbortReq,
@@ -162,20 +162,20 @@ class Scheduler(SchedulerOutputMixin):
         while self.pending:
             self.process_oldest_pending()
 
-    def has_work(self) -> bool:
+    def has_runnable_work(self) -> bool:
         launched = self.last_prefill.reqs if self.last_prefill is not None else []
-        return bool(self.waiting_queue or self.chunked_req or self.pending or self.grammar_queue
+        return bool(self.waiting_queue or self.chunked_req or self.pending
                     or any(not r.finished for r in self.running_batch.reqs + launched))
+
+    def has_work(self) -> bool:
+        return bool(self.grammar_queue) or self.has_runnable_work()
 
     def recv_requests(self) -> list:
         msgs = []
-        if not self.has_work():
-            wait_ms = IDLE_POLL_MS
-        elif self.grammar_queue and not (self.waiting_queue or self.running_batch.reqs or self.pending
-                                         or self.chunked_req or self.last_prefill):
-            wait_ms = GRAMMAR_POLL_MS  # only compiles pending: do not spin against them
-        else:
+        if self.has_runnable_work():
             wait_ms = 0
+        else:  # idle, or only grammar compiles pending: block briefly instead of spinning against them
+            wait_ms = GRAMMAR_POLL_MS if self.grammar_queue else IDLE_POLL_MS
         if wait_ms and not self.recv_from_tokenizer.poll(wait_ms):
             return msgs
         while True:
@@ -200,15 +200,14 @@ class Scheduler(SchedulerOutputMixin):
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = Req(recv.rid, recv.input_ids, recv.sampling_params, recv.return_logprob, recv.logprob_start_len,
                   recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time)
-        key = grammar_key(req.sampling_params)
+        key = req.sampling_params.grammar_key
         if key is None:
             self.waiting_queue.append(req)
         elif self.grammar_backend is None:
             self.fail_request(req, "structured output (json_schema / regex / ebnf) is disabled on this server "
                                    "(--grammar-backend none)")
-        else:
+        else:  # the event loop polls the queue right after taking in new requests
             self.grammar_queue.append((req, self.grammar_backend.submit(key), time.monotonic()))
-            self.poll_grammar_queue()
 
     def fail_request(self, req: Req, message: str) -> None:
         """A request that cannot run as asked: it ends before any token, answered with HTTP 400."""
@@ -329,8 +328,7 @@ class Scheduler(SchedulerOutputMixin):
         while batch.reqs and (self.allocator.available_size() + self.tree_cache.evictable_size()
                               < self.builder.decode_slots_needed(batch.reqs)):
             req = batch.reqs.pop()
-            self.tree_cache.cache_finished_req(req)
-            req.reset_for_retract()
+            self.park(req, retraction=True)
             retracted.append(req)
         self.waiting_queue[:0] = retracted
         self.total_retractions += len(retracted)
@@ -397,8 +395,11 @@ class Scheduler(SchedulerOutputMixin):
         when that keeps those tokens (else decoding goes on, and the next step tries again at a
         cleaner boundary). The request then leaves the decode batch with its KV in the prefix
         cache and comes back as one extend over the appended tokens."""
-        forced = req.grammar.jump_forward_string()
-        if not forced or req.return_logprob:
+        p = req.sampling_params
+        if req.return_logprob or p.stop_strs:  # no logprobs for jumped tokens; a stop string could fire inside
+            return
+        forced = req.grammar.find_jump_forward_string()
+        if not forced:
             return
         out = req.output_ids
         tail = out[-JUMP_FORWARD_CONTEXT_TOKENS:]  # earlier tokens belong to finished pre-tokens
@@ -411,24 +412,27 @@ class Scheduler(SchedulerOutputMixin):
         extra = ids[len(tail) : -1]
         if len(extra) < JUMP_FORWARD_MIN_TOKENS:
             return
-        p = req.sampling_params
         if (p.max_new_tokens is not None and len(out) + len(extra) >= p.max_new_tokens
                 or req.seq_len + len(extra) >= self.model_config.context_len):
             return
-        if p.stop_strs or p.stop_token_ids and set(extra) & set(p.stop_token_ids) or set(extra) & self.eos_token_ids:
-            return  # a stop condition could fire inside the forced string: decode it normally
+        if set(extra) & (set(p.stop_token_ids or ()) | self.eos_token_ids):
+            return  # a stop token inside the forced string: decode it normally
         for k, t in enumerate(extra):
-            if not req.grammar.accept(t):
+            if not req.grammar.accept_token(t):
                 req.grammar.rollback(k)
                 return
         out.extend(extra)
-        req.jump_forward_tokens += len(extra)
         self.total_jump_forward_tokens += len(extra)
-        if req in self.running_batch.reqs:
+        if req in self.running_batch.reqs:  # defensive: a decode result's request is normally still running
             self.running_batch.reqs.remove(req)
-        self.tree_cache.cache_finished_req(req)  # its KV so far becomes the prefix of its next extend
-        req.reset_for_retract(count=False)
+        self.park(req, retraction=False)
         self.waiting_queue.insert(0, req)
+
+    def park(self, req: Req, retraction: bool) -> None:
+        """Take a running request off the device: its computed KV goes into the prefix cache, which
+        its next prefill matches, so only the tokens without KV are computed again."""
+        self.tree_cache.cache_finished_req(req)
+        req.reset_for_retract(count=retraction)
 
     @staticmethod
     def take_future_slot(req: Req, slot: int) -> None:

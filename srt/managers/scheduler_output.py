@@ -90,7 +90,7 @@ class SchedulerOutputMixin:
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(result.next_top_logprobs[i])
         if req.grammar is not None and not req.finished:
-            if not req.grammar.accept(token):  # the mask forbids this; never continue unconstrained
+            if not req.grammar.accept_token(token):  # the mask forbids this; never continue unconstrained
                 req.finished_reason = finish_abort(f"token {token} was sampled against the grammar")
             elif req.grammar.is_terminated():
                 req.finished_reason = finish_matched_token(token)

@@ -54,7 +54,6 @@ def configure_inductor() -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True  # weights become constants: inductor repacks them for its GEMMs
-    inductor_config.fx_graph_cache = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
 
@@ -65,40 +64,30 @@ def compiled_graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _inductor_counters() -> tuple[int, int]:
-    """(FX graph cache hits, GEMM autotuning runs) so far in this process."""
+def _autotune_runs() -> int:
+    """GEMM autotuning runs so far in this process. Frozen weights keep inductor from caching whole
+    graphs, but its generated kernels and autotuning results are cached on disk: a warm start
+    traces and links without benchmarking, so no autotuning run means the cache served it."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["select_algorithm_autotune"]
-
-
-def _cache_label(before: tuple[int, int], after: tuple[int, int]) -> str:
-    # Frozen weights keep inductor from caching whole graphs, but its generated kernels and GEMM
-    # autotuning results are cached on disk: a warm restart traces and links without benchmarking.
-    if after[0] > before[0]:
-        return "inductor graph cache hit"
-    if after[1] == before[1]:
-        return "kernels and autotuning from the on-disk cache"
-    return "compiled and autotuned"
+    return counters["inductor"]["select_algorithm_autotune"]
 
 
 class CompiledDecodeRunner:
-    def __init__(self, model_runner, max_bs: int, buckets: list[int] | None = None,
-                 mode: str = "max-autotune-no-cudagraphs"):
+    def __init__(self, model_runner, max_bs: int, buckets: list[int] | None = None):
         configure_inductor()
         self.runner = model_runner
         self.max_bs = min(max_bs, model_runner.max_running_requests)
         self.buckets = sorted(b for b in buckets if b <= self.max_bs) if buckets else bucket_sizes(self.max_bs)
-        self.ready: set[int] = set()
         self.failed: str | None = None
-        self.compile_seconds: dict[int, float] = {}
+        self.compile_seconds: dict[int, float] = {}  # of the buckets whose graph is ready
         self.cache_labels: dict[int, str] = {}
         self.steps = 0  # decode steps run compiled
         self.freezing: bool | None = None
         self.layers = sorted((m for m in model_runner.model.modules() if isinstance(m, RadixAttention)),
                              key=lambda m: m.layer_id)
-        self._graph = torch.compile(self._decode_logits, dynamic=False, fullgraph=True, mode=mode)
-        self._stop = threading.Event()
+        self._graph = torch.compile(self._decode_logits, dynamic=False, fullgraph=True,
+                                    mode="max-autotune-no-cudagraphs")
         self.thread = threading.Thread(target=self._compile_all, name="torch-compile", daemon=True)
         self.thread.start()
 
@@ -111,7 +100,7 @@ class CompiledDecodeRunner:
         return next((b for b in self.buckets if b >= batch_size), None)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and self.bucket(fb.batch_size) in self.ready
+        return fb.forward_mode.is_decode() and self.bucket(fb.batch_size) in self.compile_seconds
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         bs, padded = fb.batch_size, self._pad(fb, self.bucket(fb.batch_size))
@@ -158,9 +147,7 @@ class CompiledDecodeRunner:
         self.freezing = inductor_config.freezing  # as this thread sees it
         start = time.perf_counter()
         for size in self.buckets:
-            if self._stop.is_set():
-                return
-            t, counters_before = time.perf_counter(), _inductor_counters()
+            t, autotuned = time.perf_counter(), _autotune_runs()
             fb = self._dummy_batch(size)
             try:
                 with torch.no_grad(), graph_attention_context(fb, self.layers):
@@ -171,16 +158,16 @@ class CompiledDecodeRunner:
                 logger.warning("torch.compile of the decode step failed at batch %d (%s); decode stays eager",
                                size, self.failed)
                 return
-            self.compile_seconds[size] = time.perf_counter() - t
-            self.ready.add(size)
-            self.cache_labels[size] = _cache_label(counters_before, _inductor_counters())
+            self.cache_labels[size] = ("compiled and autotuned" if _autotune_runs() > autotuned
+                                       else "kernels and autotuning from the on-disk cache")
+            self.compile_seconds[size] = time.perf_counter() - t  # last: marks the bucket ready
             logger.info("torch.compile decode batch %d ready in %.1f s (%s)", size, self.compile_seconds[size],
                         self.cache_labels[size])
         logger.info("torch.compile: %d decode graphs (batch %s) ready in %.1f s", len(self.buckets),
                     ",".join(map(str, self.buckets)), time.perf_counter() - start)
 
     def status(self) -> dict:
-        return {"buckets": self.buckets, "ready": sorted(self.ready), "failed": self.failed, "steps": self.steps,
+        return {"buckets": self.buckets, "ready": sorted(self.compile_seconds), "failed": self.failed, "steps": self.steps,
                 "graphs": compiled_graph_count(), "freezing": self.freezing,
                 "compile_seconds": {str(k): round(v, 2) for k, v in self.compile_seconds.items()},
                 "cache": {str(k): v for k, v in self.cache_labels.items()}}
@@ -189,6 +176,3 @@ class CompiledDecodeRunner:
         """Block until every bucket is compiled (tests, benchmarks); False on timeout or failure."""
         self.thread.join(timeout)
         return not self.thread.is_alive() and self.failed is None
-
-    def stop(self) -> None:
-        self._stop.set()

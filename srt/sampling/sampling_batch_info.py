@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.constrained.grammar_backend import allocate_token_bitmask, apply_token_bitmask
 from srt.sampling.penaltylib import Penalties
 
 
@@ -70,13 +71,11 @@ class SamplingBatchInfo:
             if positions is None:
                 positions = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
             info.seed_positions = torch.tensor(positions, dtype=torch.int64, device=device)
-        rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+        rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]  # StaticReq has none
         if rows:
-            from srt.constrained.grammar_backend import allocate_token_bitmask
-
             info.vocab_mask, info.vocab_mask_rows = allocate_token_bitmask(len(reqs), vocab_size), rows
             for i in rows:
-                reqs[i].grammar.fill_bitmask(info.vocab_mask, i)
+                reqs[i].grammar.fill_next_token_bitmask(info.vocab_mask, i)
         return info
 
     @property
@@ -93,6 +92,4 @@ class SamplingBatchInfo:
         for row, ids in self.min_tokens_block or ():
             logits[row, ids] = float("-inf")
         if self.vocab_mask is not None:  # last: the grammar's choice is final
-            from srt.constrained.grammar_backend import apply_token_bitmask
-
             apply_token_bitmask(logits, self.vocab_mask, self.vocab_mask_rows, self.vocab_size)

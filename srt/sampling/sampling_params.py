@@ -6,10 +6,12 @@ the HTTP layer turns it into a 400.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
 GREEDY_TEMPERATURE = 1e-6
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # structured-output constraints, at most one per request
 
 
 class InvalidSamplingParams(ValueError):
@@ -98,12 +100,31 @@ class SamplingParams:
                    "stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {vocab_size})")
         if self.logit_bias is not None:
             self._verify_logit_bias(vocab_size)
-        from srt.constrained.grammar_backend import validate_grammar_params
-
-        validate_grammar_params(self)
+        self._verify_grammar()
         if self.sampling_seed is not None:
             _check(_is_int(self.sampling_seed) and 0 <= self.sampling_seed < 2**63, "sampling_seed",
                    self.sampling_seed, "an integer in [0, 2**63)")
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint, or None when unconstrained."""
+        return next(((kind, getattr(self, kind)) for kind in GRAMMAR_KINDS if getattr(self, kind) is not None), None)
+
+    def _verify_grammar(self) -> None:
+        """Cheap checks here; the compile itself happens in the scheduler (srt/constrained)."""
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise InvalidSamplingParams(f"sampling_params: give at most one of json_schema, regex, ebnf (got "
+                                        f"{', '.join(given)})")
+        for kind in given:
+            text = getattr(self, kind)
+            _check(isinstance(text, str) and text != "", kind, text, "a non-empty string")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise InvalidSamplingParams(f"sampling_params.json_schema is not valid JSON: {e}") from None
+            _check(isinstance(schema, (dict, bool)), "json_schema", self.json_schema, "a JSON object (a JSON Schema)")
 
     def _verify_stop(self) -> None:
         stop = self.stop

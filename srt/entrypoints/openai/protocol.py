@@ -6,6 +6,7 @@ whose message names the field, the value and the limit (see `format_validation_e
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -95,8 +96,6 @@ class _SamplingFields(_Body):
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise ValueError("response_format.json_schema.schema is required when response_format.type is "
                                  "'json_schema'")
-            import json
-
             params["json_schema"] = json.dumps(fmt.json_schema.schema_)
         return {k: v for k, v in params.items() if v is not None}
 

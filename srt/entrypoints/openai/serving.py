@@ -43,8 +43,11 @@ def _sse(payload) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _finish_reason(reason: dict | None) -> str | None:
-    return None if reason is None else reason.get("type")
+def _finish_fields(reason: dict | None) -> dict:
+    """OpenAI's finish_reason (stop / length / abort) and SGLang's matched_stop."""
+    if reason is None:
+        return {"finish_reason": None, "matched_stop": None}
+    return {"finish_reason": reason.get("type"), "matched_stop": reason.get("matched")}
 
 
 class OpenAIServing:
@@ -66,23 +69,10 @@ class OpenAIServing:
                 "root": self.model_name, "max_model_len": self.tm.context_len}
 
     async def completions(self, body: Any, request: Request) -> Response:
-        try:
-            req = self._parse(CompletionRequest, body)
-            obj = self._completion_input(req)
-        except OpenAIError as e:
-            return openai_error_response(e.status, e.message, e.param, e.code)
-        prompts = self._prompt_texts(req)
-        return await self._run(obj, req, request, lambda outs: self._completion_body(req, outs, prompts),
-                               lambda: _CompletionStream(self, req, prompts))
+        return await self._serve(body, request, CompletionRequest, self._completion_input, _CompletionResponder)
 
     async def chat(self, body: Any, request: Request) -> Response:
-        try:
-            req = self._parse(ChatCompletionRequest, body)
-            obj = self._chat_input(req)
-        except OpenAIError as e:
-            return openai_error_response(e.status, e.message, e.param, e.code)
-        return await self._run(obj, req, request, lambda outs: self._chat_body(req, outs),
-                               lambda: _ChatStream(self, req))
+        return await self._serve(body, request, ChatCompletionRequest, self._chat_input, _ChatResponder)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -120,18 +110,6 @@ class OpenAIServing:
             logprob_start_len=0 if (want_lp and req.echo) else -1, return_text_in_logprobs=True,
             stream=req.stream)
 
-    def _prompt_texts(self, req: CompletionRequest) -> list[str]:
-        """Each prompt's text, for echo."""
-        if not req.echo:
-            return []
-        p = req.prompt
-        if isinstance(p, str):
-            return [p]
-        if isinstance(p[0], str):
-            return list(p)
-        batches = p if isinstance(p[0], list) else [p]
-        return [self.tm.tokenizer.decode(ids) for ids in batches]
-
     def _chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
         tok = self.tm.tokenizer
         template = self.chat_template or getattr(tok, "chat_template", None)
@@ -162,7 +140,12 @@ class OpenAIServing:
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             return_text_in_logprobs=True, stream=req.stream)
 
-    async def _run(self, obj: GenerateReqInput, req, request: Request, make_body, make_stream) -> Response:
+    async def _serve(self, body: Any, request: Request, cls, to_input, responder_cls) -> Response:
+        try:
+            req = self._parse(cls, body)
+            obj = to_input(req)
+        except OpenAIError as e:
+            return openai_error_response(e.status, e.message, e.param, e.code)
         try:
             gen = self.tm.generate_request(obj, request)
             first = await gen.__anext__()
@@ -170,17 +153,17 @@ class OpenAIServing:
             return openai_error_response(400, str(e))
         except ServiceUnavailable as e:
             return openai_error_response(503, str(e))
+        responder = responder_cls(self, req)
         if not req.stream:
-            return Response(orjson.dumps(make_body(first if isinstance(first, list) else [first])),
+            return Response(orjson.dumps(responder.body(first if isinstance(first, list) else [first])),
                             media_type="application/json")
-        stream = make_stream()
 
         async def events():
             try:
-                yield stream.chunk(first)
+                yield responder.chunk(first)
                 async for out in gen:
-                    yield stream.chunk(out)
-                tail = stream.usage_chunk()
+                    yield responder.chunk(out)
+                tail = responder.usage_chunk()
                 if tail:
                     yield tail
             except ServiceUnavailable as e:
@@ -201,11 +184,11 @@ class OpenAIServing:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     @staticmethod
-    def completion_logprobs(meta: dict, echo: bool, offset: int = 0) -> dict:
+    def completion_logprobs(meta: dict, echo: bool) -> dict:
         entries = (meta.get("input_token_logprobs") or [] if echo else []) + meta.get("output_token_logprobs", [])
         tops = ((meta.get("input_top_logprobs") or [] if echo else []) + (meta.get("output_top_logprobs") or []))
         tokens = [e[2] for e in entries]
-        text_offset, pos = [], offset
+        text_offset, pos = [], 0
         for t in tokens:
             text_offset.append(pos)
             pos += len(t or "")
@@ -225,46 +208,26 @@ class OpenAIServing:
                                              for v, _id, t in top]})
         return {"content": content}
 
-    def _completion_body(self, req: CompletionRequest, outs: list[dict], prompts: list[str]) -> dict:
-        choices = []
-        for i, out in enumerate(outs):
-            meta = out["meta_info"]
-            echo = prompts[i // req.n] if req.echo else ""
-            choices.append({
-                "index": i, "text": echo + out["text"],
-                "logprobs": self.completion_logprobs(meta, req.echo) if req.logprobs is not None else None,
-                "finish_reason": _finish_reason(meta["finish_reason"]),
-                "matched_stop": (meta["finish_reason"] or {}).get("matched"),
-            })
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self.usage(outs, req.n)}
 
-    def _chat_body(self, req: ChatCompletionRequest, outs: list[dict]) -> dict:
-        choices = []
-        for i, out in enumerate(outs):
-            meta = out["meta_info"]
-            choices.append({
-                "index": i, "message": {"role": "assistant", "content": out["text"]},
-                "logprobs": self.chat_logprobs(meta) if req.logprobs else None,
-                "finish_reason": _finish_reason(meta["finish_reason"]),
-                "matched_stop": (meta["finish_reason"] or {}).get("matched"),
-            })
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self.usage(outs, req.n)}
+class _Responder(abc.ABC):
+    """One request's answer in OpenAI's shapes: the whole body, or delta chunks built from the
+    TokenizerManager's cumulative per-index outputs."""
 
-
-class _Stream(abc.ABC):
-    """Turns the TokenizerManager's cumulative per-index outputs into OpenAI delta chunks."""
-
-    object_name = ""
+    object_name = chunk_object = id_prefix = ""
 
     def __init__(self, serving: OpenAIServing, req):
         self.serving, self.req = serving, req
-        self.id = f"{'chatcmpl' if self.object_name.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent_text: dict[int, int] = {}
         self.sent_lp: dict[int, int] = {}
         self.final: dict[int, dict] = {}
+
+    def body(self, outs: list[dict]) -> dict:
+        choices = [{**self.final_choice(i, out), **_finish_fields(out["meta_info"]["finish_reason"])}
+                   for i, out in enumerate(outs)]
+        return {"id": self.id, "object": self.object_name, "created": self.created,
+                "model": self.serving.model_name, "choices": choices, "usage": self.serving.usage(outs, self.req.n)}
 
     def chunk(self, out: dict) -> bytes:
         i = out.get("index", 0)
@@ -272,15 +235,12 @@ class _Stream(abc.ABC):
         first = i not in self.sent_text
         delta_text = out["text"][self.sent_text.get(i, 0):]
         self.sent_text[i] = len(out["text"])
-        n_lp = len(meta.get("output_token_logprobs") or [])
-        choice = self.choice(i, first, delta_text, meta, self.sent_lp.get(i, 0))
-        self.sent_lp[i] = n_lp
-        reason = meta["finish_reason"]
-        if reason is not None:
+        choice = {**self.delta_choice(i, first, delta_text, meta, self.sent_lp.get(i, 0)),
+                  **_finish_fields(meta["finish_reason"])}
+        self.sent_lp[i] = len(meta.get("output_token_logprobs") or [])
+        if meta["finish_reason"] is not None:
             self.final[i] = out
-            choice["finish_reason"] = _finish_reason(reason)
-            choice["matched_stop"] = reason.get("matched")
-        body = {"id": self.id, "object": self.object_name, "created": self.created,
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created,
                 "model": self.serving.model_name, "choices": [choice]}
         if self.req.stream_options and self.req.stream_options.continuous_usage_stats:
             body["usage"] = self.serving.usage([out], 1)
@@ -290,22 +250,46 @@ class _Stream(abc.ABC):
         if not (self.req.stream_options and self.req.stream_options.include_usage):
             return None
         outs = [self.final[i] for i in sorted(self.final)]
-        return _sse({"id": self.id, "object": self.object_name, "created": self.created,
+        return _sse({"id": self.id, "object": self.chunk_object, "created": self.created,
                      "model": self.serving.model_name, "choices": [], "usage": self.serving.usage(outs, self.req.n)})
 
     @abc.abstractmethod
-    def choice(self, i: int, first: bool, text: str, meta: dict, lp_start: int) -> dict:
-        """One choice of a chunk: `text` is new since the last chunk of index i."""
+    def final_choice(self, i: int, out: dict) -> dict:
+        """Choice i of the whole answer, without its finish fields."""
+
+    @abc.abstractmethod
+    def delta_choice(self, i: int, first: bool, text: str, meta: dict, lp_start: int) -> dict:
+        """Choice i of a chunk: `text` and the logprobs from `lp_start` are new since its last chunk."""
 
 
-class _CompletionStream(_Stream):
-    object_name = "text_completion"
+class _CompletionResponder(_Responder):
+    object_name = chunk_object = "text_completion"
+    id_prefix = "cmpl"
 
-    def __init__(self, serving, req, prompts):
+    def __init__(self, serving, req):
         super().__init__(serving, req)
-        self.prompts = prompts
+        self.prompts = self._prompt_texts()
 
-    def choice(self, i, first, text, meta, lp_start):
+    def _prompt_texts(self) -> list[str]:
+        """Each prompt's text, for echo."""
+        req = self.req
+        if not req.echo:
+            return []
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], str):
+            return list(p)
+        batches = p if isinstance(p[0], list) else [p]
+        return [self.serving.tm.tokenizer.decode(ids) for ids in batches]
+
+    def final_choice(self, i, out):
+        req = self.req
+        echo = self.prompts[i // req.n] if req.echo else ""
+        logprobs = self.serving.completion_logprobs(out["meta_info"], req.echo) if req.logprobs is not None else None
+        return {"index": i, "text": echo + out["text"], "logprobs": logprobs}
+
+    def delta_choice(self, i, first, text, meta, lp_start):
         if first and self.req.echo:
             text = self.prompts[i // self.req.n] + text
         logprobs = None
@@ -314,13 +298,18 @@ class _CompletionStream(_Stream):
             if not (self.req.echo and first):
                 full = {k: (v[lp_start:] if v is not None else None) for k, v in full.items()}
             logprobs = full
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None, "matched_stop": None}
+        return {"index": i, "text": text, "logprobs": logprobs}
 
 
-class _ChatStream(_Stream):
-    object_name = "chat.completion.chunk"
+class _ChatResponder(_Responder):
+    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
 
-    def choice(self, i, first, text, meta, lp_start):
+    def final_choice(self, i, out):
+        logprobs = self.serving.chat_logprobs(out["meta_info"]) if self.req.logprobs else None
+        return {"index": i, "message": {"role": "assistant", "content": out["text"]}, "logprobs": logprobs}
+
+    def delta_choice(self, i, first, text, meta, lp_start):
         delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
         logprobs = self.serving.chat_logprobs(meta, lp_start) if self.req.logprobs else None
-        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None, "matched_stop": None}
+        return {"index": i, "delta": delta, "logprobs": logprobs}

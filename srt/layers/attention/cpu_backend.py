@@ -22,7 +22,7 @@ class CpuAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
         self.ops = cpu_kernels.load()
         if self.ops is None:
-            raise RuntimeError("the CPU attention kernels are unavailable")
+            raise RuntimeError("the CPU kernels are unavailable")
         self.num_splits = 1
 
     def init_forward_metadata(self, fb) -> None:
@@ -39,28 +39,22 @@ class CpuAttnBackend(AttentionBackend):
             self.kernel_rows = (fb.req_pool_indices[idx], fb.seq_lens[idx], fb.extend_start_loc[idx],
                                 fb.extend_seq_lens[idx])
 
-    @staticmethod
-    def _save(layer, fb, k, v) -> None:
-        fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc,
-                                          k.view(-1, layer.tp_k_head_num, layer.head_dim),
-                                          v.view(-1, layer.tp_v_head_num, layer.head_dim))
-
-    def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+    def _prepare(self, q, k, v, layer, fb, save_kv_cache: bool):
+        """Store the new K/V; returns the layer's pool buffers, q as [T, heads, dim] and an output."""
         if save_kv_cache:
-            self._save(layer, fb, k, v)
+            self.save_kv(layer, fb, k, v)
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim).contiguous()
-        out = torch.empty_like(q3)
+        return k_buf, v_buf, q3, torch.empty_like(q3)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+        k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
         self.ops.decode_attention(q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
                                   fb.seq_lens, out, layer.scaling, self.num_splits)
         return out.view(q.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
-        if save_kv_cache:
-            self._save(layer, fb, k, v)
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim).contiguous()
-        out = torch.empty_like(q3)
+        k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
         if self.kernel_rows is not None:
             self.ops.extend_attention(q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, *self.kernel_rows, out,
                                       layer.scaling)

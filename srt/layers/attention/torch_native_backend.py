@@ -101,12 +101,6 @@ class TorchNativeAttnBackend(AttentionBackend):
                                        max(fb.seq_lens_cpu[i] for i in single), kv_heads, rows)
         self.extend_reqs = extend_reqs_meta(fb, [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1])
 
-    @staticmethod
-    def _save(layer, fb, k, v) -> None:
-        fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc,
-                                          k.view(-1, layer.tp_k_head_num, layer.head_dim),
-                                          v.view(-1, layer.tp_v_head_num, layer.head_dim))
-
     def _gathered_attention(self, q, layer, fb, meta: _GatherMeta) -> torch.Tensor:
         hkv, d = layer.tp_k_head_num, layer.head_dim
         n, group = meta.rows.numel(), layer.tp_q_head_num // hkv
@@ -121,12 +115,12 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         if save_kv_cache:
-            self._save(layer, fb, k, v)
+            self.save_kv(layer, fb, k, v)
         return self._gathered_attention(q, layer, fb, self.gather)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         if save_kv_cache:
-            self._save(layer, fb, k, v)
+            self.save_kv(layer, fb, k, v)
         out = torch.empty_like(q)
         if self.gather is not None:
             out[self.gather.rows] = self._gathered_attention(q[self.gather.rows], layer, fb, self.gather)
