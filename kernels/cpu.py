@@ -56,12 +56,16 @@ def load():
     from torch.utils.cpp_extension import load as load_extension
 
     directory = build_dir()
-    cached = os.path.exists(os.path.join(directory, "radixserve_cpu.so"))
+    library = os.path.join(directory, "radixserve_cpu.so")
+    cached = os.path.exists(library)
     os.makedirs(directory, exist_ok=True)
     start = time.perf_counter()
     try:
-        load_extension(name="radixserve_cpu", sources=SOURCES, build_directory=directory, is_python_module=False,
-                       extra_cflags=CFLAGS, extra_include_paths=[CSRC], verbose=False)
+        if cached:  # the key covers sources, flags, torch and CPU: no need to ask ninja
+            torch.ops.load_library(library)
+        else:
+                load_extension(name="radixserve_cpu", sources=SOURCES, build_directory=directory, is_python_module=False,
+                           extra_cflags=CFLAGS, extra_include_paths=[CSRC], verbose=False)
     except Exception as e:  # a compiler error, a missing header: serve anyway, without the kernels
         text = str(e).splitlines()
         lines = [x for x in text if "error:" in x] or [x for x in text if "error" in x.lower()] or [type(e).__name__]

@@ -120,6 +120,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             "preferred_sampling_params": None,
             "context_length": tm.context_len,
             "chat_template": getattr(tm.tokenizer, "chat_template", None),
+            "bos_token": getattr(tm.tokenizer, "bos_token", None),
+            "eos_token": getattr(tm.tokenizer, "eos_token", None),
         }
 
     @app.get("/server_info")

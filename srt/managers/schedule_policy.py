@@ -12,6 +12,10 @@ CLIP_MAX_NEW_TOKENS = 4096
 # Past this many waiting requests, prefix-aware policies fall back to fcfs (matching is O(queue)).
 PREFIX_POLICY_QUEUE_LIMIT = 128
 
+# In-batch prefix sharing: a request with less than this much of its prompt cached that shares at
+# least this many leading tokens with a request already admitted to the batch waits one round.
+IN_BATCH_PREFIX_TOKENS = 32
+
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 
 
@@ -71,6 +75,24 @@ class SchedulePolicy:
 
         visit(root)
         waiting[:] = order
+
+
+class InBatchPrefixes:
+    """Requests that arrive together with a shared uncached prefix (a few-shot header, a fork's
+    branches) would each prefill it. The first one runs; the others wait one round and then find
+    the prefix in the radix cache, so it is computed once."""
+
+    def __init__(self) -> None:
+        self.heads: set[tuple[int, ...]] = set()
+
+    def defer(self, req: Req) -> bool:
+        ids = req.fill_ids
+        return (req.kv_len < IN_BATCH_PREFIX_TOKENS and len(ids) > IN_BATCH_PREFIX_TOKENS
+                and tuple(ids[:IN_BATCH_PREFIX_TOKENS]) in self.heads)
+
+    def add(self, req: Req) -> None:
+        if len(req.fill_ids) > IN_BATCH_PREFIX_TOKENS:
+            self.heads.add(tuple(req.fill_ids[:IN_BATCH_PREFIX_TOKENS]))
 
 
 class PrefillAdder:

@@ -32,7 +32,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch, finish_abort, finish_length
-from srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, SchedulePolicy
+from srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, InBatchPrefixes, PrefillAdder, SchedulePolicy
 from srt.managers.scheduler_output import BatchResult, SchedulerOutputMixin
 from srt.managers.tp_worker import TpModelWorker
 from srt.managers.tp_worker_overlap_thread import TpModelWorkerClient
@@ -290,13 +290,18 @@ class Scheduler(SchedulerOutputMixin):
         if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req) is True:
             self.chunked_req = None  # its last chunk runs in this batch
         admitted = []
+        in_batch = InBatchPrefixes() if self.policy.radix_enabled else None
         # Only one request is chunked at a time: while one continues, nothing new starts.
         if self.chunked_req is None:
             for req in self.waiting_queue:
                 req.match_prefix(self.tree_cache)  # fresh: the tree changes between rounds
+                if in_batch is not None and in_batch.defer(req):
+                    continue
                 ok = adder.add_one_req(req)
                 if adder.can_run and adder.can_run[-1] is req:
                     admitted.append(req)
+                    if in_batch is not None:
+                        in_batch.add(req)
                 if not ok:
                     break
         if adder.new_chunked_req is not None:
@@ -369,6 +374,9 @@ class Scheduler(SchedulerOutputMixin):
                 if req is self.chunked_req:
                     self.chunked_req = None
                 self.release(req)
+            elif req.kv_committed_len == req.kv_len and req.to_abort is None:
+                # Its prompt is shareable while it decodes (no step of it is in flight yet).
+                self.tree_cache.cache_unfinished_req(req)
         self.stream_output(progressed)
 
     def process_decode_result(self, batch: ScheduleBatch, res: BatchResult) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from srt.utils import lazy_zeros
+
 
 class PoolExhausted(RuntimeError):
     """Raised when a pool cannot satisfy an allocation the caller required to succeed."""
@@ -16,7 +18,7 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token = lazy_zeros((size, max_context_len), torch.int32, device)
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
@@ -54,8 +56,8 @@ class MHATokenToKVPool:
         self.head_num, self.head_dim, self.layer_num = head_num, head_dim, layer_num
         self.device = device
         shape = (size + page_size, head_num, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.k_buffer = [lazy_zeros(shape, dtype, device) for _ in range(layer_num)]
+        self.v_buffer = [lazy_zeros(shape, dtype, device) for _ in range(layer_num)]
 
     @staticmethod
     def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:

@@ -116,6 +116,34 @@ def test_cached_tokens_sequence(server):
     assert seen == [0, 50, 4999, 499, 5000]
 
 
+def test_requests_arriving_together_share_an_uncached_prefix(server):
+    """In-batch prefix sharing: one request prefills the shared head, the others wait a round and
+    find it in the radix cache instead of each computing it."""
+    assert server.post("/flush_cache").status_code == 200
+    head = list(range(1000, 1100))
+    out = server.generate(input_ids=[head + [7, i] for i in range(4)], sampling_params=GREEDY)
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in out)
+    assert cached[0] == 0 and all(c >= len(head) for c in cached[1:]), cached
+    alone = server.generate(input_ids=head + [7, 3], sampling_params=GREEDY)
+    assert alone["output_ids"] == out[3]["output_ids"]
+
+
+def test_a_running_requests_prompt_is_cached_while_it_decodes(server):
+    assert server.post("/flush_cache").status_code == 200
+    prompt = list(range(2000, 2300))
+    long_one = {}
+    t = threading.Thread(target=lambda: long_one.update(server.generate(
+        input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 400, "ignore_eos": True})))
+    t.start()
+    deadline = time.monotonic() + 60
+    while server.state()["num_running_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = server.generate(input_ids=prompt + [5], sampling_params=GREEDY)
+    still_running = server.state()["num_running_reqs"] > 0
+    t.join()
+    assert still_running and out["meta_info"]["cached_tokens"] >= len(prompt) - 1
+
+
 def test_unknown_fields_ignored(server):
     out = server.generate(text="hi", sampling_params={**GREEDY, "router_only_field": 1}, lora_path=None, extra=42)
     assert out["meta_info"]["completion_tokens"] == 8

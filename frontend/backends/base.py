@@ -1,0 +1,109 @@
+"""What the interpreter asks of a backend, built on one primitive: a native `/generate` call.
+
+A backend implements `call(body)` (a `/generate` JSON body in, its JSON out), `call_stream(body)`
+(the stream's chunks) and `model_info()`. Everything else (generation, prefix caching, scoring the
+choices of `select`) is the same for every backend and lives here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+from frontend.chat_template import ChatTemplate
+from frontend.choices import ChoicesMethod
+
+
+class BackendError(RuntimeError):
+    """The server or engine refused or failed a request; the message is the server's."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def _check(out: dict) -> dict:
+    reason = out.get("meta_info", {}).get("finish_reason") or {}
+    if reason.get("type") == "abort":
+        raise BackendError(f"request aborted: {reason.get('message') or 'no reason given'}",
+                           reason.get("status_code"))
+    return out
+
+
+class Backend:
+    chat_template_override: str | None = None
+
+    # -- the primitive, per backend -------------------------------------------------------------
+    def call(self, body: dict) -> Any:
+        raise NotImplementedError
+
+    def call_stream(self, body: dict) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def model_info(self) -> dict:
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------------
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate:
+        info = self.model_info()
+        return ChatTemplate(self.chat_template_override or info.get("chat_template"), info.get("bos_token"),
+                            info.get("eos_token"))
+
+    @staticmethod
+    def _body(text: str, sampling: dict, return_logprob: bool, top_logprobs_num: int, stream: bool) -> dict:
+        body = {"text": text, "sampling_params": sampling, "stream": stream}
+        if return_logprob:
+            body.update(return_logprob=True, top_logprobs_num=top_logprobs_num, return_text_in_logprobs=True)
+        return body
+
+    def generate(self, text: str, sampling: dict, return_logprob: bool = False,
+                 top_logprobs_num: int = 0) -> tuple[str, dict]:
+        out = _check(self.call(self._body(text, sampling, return_logprob, top_logprobs_num, False)))
+        return out["text"], out["meta_info"]
+
+    def generate_stream(self, text: str, sampling: dict, return_logprob: bool = False,
+                        top_logprobs_num: int = 0) -> Iterator[tuple[str, dict]]:
+        """Yields (new text, meta_info so far); chunks carry cumulative text."""
+        seen = 0
+        for out in self.call_stream(self._body(text, sampling, return_logprob, top_logprobs_num, True)):
+            _check(out)
+            full = out["text"]
+            yield full[seen:], out["meta_info"]
+            seen = len(full)
+
+    def cache_prefix(self, texts: list[str]) -> list[dict]:
+        """Prefill these prompts without generating (`max_new_tokens: 0`), so later requests that
+        extend them hit the radix cache; returns their meta_info (prompt_tokens, cached_tokens)."""
+        outs = self.call({"text": texts, "sampling_params": {"max_new_tokens": 0}})
+        return [_check(o)["meta_info"] for o in outs]
+
+    def select(self, prefix: str, choices: list[str], method: ChoicesMethod,
+               neutral_context: str) -> tuple[int, dict]:
+        """Score every choice as a continuation of `prefix` in one batched request: the prompt
+        logprobs of its tokens, from just before the choice (`logprob_start_len`)."""
+        contexts = [prefix, neutral_context] if method.needs_unconditional else [prefix]
+        metas = iter(self.cache_prefix([c for c in contexts if c]) if any(contexts) else [])
+        lengths = [next(metas)["prompt_tokens"] if c else 0 for c in contexts]
+        items = [(context + choice, n, choice) for context, n in zip(contexts, lengths) for choice in choices]
+        outs = self.call({"text": [text for text, _, _ in items], "sampling_params": {"max_new_tokens": 0},
+                          "return_logprob": True, "logprob_start_len": [max(n - 1, 0) for _, n, _ in items],
+                          "return_text_in_logprobs": True})
+        scored = [_choice_logprobs(_check(out)["meta_info"]["input_token_logprobs"], choice, n > 0)
+                  for out, (_, n, choice) in zip(outs, items)]
+        k = len(choices)
+        decision = method(scored[:k], scored[k:] if method.needs_unconditional else None)
+        meta = {"choices_method": method.name, "scores": decision.scores, "normalized_prompt_logprobs":
+                [sum(lp) / len(lp) if lp else None for lp in scored[:k]], "input_token_logprobs": scored[:k],
+                "prompt_tokens": lengths[0]}
+        if method.needs_unconditional:
+            meta["unconditional_token_logprobs"] = scored[k:]
+        return decision.index, meta
+
+
+def _choice_logprobs(entries: list, choice: str, has_context: bool) -> list[float]:
+    """The logprobs of the choice's tokens. The entries start one token before the choice; that
+    first token belongs to the context unless the tokenizer merged it with the choice's start."""
+    if has_context and entries and "".join((e[2] or "") for e in entries[1:]) == choice:
+        entries = entries[1:]
+    return [e[0] for e in entries if e[0] is not None]

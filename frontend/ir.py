@@ -1,0 +1,209 @@
+"""The program's expressions: what `s += ...` appends, built by `gen`, `select`, roles and plain text.
+
+Expressions are plain data; the interpreter (`frontend.interpreter`) executes them against a
+backend. `a + b` concatenates, so `s += "Q: " + question + "\\nA: " + gen("answer", stop="\\n")` works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "ignore_eos",
+                 "n", "regex", "json_schema", "ebnf", "sampling_seed", "skip_special_tokens", "logit_bias")
+
+# What `dtype` (and gen_int / gen_string) constrain a generation to, and how its value is parsed.
+INT_REGEX = r"-?(0|[1-9][0-9]{0,17})"
+FLOAT_REGEX = r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,12})?"
+BOOL_REGEX = r"(True|False|true|false)"
+STRING_REGEX = r'"[^"\\\n]{0,256}"'
+DTYPES: dict[Any, tuple[str | None, Callable[[str], Any]]] = {
+    int: (INT_REGEX, int),
+    float: (FLOAT_REGEX, float),
+    bool: (BOOL_REGEX, lambda t: t.strip().lower() == "true"),
+    str: (None, str),
+}
+
+
+class Expr:
+    """Anything that can be appended to a program state."""
+
+    def __add__(self, other) -> "Concat":
+        return Concat([self, to_expr(other)])
+
+    def __radd__(self, other) -> "Concat":
+        return Concat([to_expr(other), self])
+
+
+@dataclasses.dataclass
+class Text(Expr):
+    value: str
+
+
+@dataclasses.dataclass
+class Concat(Expr):
+    parts: list[Expr]
+
+    def __add__(self, other) -> "Concat":
+        return Concat([*self.parts, to_expr(other)])
+
+
+@dataclasses.dataclass
+class Gen(Expr):
+    """Generate text into variable `name` with these sampling parameters (None = the program's
+    default, then the server's)."""
+
+    name: str | None
+    sampling: dict[str, Any]
+    dtype: Any = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    def parse(self, text: str) -> Any:
+        if self.dtype is None or self.dtype is str:
+            return text
+        try:
+            return DTYPES[self.dtype][1](text.strip())
+        except ValueError as e:
+            raise ValueError(f"gen({self.name!r}, dtype={self.dtype.__name__}) produced {text!r}, which does not "
+                             f"parse as {self.dtype.__name__} (was max_tokens too small?)") from e
+
+
+@dataclasses.dataclass
+class Select(Expr):
+    """Pick one of `choices` by the model's likelihood of each as a continuation."""
+
+    name: str | None
+    choices: list[str]
+    method: "ChoicesMethod"
+    temperature: float = 0.0
+
+
+@dataclasses.dataclass
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclasses.dataclass
+class RoleEnd(Expr):
+    role: str
+
+
+@dataclasses.dataclass
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclasses.dataclass
+class VarScopeEnd(Expr):
+    name: str
+
+
+def to_expr(value) -> Expr:
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, str):
+        return Text(value)
+    raise TypeError(f"cannot append {type(value).__name__} to a program state; use str or an expression "
+                    f"(gen, select, a role)")
+
+
+# -- constructors -------------------------------------------------------------------------------
+
+def gen(name: str | None = None, max_tokens: int | None = None, stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None, temperature: float | None = None, top_p: float | None = None,
+        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
+        presence_penalty: float | None = None, repetition_penalty: float | None = None,
+        min_tokens: int | None = None, ignore_eos: bool | None = None, regex: str | None = None,
+        json_schema: str | dict | None = None, ebnf: str | None = None, dtype: Any = None,
+        choices: list[str] | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
+        sampling_seed: int | None = None, max_new_tokens: int | None = None) -> Expr:
+    """Generate into variable `name`. `dtype` (int, float, bool or str) constrains and parses the
+    value; `regex` / `json_schema` (a dict or a JSON string) / `ebnf` constrain it with the server's
+    grammar backend. `choices=[...]` is shorthand for `select(name, choices)`."""
+    if choices is not None:
+        return select(name, choices, temperature=temperature or 0.0)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"gen dtype = {dtype!r} must be one of int, float, bool, str")
+    if dtype not in (None, str) and regex is None and json_schema is None and ebnf is None:
+        regex = DTYPES[dtype][0]
+    if sum(x is not None for x in (regex, json_schema, ebnf)) > 1:
+        raise ValueError("gen takes at most one of regex, json_schema and ebnf")
+    if isinstance(json_schema, dict):
+        json_schema = json.dumps(json_schema)
+    if isinstance(stop, str):
+        stop = [stop]
+    values = dict(max_new_tokens=max_tokens if max_tokens is not None else max_new_tokens, stop=stop,
+                  stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                  repetition_penalty=repetition_penalty, min_new_tokens=min_tokens, ignore_eos=ignore_eos,
+                  regex=regex, json_schema=json_schema, ebnf=ebnf, sampling_seed=sampling_seed)
+    return Gen(name, {k: v for k, v in values.items() if v is not None}, dtype, return_logprob, top_logprobs_num)
+
+
+def gen_int(name: str | None = None, **kwargs) -> Expr:
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs) -> Expr:
+    """A double-quoted string without escapes or newlines (the quotes are part of the value), so
+    that `'"key": ' + gen_string("key")` builds valid JSON."""
+    return gen(name, regex=STRING_REGEX, **kwargs)
+
+
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method: "ChoicesMethod | None" = None) -> Expr:
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"select choices = {choices!r} must be a non-empty list of non-empty strings")
+    if temperature != 0.0:
+        raise ValueError(f"select temperature = {temperature!r}: only 0 (pick the best-scoring choice) is supported")
+    from frontend.choices import token_length_normalized
+
+    return Select(name, list(choices), choices_method or token_length_normalized, temperature)
+
+
+def _role(role: str, expr=None) -> Expr:
+    if expr is None:
+        return RoleBegin(role)
+    return Concat([RoleBegin(role), to_expr(expr), RoleEnd(role)])
+
+
+def system(expr=None) -> Expr:
+    return _role("system", expr)
+
+
+def user(expr=None) -> Expr:
+    return _role("user", expr)
+
+
+def assistant(expr=None) -> Expr:
+    return _role("assistant", expr)
+
+
+def system_begin() -> Expr:
+    return RoleBegin("system")
+
+
+def system_end() -> Expr:
+    return RoleEnd("system")
+
+
+def user_begin() -> Expr:
+    return RoleBegin("user")
+
+
+def user_end() -> Expr:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> Expr:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> Expr:
+    return RoleEnd("assistant")
+
+
+ChoicesMethod = Callable[..., Any]
