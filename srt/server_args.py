@@ -49,6 +49,7 @@ class ServerArgs:
     # Logging and debugging
     log_level: str = "info"
     decode_log_interval: int = 40
+    enable_metrics: bool = False
     debug_integrity_check: bool = False
 
     def __post_init__(self):
@@ -156,6 +157,8 @@ class ServerArgs:
         g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
         g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
                        help="log decode stats every N decode steps")
+        g.add_argument("--enable-metrics", action="store_true",
+                       help="serve Prometheus metrics at /metrics (SGLang's names, a model_name label)")
         g.add_argument("--debug-integrity-check", action="store_true",
                        help="exit the scheduler when the KV accounting invariant is violated (tests)")
 

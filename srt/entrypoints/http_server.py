@@ -139,6 +139,19 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             "internal_states": [state],
         }
 
+    if server_args.enable_metrics:
+        from srt.metrics.collector import render
+
+        metrics_model_name = server_args.served_model_name or server_args.model_path
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            try:
+                state = await tm.get_internal_state()
+            except asyncio.TimeoutError:
+                return error_response(503, "the scheduler did not answer within 10 s")
+            return Response(render(metrics_model_name, state), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         out = await tm.flush_cache()

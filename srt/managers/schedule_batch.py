@@ -69,6 +69,7 @@ class Req:
     cached_tokens: int = 0
     retractions: int = 0
     admitted: bool = False  # prefilled at least once (cached_tokens is from the first admission)
+    last_token_time: float | None = None  # time.time() of the latest output token (metrics)
     # logprobs: lists of (logprob, token_id); top lists hold (logprobs, ids) or None
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)

@@ -32,6 +32,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch, finish_abort, finish_length
+from srt.metrics.collector import SchedulerMetrics
 from srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, InBatchPrefixes, PrefillAdder, SchedulePolicy
 from srt.managers.scheduler_output import BatchResult, SchedulerOutputMixin
 from srt.managers.tp_worker import TpModelWorker
@@ -84,6 +85,7 @@ class Scheduler(SchedulerOutputMixin):
         self.pending: deque[tuple[ScheduleBatch, Future]] = deque()  # launched, results not processed
         self.last_prefill: ScheduleBatch | None = None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache)
+        self.metrics = SchedulerMetrics() if server_args.enable_metrics else None
         self.max_running_requests = runner.max_running_requests
         self.chunked_prefill_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
         self.waiting_queue: list[Req] = []
@@ -314,6 +316,8 @@ class Scheduler(SchedulerOutputMixin):
             if not r.admitted:
                 r.cached_tokens = len(r.prefix_indices)
                 r.admitted = True
+                if self.metrics is not None:
+                    self.metrics.on_admitted(r)
         self.log_prefill_stats(adder.can_run, running)
         return ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
 
@@ -455,6 +459,8 @@ class Scheduler(SchedulerOutputMixin):
 
     def on_idle(self) -> None:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        if self.metrics is not None:
+            self.metrics.gen_throughput = 0.0
         self.last_forward_end = None  # a gap while idle is not the scheduler's overhead
         if not self.checked_idle and not self.has_work():
             self.checked_idle = True

@@ -85,6 +85,8 @@ class SchedulerOutputMixin:
 
     def append_token(self, req: Req, token: int, result: BatchResult, i: int) -> None:
         req.output_ids.append(token)
+        if self.metrics is not None:
+            self.metrics.on_token(req, time.time())
         if req.return_logprob:
             req.output_token_logprobs.append((result.next_token_logprobs[i], token))
             if req.top_logprobs_num:
@@ -119,6 +121,8 @@ class SchedulerOutputMixin:
         for r in reqs:
             if not (r.finished or r.stream):
                 continue
+            if r.finished and self.metrics is not None:
+                self.metrics.on_finished(r)
             new_ids = r.output_ids[r.sent_output_len :]
             if not r.finished and not new_ids:
                 continue
@@ -167,6 +171,8 @@ class SchedulerOutputMixin:
         now = time.monotonic()
         throughput = self.num_generated_tokens / max(now - self.last_decode_log, 1e-9)
         self.num_generated_tokens, self.last_decode_log = 0, now
+        if self.metrics is not None:
+            self.metrics.gen_throughput = throughput
         used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
         idle = self.forward_idle_fraction(self.interval_busy_s, self.interval_wait_s)
         self.interval_busy_s = self.interval_wait_s = 0.0
@@ -197,6 +203,7 @@ class SchedulerOutputMixin:
             "overlap_schedule": self.overlap,
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
+            "metrics": self.metrics.state() if self.metrics is not None else None,
             "idle": not self.has_work(),
             "pid": os.getpid(),
         }

@@ -1,0 +1,146 @@
+"""Prometheus metrics with SGLang's names (`sglang:` prefix, a `model_name` label).
+
+Everything is measured where it happens, in the scheduler process (`SchedulerMetrics`: counters
+and latency histograms as plain numbers, cheap enough for the decode loop), and travels to the
+HTTP process with the scheduler's internal state when `/metrics` is scraped; `render` turns that
+state into the Prometheus text format. One source, so nothing is double counted and the values
+are exactly the scheduler's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+PREFIX = "sglang:"
+
+# Upper bounds in seconds (SGLang's ranges, trimmed).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 120.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.0)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.8, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Time to first token: arrival to the first output token", TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("Time between consecutive output tokens of a request", ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("End-to-end request latency: arrival to finish", E2E_BUCKETS),
+    "queue_time_seconds": ("Time from arrival to the first prefill", QUEUE_BUCKETS),
+}
+COUNTERS = {
+    "prompt_tokens": "Prompt tokens of finished requests",
+    "generation_tokens": "Output tokens of finished requests",
+    "cached_tokens": "Prompt tokens served from the radix cache",
+    "num_requests": "Finished requests (any finish reason)",
+    "num_aborted_requests": "Requests that ended aborted (client gone, /abort_request, errors)",
+}
+GAUGES = {
+    "num_running_reqs": "Requests in the running batch",
+    "num_queue_reqs": "Requests waiting to be scheduled",
+    "num_grammar_queue_reqs": "Requests waiting for their grammar to compile",
+    "num_used_tokens": "KV slots held by requests (not counting the evictable cache)",
+    "token_usage": "Fraction of the KV pool held by requests",
+    "cache_hit_rate": "Fraction of prompt tokens served from the radix cache",
+    "gen_throughput": "Output tokens per second over the last decode log interval",
+    "num_retractions": "Requests retracted to the queue for lack of KV memory, since start",
+}
+
+
+class Histogram:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def state(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        self.histograms = {name: Histogram(bounds) for name, (_, bounds) in HISTOGRAMS.items()}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.gen_throughput = 0.0
+        self._ttft = self.histograms["time_to_first_token_seconds"]
+        self._itl = self.histograms["inter_token_latency_seconds"]
+
+    def on_admitted(self, req) -> None:
+        self.histograms["queue_time_seconds"].observe(max(time.time() - req.created_time, 0.0))
+
+    def on_token(self, req, now: float) -> None:
+        """A new output token of req reached the host (now: time.time())."""
+        last = req.last_token_time
+        if last is None:
+            self._ttft.observe(max(now - req.created_time, 0.0))
+        else:
+            self._itl.observe(now - last)
+        req.last_token_time = now
+
+    def on_finished(self, req) -> None:
+        c = self.counters
+        c["num_requests"] += 1
+        c["prompt_tokens"] += len(req.origin_input_ids)
+        c["generation_tokens"] += len(req.output_ids)
+        c["cached_tokens"] += req.cached_tokens
+        if (req.finished_reason or {}).get("type") == "abort":
+            c["num_aborted_requests"] += 1
+        self.histograms["e2e_request_latency_seconds"].observe(max(time.time() - req.created_time, 0.0))
+
+    def state(self) -> dict:
+        return {"counters": dict(self.counters), "gen_throughput": self.gen_throughput,
+                "histograms": {name: h.state() for name, h in self.histograms.items()}}
+
+
+class _StateCollector:
+    """A prometheus_client collector over one scrape's scheduler state."""
+
+    def __init__(self, model_name: str, scheduler_state: dict):
+        self.model_name = model_name
+        self.state = scheduler_state
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        st, metrics, labels = self.state, self.state["metrics"], [self.model_name]
+        gauges = {
+            "num_running_reqs": st["num_running_reqs"],
+            "num_queue_reqs": st["num_queue_reqs"],
+            "num_grammar_queue_reqs": st["grammar_queue"],
+            "num_used_tokens": st["kv_capacity"] - st["kv_available"] - st["kv_evictable"],
+            "token_usage": st["token_usage"],
+            "cache_hit_rate": st["cache_hit_rate"],
+            "gen_throughput": metrics["gen_throughput"],
+            "num_retractions": st["total_retractions"],
+        }
+        for name, doc in GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, gauges[name])
+            yield family
+        for name, doc in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, metrics["counters"][name])
+            yield family
+        for name, (doc, _) in HISTOGRAMS.items():
+            h = metrics["histograms"][name]
+            cumulative, buckets = 0, []
+            for bound, count in zip([*h["bounds"], float("inf")], h["counts"]):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+            family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, buckets, h["sum"])
+            yield family
+
+
+def render(model_name: str, scheduler_state: dict) -> bytes:
+    """The Prometheus text exposition of one scrape of the scheduler's state."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StateCollector(model_name, scheduler_state))
+    return generate_latest(registry)

@@ -1,0 +1,103 @@
+"""The benchmark scripts run end to end against a live server (a tiny random model: the numbers
+are meaningless, their consistency is what is checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmark")
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_chat_model):
+    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "16384")
+
+
+def run(script: str, *args: str, timeout: float = 600) -> str:
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def check_record(rec: dict, num_prompts: int, output_len: int | None = None) -> None:
+    assert rec["completed"] + rec["failed"] == num_prompts
+    assert rec["failed"] == 0, rec["errors"]
+    assert rec["duration_s"] > 0 and rec["request_throughput"] > 0 and rec["output_throughput"] > 0
+    assert rec["total_token_throughput"] == pytest.approx(
+        (rec["total_input_tokens"] + rec["total_output_tokens"]) / rec["duration_s"])
+    if output_len is not None:
+        assert rec["total_output_tokens"] == num_prompts * output_len  # ignore_eos: exactly as asked
+    for key in ("ttft_ms", "e2e_latency_ms", "itl_ms", "tpot_ms"):
+        st = rec[key]
+        assert 0 <= st["median"] <= st["p95"] <= st["p99"], (key, st)
+        assert st["mean"] > 0
+    assert rec["ttft_ms"]["median"] <= rec["e2e_latency_ms"]["median"]
+    assert 0 < rec["concurrency"]
+
+
+@pytest.mark.parametrize("backend", ["sglang", "openai", "openai-chat"])
+def test_bench_serving_random(server, tmp_path, backend):
+    out = tmp_path / "runs.jsonl"
+    stdout = run("bench_serving.py", "--backend", backend, "--base-url", server.url, "--num-prompts", "12",
+                 "--random-input-len", "48", "--random-output-len", "10", "--random-range-ratio", "1.0",
+                 "--max-concurrency", "4", "--output-file", str(out), "--disable-tqdm", "--seed", "3")
+    assert "Output token throughput (tok/s)" in stdout and "Time to first token p99 (ms)" in stdout
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["backend"] == backend and rec["max_concurrency"] == 4
+    check_record(rec, 12, 10)
+    assert rec["concurrency"] <= 4.5
+
+
+def test_bench_serving_shared_prefix_reports_cache_hits(server, tmp_path):
+    out = tmp_path / "gsp.jsonl"
+    run("bench_serving.py", "--base-url", server.url, "--dataset-name", "generated-shared-prefix",
+        "--gsp-num-groups", "2", "--gsp-prompts-per-group", "6", "--gsp-system-prompt-len", "200",
+        "--gsp-question-len", "20", "--gsp-output-len", "6", "--request-rate", "50", "--flush-cache",
+        "--output-file", str(out), "--disable-tqdm", "--slo-ttft-ms", "100000", "--slo-itl-ms", "100000")
+    rec = json.loads(out.read_text())
+    check_record(rec, 12, 6)
+    assert rec["cache_hit_rate"] > 0.5  # 200 of ~222 prompt tokens are shared within each group
+    assert rec["goodput"] == pytest.approx(rec["request_throughput"])  # generous SLOs: every request is good
+
+
+def test_bench_serving_sharegpt_file(server, tmp_path):
+    data = tmp_path / "sharegpt.json"
+    run("make_sharegpt.py", "--out", str(data), "--num", "200")
+    convs = json.loads(data.read_text())
+    assert len(convs) == 200 and convs[0]["conversations"][0]["from"] == "human"
+    out = tmp_path / "sg.jsonl"
+    run("bench_serving.py", "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(data),
+        "--num-prompts", "10", "--sharegpt-output-len", "8", "--output-file", str(out), "--disable-tqdm")
+    check_record(json.loads(out.read_text()), 10, 8)
+
+
+def test_frontier_plots_and_tabulates(server, tmp_path):
+    png, rows = tmp_path / "frontier.png", tmp_path / "frontier.jsonl"
+    stdout = run("frontier.py", "--target", f"tiny=sglang@{server.url}", "--concurrency", "1", "3",
+                 "--min-prompts", "3", "--random-input-len", "32", "--random-output-len", "6", "--out", str(png),
+                 "--output-file", str(rows))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| tiny | 1 |" in stdout and "| tiny | 3 |" in stdout
+    levels = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [r["max_concurrency"] for r in levels] == [1, 3]
+    for r in levels:
+        check_record(r, r["requests"], 6)
+
+
+def test_offline_throughput_with_hf_peer(tiny_chat_model, tmp_path):
+    out = tmp_path / "offline.jsonl"
+    stdout = run("bench_offline_throughput.py", "--model-path", tiny_chat_model, "--dtype", "float32",
+                 "--num-prompts", "8", "--random-input-len", "24", "--random-output-len", "8", "--peer", "hf",
+                 "--hf-batch-size", "4", "--max-total-tokens", "4096", "--output-file", str(out))
+    assert "ratio radixserve / hf (output tok/s):" in stdout
+    results = json.loads(out.read_text())["results"]
+    assert [r["engine"] for r in results] == ["radixserve", "hf"]
+    for r in results:
+        assert r["requests"] == 8 and r["output_tokens"] == 64 and r["output_throughput"] > 0
