@@ -14,7 +14,16 @@ class ServerArgs:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # one key, or several separated by commas (each its own cache tenant)
+    admin_api_key: str | None = None
+    tenant_header: str | None = None
+    # Overload, deadlines, liveness
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+    max_new_tokens_cap: int | None = None
+    request_timeout: float | None = None
+    watchdog_timeout: float = 300.0
+    shutdown_timeout: float = 60.0
     # Model
     model_path: str | None = None
     tokenizer_path: str | None = None
@@ -81,6 +90,20 @@ class ServerArgs:
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        for name in ("max_queued_requests", "max_queued_tokens", "max_new_tokens_cap"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        for name in ("request_timeout", "watchdog_timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if self.api_key is not None and not all(self.api_keys):
+            raise ValueError("--api-key must not be empty (or contain an empty key between commas)")
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [k.strip() for k in self.api_key.split(",")] if self.api_key else []
 
     def overlap_schedule_enabled(self, device: str) -> bool:
         """On by default where the forward runs asynchronously (GPU); on CPU only when forced."""
@@ -99,7 +122,27 @@ class ServerArgs:
         g.add_argument("--host", default=d.host)
         g.add_argument("--port", type=int, default=d.port)
         g.add_argument("--api-key", default=d.api_key,
-                       help="require 'Authorization: Bearer KEY' on every route except /health")
+                       help="require 'Authorization: Bearer KEY' on every route except /health; several keys "
+                            "separated by commas are separate tenants of the prefix cache")
+        g.add_argument("--admin-api-key", default=d.admin_api_key,
+                       help="a separate key required for /flush_cache, /server_info and /abort_request with abort_all")
+        g.add_argument("--tenant-header", default=d.tenant_header,
+                       help="take the cache tenant from this request header (set by a trusted gateway) "
+                            "instead of from the API key; tenants never share cached KV")
+        g = parser.add_argument_group("overload and liveness")
+        g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                       help="requests allowed to wait beyond --max-running-requests; more get 503 with Retry-After")
+        g.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
+                       help="prompt tokens allowed in flight beyond the KV pool's size; more get 503")
+        g.add_argument("--max-new-tokens-cap", type=int, default=d.max_new_tokens_cap,
+                       help="largest max_new_tokens a request may ask for (larger is a 400)")
+        g.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                       help="seconds after which any request is aborted (a request's own `timeout` may be shorter)")
+        g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                       help="exit (and fail every request) if the scheduler makes no progress for this long "
+                            "with work pending")
+        g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                       help="on SIGTERM, how long in-flight requests may take to finish before they are aborted")
         g = parser.add_argument_group("model")
         g.add_argument("--model-path", default=d.model_path,
                        help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")

@@ -35,7 +35,7 @@ class Engine:
         self._thread.start()
         self.tokenizer_manager = TokenizerManager(self.server_args, self._subs.port_args, self._subs.scheduler_info)
         self._run(self._start())
-        self._subs.watch(self.tokenizer_manager.fail_all)
+        self._subs.watch(lambda reason: self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason))
         self._closed = False
 
     async def _start(self) -> None:
@@ -127,7 +127,9 @@ class Engine:
 
     def get_server_info(self) -> dict:
         state = self._run(self.tokenizer_manager.get_internal_state())
-        return {**dataclasses.asdict(self.server_args), **self._subs.scheduler_info,
+        args = {k: ("<redacted>" if k in ("api_key", "admin_api_key") and v else v)
+                for k, v in dataclasses.asdict(self.server_args).items()}
+        return {**args, **self._subs.scheduler_info,
                 "max_req_input_len": self.tokenizer_manager.max_req_input_len, "version": __version__,
                 "internal_states": [state]}
 

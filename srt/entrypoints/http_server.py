@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import logging
 import os
 import signal
 import sys
+import time
 
 import orjson
 import uvicorn
@@ -18,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from srt.entrypoints.openai.serving import OpenAIServing, openai_error_response
+from srt.entrypoints.openai.serving import OpenAIServing, openai_error_response, with_retry_after
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
@@ -30,6 +32,46 @@ logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20
 MAX_BODY_BYTES = 64 * 2**20
+
+
+# Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
+ADMIN_ROUTES = frozenset({"/flush_cache", "/server_info", "/get_server_info"})
+SECRET_ARGS = ("api_key", "admin_api_key")
+
+
+class Auth:
+    """Who a request is: "admin", an API key's index, or "" (no key configured), and its tenant."""
+
+    def __init__(self, args: ServerArgs):
+        self.keys = [f"Bearer {k}".encode() for k in args.api_keys]
+        self.admin = f"Bearer {args.admin_api_key}".encode() if args.admin_api_key else None
+        self.tenant_ids = [hashlib.sha256(k).hexdigest()[:16] for k in self.keys]
+        self.tenant_header = args.tenant_header
+
+    def identify(self, header: str) -> str | int | None:
+        given = header.encode()
+        # Compare against every key (constant time each, no early exit) so timing says nothing.
+        matches = [hmac.compare_digest(given, k) for k in self.keys]
+        is_admin = self.admin is not None and hmac.compare_digest(given, self.admin)
+        if is_admin:
+            return "admin"
+        if any(matches):
+            return matches.index(True)
+        return "" if not self.keys else None
+
+    def is_admin(self, who) -> bool:
+        return who == "admin" or (self.admin is None and who is not None)
+
+    def tenant(self, who, headers) -> str | None:
+        if self.tenant_header:
+            return "h:" + headers.get(self.tenant_header, "")
+        if isinstance(who, int) and len(self.keys) > 1:
+            return "k:" + self.tenant_ids[who]
+        return None
+
+
+def redacted(server_args: ServerArgs) -> dict:
+    return {k: ("<redacted>" if k in SECRET_ARGS and v else v) for k, v in dataclasses.asdict(server_args).items()}
 
 
 def json_response(payload, status: int = 200) -> Response:
@@ -52,7 +94,7 @@ def to_error(e: Exception) -> Response:
     if isinstance(e, (InvalidRequest, InvalidSamplingParams)):
         return error_response(400, str(e))
     if isinstance(e, ServiceUnavailable):
-        return error_response(503, str(e))
+        return with_retry_after(error_response(503, str(e)), e)
     raise e
 
 
@@ -69,18 +111,23 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     openai = OpenAIServing(tm, server_args.served_model_name or server_args.model_path, server_args.model_path,
                            chat_template)
 
-    if server_args.api_key:
-        expected = f"Bearer {server_args.api_key}".encode()
+    auth = Auth(server_args)
 
-        @app.middleware("http")
-        async def _require_api_key(request: Request, call_next):
-            # Deny by default: every route, including ones added later, except the liveness probe.
-            if request.url.path != "/health":
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return route_error(request, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                       code="invalid_api_key")
-            return await call_next(request)
+    @app.middleware("http")
+    async def _authorize(request: Request, call_next):
+        # Deny by default: every route, including ones added later, except the liveness probe.
+        path = request.url.path
+        if path != "/health":
+            who = auth.identify(request.headers.get("authorization", ""))
+            if who is None:
+                return route_error(request, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                   code="invalid_api_key")
+            if path in ADMIN_ROUTES and not auth.is_admin(who):
+                return route_error(request, 401, f"{path} needs the admin API key (--admin-api-key)",
+                                   code="invalid_api_key")
+            request.state.admin = auth.is_admin(who)
+            request.state.tenant = auth.tenant(who, request.headers)
+        return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -132,7 +179,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         except asyncio.TimeoutError:
             state = None
         return {
-            **dataclasses.asdict(server_args),
+            **redacted(server_args),
             **tm.scheduler_info,
             "max_req_input_len": tm.max_req_input_len,
             "version": __version__,
@@ -164,9 +211,11 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         body = await _json_body(request)
         if isinstance(body, Response):
             return body
-        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
-        if not abort_all and not isinstance(rid, str) or not (rid or abort_all):
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(abort_all, bool) or not isinstance(rid, str) or not (rid or abort_all):
             return error_response(400, "give `rid` (a string) or `abort_all: true`")
+        if abort_all and not request.state.admin:
+            return error_response(401, "abort_all needs the admin API key (--admin-api-key)")
         tm.abort_request(rid, abort_all)
         return Response(status_code=200)
 
@@ -249,8 +298,15 @@ def launch_server(server_args: ServerArgs) -> None:
     server = _Server(config)
 
     def on_child_death(reason: str) -> None:
-        tm.fail_all(reason)
-        logger.error("exiting: %s", reason)
+        # Runs on the watcher thread: fail every request on the event loop, give the responses a
+        # moment to go out, then exit non-zero.
+        if tm.loop is not None:
+            tm.loop.call_soon_threadsafe(tm.fail_all, reason)
+            deadline = time.monotonic() + 3
+            while tm.rid_to_state and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)
+        logger.error("exiting: %s", tm.dead_reason or reason)
         os._exit(1)
 
     subs.watch(on_child_death)
@@ -282,9 +338,17 @@ def _install_drain_handlers(server: uvicorn.Server, tm: TokenizerManager, subs: 
 
     async def drain() -> None:
         tm.draining = True
-        logger.info("draining: %d request(s) in flight", len(tm.rid_to_state))
-        while tm.rid_to_state:
+        timeout = tm.server_args.shutdown_timeout
+        logger.info("draining: %d request(s) in flight, up to %g s (--shutdown-timeout)", len(tm.rid_to_state), timeout)
+        deadline = time.monotonic() + timeout
+        while tm.rid_to_state and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+        if tm.rid_to_state:
+            logger.warning("shutdown timeout: aborting %d request(s) still in flight", len(tm.rid_to_state))
+            tm.abort_request(abort_all=True, message="the server is shutting down (--shutdown-timeout passed)")
+            deadline = time.monotonic() + 5
+            while tm.rid_to_state and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         server.should_exit = True
 
     def handler(signum, frame) -> None:

@@ -14,6 +14,9 @@ from typing import Any
 from srt.sampling.sampling_params import SamplingParams
 
 
+MAX_BATCH_SIZE = 2048  # prompts in one /generate call
+
+
 class InvalidRequest(ValueError):
     """A client mistake in the request body; the HTTP layer answers 400 with this message."""
 
@@ -38,6 +41,7 @@ class GenerateReqInput:
     stream: bool = False
     priority: int | list[int] | None = None
     extra_key: str | list[str] | None = None
+    timeout: float | list[float] | None = None  # seconds; past it the request is aborted
 
     @classmethod
     def from_dict(cls, body: Any) -> "GenerateReqInput":
@@ -74,8 +78,10 @@ class GenerateReqInput:
             if not (flat or nested):
                 raise InvalidRequest("`input_ids` must be a non-empty list of token ids or a list of such lists")
         n = self.batch_size
+        if n > MAX_BATCH_SIZE:
+            raise InvalidRequest(f"the batch has {n} prompts, more than the limit of {MAX_BATCH_SIZE}")
         for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                     "priority", "extra_key"):
+                     "priority", "extra_key", "timeout"):
             v = getattr(self, name)
             if isinstance(v, list) and name != "input_ids" and (not self.is_batch or len(v) != n):
                 raise InvalidRequest(f"`{name}` is a list of {len(v)} but the request has {n} prompt(s)")
@@ -96,6 +102,7 @@ class GenerateReqInput:
             stream=self.stream,
             priority=_item(self.priority, i, b),
             extra_key=_item(self.extra_key, i, b),
+            timeout=_item(self.timeout, i, b),
         )
 
 
@@ -120,6 +127,7 @@ class TokenizedGenerateReqInput:
     priority: int | None = None
     extra_key: str | None = None
     created_time: float = 0.0
+    timeout: float | None = None
 
 
 @dataclass
@@ -127,6 +135,13 @@ class AbortReq:
     rid: str = ""
     abort_all: bool = False
     message: str = "aborted"
+
+
+@dataclass
+class SchedulerCrashed:
+    """The scheduler's last words before it exits on an exception."""
+
+    message: str
 
 
 @dataclass

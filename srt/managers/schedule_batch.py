@@ -78,6 +78,7 @@ class Req:
     input_logprobs_done: bool = False
     # structured output: the xgrammar GrammarMatcher once the grammar compiled (srt/constrained)
     grammar: object = None
+    timeout: float | None = None  # seconds from arrival until the request is aborted
     # how much has been sent to the detokenizer
     sent_output_len: int = 0
     sent_input_logprob_len: int = 0
@@ -90,6 +91,10 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.timeout is None else self.created_time + self.timeout
 
     @property
     def kv_committed_len(self) -> int:

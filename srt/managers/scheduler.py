@@ -29,16 +29,18 @@ from srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    SchedulerCrashed,
     TokenizedGenerateReqInput,
 )
 from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch, finish_abort, finish_length
-from srt.metrics.collector import SchedulerMetrics
 from srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, InBatchPrefixes, PrefillAdder, SchedulePolicy
+from srt.managers.scheduler_guard import SchedulerGuardMixin
 from srt.managers.scheduler_output import BatchResult, SchedulerOutputMixin
 from srt.managers.tp_worker import TpModelWorker
 from srt.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
+from srt.metrics.collector import SchedulerMetrics
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.sampling.sampling_params import SamplingParams
@@ -63,7 +65,7 @@ class IntegrityError(RuntimeError):
     pass
 
 
-class Scheduler(SchedulerOutputMixin):
+class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0):
         self.server_args = server_args
         self.model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
@@ -101,6 +103,7 @@ class Scheduler(SchedulerOutputMixin):
         # the request's KV waits in the prefix cache across a jump: without a radix cache it would be recomputed
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         self.init_stats()
+        self.init_guard()
         self.warmup()
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input, bind=True)
@@ -130,7 +133,9 @@ class Scheduler(SchedulerOutputMixin):
 
     def event_loop_normal(self) -> None:
         while True:
+            self.heartbeat()
             self.process_input_requests(self.recv_requests())
+            self.expire_deadlines()
             self.poll_grammar_queue()
             batch = self.get_next_batch_to_run()
             if batch is None:
@@ -138,17 +143,21 @@ class Scheduler(SchedulerOutputMixin):
                 continue
             self.checked_idle = False
             fb, slots = self.builder.build(batch, self.model_config.vocab_size, self.eos_token_ids)
+            self.before_forward()
             self.process_batch_result(batch, self.timed(self.tp_worker.run(fb, slots)))
 
     def event_loop_overlap(self) -> None:
         """Launch batch N on the worker thread, then process batch N-1's results while N runs."""
         while True:
+            self.heartbeat()
             self.process_input_requests(self.recv_requests())
+            self.expire_deadlines()
             self.poll_grammar_queue()
             batch = self.get_next_batch_to_run()
             if batch is not None:
                 self.checked_idle = False
                 fb, slots = self.builder.build(batch, self.model_config.vocab_size, self.eos_token_ids)
+                self.before_forward()
                 self.pending.append((batch, self.worker_client.launch(fb, slots)))
             while len(self.pending) > (1 if batch is not None else 0):
                 self.process_oldest_pending()
@@ -201,7 +210,9 @@ class Scheduler(SchedulerOutputMixin):
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = Req(recv.rid, recv.input_ids, recv.sampling_params, recv.return_logprob, recv.logprob_start_len,
-                  recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time)
+                  recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time,
+                  timeout=recv.timeout)
+        self.track_deadline(req)
         key = req.sampling_params.grammar_key
         if key is None:
             self.waiting_queue.append(req)
@@ -506,6 +517,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         sys.exit(1)
     try:
         scheduler.event_loop()
-    except Exception:
+    except Exception as e:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
-        os._exit(1)
+        try:  # tell the tokenizer manager why, so every in-flight request fails with the reason
+            scheduler.send_to_tokenizer.send_pyobj(SchedulerCrashed(f"{type(e).__name__}: {e}"))
+            time.sleep(0.2)
+        finally:
+            os._exit(1)

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from typing import AsyncIterator
@@ -28,6 +29,7 @@ from srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     InvalidRequest,
+    SchedulerCrashed,
     TokenizedGenerateReqInput,
     new_rid,
 )
@@ -43,6 +45,14 @@ DISCONNECT_POLL_S = 1.0
 
 class ServiceUnavailable(RuntimeError):
     """The server cannot take the request now (draining, or a worker died); HTTP 503."""
+
+    retry_after: int | None = None
+
+
+class Overloaded(ServiceUnavailable):
+    """Admission is full (--max-queued-requests / --max-queued-tokens); HTTP 503 with Retry-After."""
+
+    retry_after = 1
 
 
 @dataclasses.dataclass
@@ -76,6 +86,7 @@ class TokenizerManager:
         self.recv_from_detokenizer = zmq_socket(ctx, zmq.PULL, port_args.tokenizer_input, bind=True)
         self.send_to_scheduler = zmq_socket(ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
         self.rid_to_state: dict[str, ReqState] = {}
+        self.inflight_prompt_tokens = 0
         self.control_waiters: dict[type, deque[asyncio.Future]] = {}
         self.draining = False
         self.dead_reason: str | None = None
@@ -94,13 +105,29 @@ class TokenizerManager:
 
     # -- requests ------------------------------------------------------------------------------
 
+    def _admit(self, requests: int, prompt_tokens: int) -> None:
+        """Bounded admission: beyond the running capacity plus --max-queued-requests (or the KV pool
+        plus --max-queued-tokens of prompt tokens in flight), answer 503 at once."""
+        args = self.server_args
+        if args.max_queued_requests is not None:
+            limit = self.scheduler_info["max_running_requests"] + args.max_queued_requests
+            if len(self.rid_to_state) + requests > limit:
+                raise Overloaded(f"the server is at capacity: {len(self.rid_to_state)} requests in flight, limit "
+                                 f"{limit} (--max-running-requests + --max-queued-requests); retry later")
+        if args.max_queued_tokens is not None:
+            limit = self.max_total_num_tokens + args.max_queued_tokens
+            if self.inflight_prompt_tokens + prompt_tokens > limit:
+                raise Overloaded(f"the server is at capacity: {self.inflight_prompt_tokens} prompt tokens in flight, "
+                                 f"this request adds {prompt_tokens}, limit {limit} (KV pool + --max-queued-tokens); "
+                                 f"retry later")
+
     def _check_accepting(self) -> None:
         if self.dead_reason:
             raise ServiceUnavailable(f"the server is not serving: {self.dead_reason}")
         if self.draining:
             raise ServiceUnavailable("the server is shutting down and accepts no new requests")
 
-    def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+    def tokenize(self, obj: GenerateReqInput, tenant: str | None = None) -> TokenizedGenerateReqInput:
         """One prompt (obj.item(i)) -> a validated, tokenized request."""
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
@@ -113,11 +140,17 @@ class TokenizerManager:
             raise InvalidRequest("the prompt is empty after tokenization")
         params = SamplingParams.from_dict(obj.sampling_params)
         params.verify(self.vocab_size)
+        cap = self.server_args.max_new_tokens_cap
+        if cap is not None and params.max_new_tokens is not None and params.max_new_tokens > cap:
+            raise InvalidRequest(f"sampling_params.max_new_tokens = {params.max_new_tokens} exceeds this server's "
+                                 f"cap of {cap} (--max-new-tokens-cap)")
         n = len(ids)
         if n > self.max_req_input_len:
             raise InvalidRequest(f"the prompt has {n} tokens, more than the maximum of {self.max_req_input_len}")
         if params.max_new_tokens is None:
             params.max_new_tokens = min(self.context_len, self.max_total_num_tokens) - n
+            if cap is not None:
+                params.max_new_tokens = min(params.max_new_tokens, cap)
         if n + params.max_new_tokens > self.context_len:
             raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                                  f"{n + params.max_new_tokens} exceeds the context length ({self.context_len})")
@@ -138,19 +171,34 @@ class TokenizerManager:
             raise InvalidRequest(f"rid = {rid!r} must be a string")
         if rid in self.rid_to_state:
             raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
+        extra_key = obj.extra_key
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise InvalidRequest(f"extra_key = {extra_key!r} must be a string")
+        if tenant is not None:  # namespaced by the server-side tenant: a client cannot reach another's cache
+            extra_key = f"{tenant}\x00{extra_key or ''}"
         return TokenizedGenerateReqInput(rid, obj.text, ids, params, bool(obj.return_logprob), start, top,
-                                         obj.stream, obj.priority, obj.extra_key, time.time())
+                                         obj.stream, obj.priority, extra_key, time.time(), self._timeout(obj.timeout))
+
+    def _timeout(self, given) -> float | None:
+        default = self.server_args.request_timeout
+        if given is None:
+            return default
+        if not isinstance(given, (int, float)) or isinstance(given, bool) or not math.isfinite(given) or given <= 0:
+            raise InvalidRequest(f"timeout = {given!r} must be a number of seconds > 0")
+        return min(given, default) if default is not None else float(given)
 
     async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator:
         """Yields outputs: for one prompt with n = 1, its stream of dicts (or the final dict);
         otherwise the final flat list, or, when streaming, each item's dicts with an `index`."""
         self._check_accepting()
         obj.validate()
+        tenant = getattr(request.state, "tenant", None) if request is not None else None
         items = [obj.item(i) for i in range(obj.batch_size)]
-        tokenized = [self.tokenize(item) for item in items]
+        tokenized = [self.tokenize(item, tenant) for item in items]
         n = tokenized[0].sampling_params.n
         if any(t.sampling_params.n != n for t in tokenized):
             raise InvalidRequest("all prompts of a batch must use the same sampling_params.n")
+        self._admit(len(tokenized) * n, sum(len(t.input_ids) for t in tokenized) * n)
         if not obj.is_batch and n == 1:
             async for out in self._wait_one(items[0], tokenized[0], request):
                 yield out
@@ -212,6 +260,7 @@ class TokenizerManager:
     async def _wait_one(self, obj: GenerateReqInput, tok: TokenizedGenerateReqInput, request) -> AsyncIterator[dict]:
         state = ReqState(obj, time.time())
         self.rid_to_state[tok.rid] = state
+        self.inflight_prompt_tokens += len(tok.input_ids)
         self.send_to_scheduler.send_pyobj(tok)
         try:
             while True:
@@ -237,7 +286,8 @@ class TokenizerManager:
         finally:
             if not state.finished:
                 self.abort_request(tok.rid)
-            self.rid_to_state.pop(tok.rid, None)
+            if self.rid_to_state.pop(tok.rid, None) is not None:
+                self.inflight_prompt_tokens -= len(tok.input_ids)
 
     def _make_output(self, rid: str, s: ReqState) -> dict:
         meta = {
@@ -278,6 +328,9 @@ class TokenizerManager:
             msg = await self.recv_from_detokenizer.recv_pyobj()
             if isinstance(msg, BatchStrOutput):
                 self._handle_batch_output(msg)
+            elif isinstance(msg, SchedulerCrashed):
+                logger.error("the scheduler crashed: %s", msg.message)
+                self.fail_all(f"the scheduler crashed: {msg.message}")
             else:
                 waiters = self.control_waiters.get(type(msg))
                 if waiters:
@@ -318,7 +371,9 @@ class TokenizerManager:
         return (await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout=10.0)).state
 
     def fail_all(self, reason: str) -> None:
-        """A worker died: every waiting request ends with an error instead of hanging."""
-        self.dead_reason = reason
+        """A worker died: every waiting request ends with an error instead of hanging. Call on the
+        event loop's thread; the first reason given (the most specific) is kept."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
         for s in self.rid_to_state.values():
             s.event.set()

@@ -14,6 +14,12 @@ GREEDY_TEMPERATURE = 1e-6
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # structured-output constraints, at most one per request
 
 
+# Caps that keep one request from costing the server unbounded work.
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+
 class InvalidSamplingParams(ValueError):
     pass
 
@@ -89,7 +95,7 @@ class SamplingParams:
         if self.max_new_tokens is not None:
             _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens,
                    f"<= max_new_tokens ({self.max_new_tokens})")
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             v = getattr(self, name)
             _check(isinstance(v, bool), name, v, "a boolean")
@@ -135,6 +141,8 @@ class SamplingParams:
             stop = [stop]
         _check(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop), "stop", self.stop,
                "a non-empty string or a list of non-empty strings")
+        _check(len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop), "stop", self.stop,
+               f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
         self.stop_strs = list(stop)
 
     def _verify_logit_bias(self, vocab_size: int) -> None:

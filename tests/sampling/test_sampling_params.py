@@ -29,7 +29,7 @@ def test_unknown_keys_are_ignored_and_stop_normalized():
     ("max_new_tokens", 1.5, "integer"),
     ("frequency_penalty", 3, "[-2, 2]"),
     ("repetition_penalty", 0, "(0, 2]"),
-    ("n", 0, ">= 1"),
+    ("n", 0, "in [1, 128]"),
     ("stop", [""], "non-empty"),
     ("stop", 5, "non-empty"),
     ("stop_token_ids", [100], "[0, 100)"),

@@ -67,6 +67,7 @@ class _SamplingFields(_Body):
     json_schema: str | None = None
     ebnf: str | None = None
     rid: str | None = None
+    timeout: float | None = Field(default=None, gt=0)  # seconds; past it the request is aborted
 
     @field_validator("stop")
     @classmethod

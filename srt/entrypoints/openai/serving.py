@@ -39,6 +39,14 @@ def openai_error_response(status: int, message: str, param: str | None = None, c
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
+def with_retry_after(response: Response, e: Exception) -> Response:
+    """A 503 for overload says when to come back."""
+    retry = getattr(e, "retry_after", None)
+    if retry is not None:
+        response.headers["Retry-After"] = str(retry)
+    return response
+
+
 def _sse(payload) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
@@ -108,7 +116,7 @@ class OpenAIServing:
             text=text, input_ids=ids, sampling_params=self._sampling(req, req.max_tokens), rid=req.rid,
             return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
             logprob_start_len=0 if (want_lp and req.echo) else -1, return_text_in_logprobs=True,
-            stream=req.stream)
+            stream=req.stream, timeout=req.timeout)
 
     def _chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
         tok = self.tm.tokenizer
@@ -138,7 +146,7 @@ class OpenAIServing:
         return GenerateReqInput(
             input_ids=ids, sampling_params=self._sampling(req, max_new), rid=req.rid,
             return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-            return_text_in_logprobs=True, stream=req.stream)
+            return_text_in_logprobs=True, stream=req.stream, timeout=req.timeout)
 
     async def _serve(self, body: Any, request: Request, cls, to_input, responder_cls) -> Response:
         try:
@@ -152,7 +160,7 @@ class OpenAIServing:
         except (InvalidRequest, InvalidSamplingParams) as e:
             return openai_error_response(400, str(e))
         except ServiceUnavailable as e:
-            return openai_error_response(503, str(e))
+            return with_retry_after(openai_error_response(503, str(e)), e)
         responder = responder_cls(self, req)
         if not req.stream:
             return Response(orjson.dumps(responder.body(first if isinstance(first, list) else [first])),
