@@ -11,7 +11,7 @@ ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test stress install bench bench-runtime clean
+.PHONY: serve test stress soak install bench bench-runtime clean
 
 serve: $(STAMP)
 	$(PY) -m srt.launch_server --host $(HOST) --port $(PORT) $(ARGS)
@@ -21,6 +21,9 @@ test: $(STAMP)
 
 stress: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -s -m soak tests/server/test_soak.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmark/bench_one_batch.py --compare-hf $(ARGS)

@@ -127,9 +127,15 @@ def main() -> None:
     p.add_argument("--out", default="frontier.png")
     p.add_argument("--output-file", default=None, help="append every level as a JSON line")
     p.add_argument("--title", default=None)
+    p.add_argument("--add-rows", default=None,
+                   help="a JSONL file written by an earlier --output-file: its levels join the table and plot")
     args = p.parse_args()
 
     proc = None
+    earlier = []
+    if args.add_rows:
+        with open(args.add_rows) as f:
+            earlier = [json.loads(line) for line in f if line.strip()]
     targets = []
     for t in args.target:
         name, rest = t.split("=", 1)
@@ -140,7 +146,7 @@ def main() -> None:
         targets = [("radixserve", "sglang", url)]
     try:
         tokenizer = load_tokenizer(args.tokenizer or server_info(targets[0][2], {})[0].get("tokenizer_path"))
-        rows = []
+        rows = list(earlier)
         for name, backend, url in targets:
             rows += sweep(name, backend, url, args, tokenizer)
     finally:
@@ -149,7 +155,7 @@ def main() -> None:
             proc.wait(60)
     if args.output_file:
         with open(args.output_file, "a") as f:
-            for r in rows:
+            for r in rows[len(earlier):]:
                 f.write(json.dumps(r) + "\n")
     print("\n" + table(rows))
     title = args.title or (f"random {args.random_input_len} in / {args.random_output_len} out, "

@@ -18,8 +18,21 @@ from frontend.backends.engine import EngineBackend
 from frontend.backends.runtime_endpoint import RuntimeEndpoint
 from frontend.choices import greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized
 from frontend.interpreter import ProgramError, ProgramState, ProgramStateGroup
-from frontend.ir import (assistant, assistant_begin, assistant_end, gen, gen_int, gen_string, select, system,
-                         system_begin, system_end, user, user_begin, user_end)
+from frontend.ir import (
+                         assistant,
+                         assistant_begin,
+                         assistant_end,
+                         gen,
+                         gen_int,
+                         gen_string,
+                         select,
+                         system,
+                         system_begin,
+                         system_end,
+                         user,
+                         user_begin,
+                         user_end,
+)
 
 __all__ = [
     "Backend", "BackendError", "EngineBackend", "Program", "ProgramError", "ProgramState", "ProgramStateGroup",

@@ -15,8 +15,7 @@ import threading
 from typing import Any, Iterator
 
 from frontend.backends.base import Backend
-from frontend.ir import (Concat, Expr, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd,
-                         to_expr)
+from frontend.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd, to_expr
 
 
 class ProgramError(RuntimeError):

@@ -17,10 +17,10 @@ import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from srt.entrypoints.openai.serving import OpenAIServing, openai_error_response, with_retry_after
+from srt.entrypoints.openai.serving import EventStream, OpenAIServing, openai_error_response, with_retry_after
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
@@ -70,6 +70,31 @@ class Auth:
         return None
 
 
+class AuthMiddleware:
+    """Deny by default: every route, including ones added later, except the liveness probe. A plain
+    ASGI middleware (not BaseHTTPMiddleware), so routes still see their client disconnect."""
+
+    def __init__(self, app, auth: Auth):
+        self.app, self.auth = app, auth
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        who = self.auth.identify(request.headers.get("authorization", ""))
+        error = None
+        if who is None:
+            error = "missing or invalid API key (send 'Authorization: Bearer <key>')"
+        elif scope["path"] in ADMIN_ROUTES and not self.auth.is_admin(who):
+            error = f"{scope['path']} needs the admin API key (--admin-api-key)"
+        if error is not None:
+            return await route_error(request, 401, error, code="invalid_api_key")(scope, receive, send)
+        state = scope.setdefault("state", {})
+        state["admin"] = self.auth.is_admin(who)
+        state["tenant"] = self.auth.tenant(who, request.headers)
+        await self.app(scope, receive, send)
+
+
 def redacted(server_args: ServerArgs) -> dict:
     return {k: ("<redacted>" if k in SECRET_ARGS and v else v) for k, v in dataclasses.asdict(server_args).items()}
 
@@ -111,23 +136,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     openai = OpenAIServing(tm, server_args.served_model_name or server_args.model_path, server_args.model_path,
                            chat_template)
 
-    auth = Auth(server_args)
-
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next):
-        # Deny by default: every route, including ones added later, except the liveness probe.
-        path = request.url.path
-        if path != "/health":
-            who = auth.identify(request.headers.get("authorization", ""))
-            if who is None:
-                return route_error(request, 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                   code="invalid_api_key")
-            if path in ADMIN_ROUTES and not auth.is_admin(who):
-                return route_error(request, 401, f"{path} needs the admin API key (--admin-api-key)",
-                                   code="invalid_api_key")
-            request.state.admin = auth.is_admin(who)
-            request.state.tenant = auth.tenant(who, request.headers)
-        return await call_next(request)
+    app.add_middleware(AuthMiddleware, auth=Auth(server_args))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -256,15 +265,17 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             return json_response(first)
 
         async def stream():
-            yield sse(first)
             try:
+                yield sse(first)
                 async for out in gen:
                     yield sse(out)
             except ServiceUnavailable as e:
                 yield sse({"error": {"message": str(e), "code": 503}})
+            finally:  # a client that went away cancels us here: abort its request now, not at GC
+                await gen.aclose()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return EventStream(stream())
 
     return app
 

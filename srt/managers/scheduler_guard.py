@@ -7,7 +7,8 @@ injected forward failure.
   `--watchdog-timeout` seconds, dumps every thread's stack and exits the process non-zero; the
   parent sees the death, fails in-flight requests with a clear error and exits too.
 - `RADIXSERVE_TEST_FAULT_AFTER_FORWARDS=N` makes the N+1-th forward raise, to test that a crash in
-  the forward pass fails every request and brings the server down.
+  the forward pass fails every request and brings the server down; `..._HANG_AFTER_FORWARDS=N`
+  makes it block forever, for the watchdog. Test-only hooks, off unless the variable is set.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from srt.managers.schedule_batch import Req, finish_abort
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "RADIXSERVE_TEST_FAULT_AFTER_FORWARDS"
+HANG_ENV = "RADIXSERVE_TEST_HANG_AFTER_FORWARDS"
 
 
 class InjectedFault(RuntimeError):
@@ -36,8 +38,9 @@ class SchedulerGuardMixin:
         self.deadlines: list[tuple[float, int, Req]] = []  # min-heap of (deadline, tiebreak, request)
         self.last_progress = time.monotonic()
         self.forwards_started = 0
-        fault = os.environ.get(FAULT_ENV)
+        fault, hang = os.environ.get(FAULT_ENV), os.environ.get(HANG_ENV)
         self.fault_after = int(fault) if fault else None
+        self.hang_after = int(hang) if hang else None
         timeout = self.server_args.watchdog_timeout
         if timeout and timeout > 0:
             threading.Thread(target=self._watchdog, args=(timeout,), name="scheduler-watchdog", daemon=True).start()
@@ -82,3 +85,5 @@ class SchedulerGuardMixin:
         self.forwards_started += 1
         if self.fault_after is not None and self.forwards_started > self.fault_after:
             raise InjectedFault(f"injected forward failure after {self.fault_after} forward passes ({FAULT_ENV})")
+        if self.hang_after is not None and self.forwards_started > self.hang_after:
+            threading.Event().wait()  # a forward that never returns

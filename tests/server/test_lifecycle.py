@@ -50,6 +50,27 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(server_factory, tiny_
     assert server.proc.wait(30) == 0
 
 
+def test_shutdown_timeout_aborts_what_is_left_then_exits_zero(server_factory, tiny_chat_model):
+    server = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--shutdown-timeout", "1")
+    result = {}
+
+    def endless():
+        result["out"] = server.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 7000,
+                                                                              "ignore_eos": True})
+
+    t = threading.Thread(target=endless)
+    t.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    reason = result["out"]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "shutting down" in reason["message"]
+    assert result["out"]["meta_info"]["completion_tokens"] < 7000
+    assert server.proc.wait(30) == 0
+    assert time.monotonic() - start < 15
+
+
 def test_bad_model_path_fails_fast_with_a_clear_message(tmp_path):
     import subprocess
     import sys

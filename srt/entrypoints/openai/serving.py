@@ -39,6 +39,20 @@ def openai_error_response(status: int, message: str, param: str | None = None, c
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
+class EventStream(StreamingResponse):
+    """SSE whose generator is closed as soon as the response ends, also when the client went away
+    mid-stream: closing it aborts the request and frees its KV now, not whenever the garbage
+    collector gets to a cancelled generator."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def with_retry_after(response: Response, e: Exception) -> Response:
     """A 503 for overload says when to come back."""
     retry = getattr(e, "retry_after", None)
@@ -176,9 +190,11 @@ class OpenAIServing:
                     yield tail
             except ServiceUnavailable as e:
                 yield _sse({"error": {"message": str(e), "type": ERROR_TYPES[503], "param": None, "code": 503}})
+            finally:  # a client that went away cancels us here: abort its request now, not at GC
+                await gen.aclose()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStream(events())
 
     # -- responses -------------------------------------------------------------------------------
 
