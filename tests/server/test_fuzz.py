@@ -50,7 +50,7 @@ def post(server, path: str, body) -> requests.Response:
     return requests.post(server.url + path, data=data, headers={"Content-Type": "application/json"}, timeout=120)
 
 
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 @pytest.mark.parametrize("path, bodies", [("/generate", generate_bodies), ("/v1/completions", completion_bodies),
