@@ -26,8 +26,19 @@ def server(server_factory, tiny_chat_model):
 
 
 def rss_mb(pid: int) -> float:
+    return sum(rss_by_process(pid).values())
+
+
+def rss_by_process(pid: int) -> dict[str, float]:
+    """MB per process of the server's tree (the HTTP process, scheduler, detokenizer)."""
     proc = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+    out = {}
+    for p in [proc, *proc.children(recursive=True)]:
+        name = " ".join(p.cmdline()[-1:]) if p is not proc else "http"
+        if "resource_tracker" in name:
+            continue
+        out[f"{p.pid}:{p.name() if p is not proc else 'http'}"] = p.memory_info().rss / 2**20
+    return out
 
 
 def worker(server, rng: random.Random, stop: float, counts: dict, lock: threading.Lock) -> None:
@@ -90,6 +101,7 @@ def test_soak(server):
         t.start()
     time.sleep(max(0.0, warm - time.monotonic()))
     rss_warm = rss_mb(server.proc.pid)
+    per_process_warm = rss_by_process(server.proc.pid)
     peak_usage = 0.0
     while any(t.is_alive() for t in threads):
         peak_usage = max(peak_usage, server.state()["token_usage"])
@@ -104,6 +116,9 @@ def test_soak(server):
           f"finished server-side, peak token usage {peak_usage:.2f}; RSS {rss_start:.0f} MB at start, "
           f"{rss_warm:.0f} MB after warm-up, {rss_end:.0f} MB at the end; KV free+evictable "
           f"{state['kv_available'] + state['kv_evictable']} / {state['kv_capacity']}")
+    per_process_end = rss_by_process(server.proc.pid)
+    print("RSS per process, after warm-up -> end (MB): " + ", ".join(
+        f"{k} {per_process_warm.get(k, 0):.0f} -> {v:.0f}" for k, v in per_process_end.items()))
     assert not counts.get("client_errors"), counts.get("errors", [])[:3]
     assert state["integrity_ok"] and state["idle"]
     assert state["kv_available"] + state["kv_evictable"] == state["kv_capacity"] == baseline["kv_capacity"]
