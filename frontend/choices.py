@@ -7,6 +7,7 @@ scores it compared. Pass one as `select(..., choices_method=...)`.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 
@@ -25,12 +26,13 @@ def _argmax(scores: list[float]) -> int:
     return max(range(len(scores)), key=lambda i: scores[i])
 
 
-class ChoicesMethod:
+class ChoicesMethod(abc.ABC):
     name = ""
     needs_unconditional = False
 
+    @abc.abstractmethod
     def __call__(self, logprobs: list[list[float]], unconditional: list[list[float]] | None = None) -> ChoiceDecision:
-        raise NotImplementedError
+        """The decision from per-choice token logprobs (and, when needed, unconditional ones)."""
 
     def __repr__(self) -> str:
         return self.name

@@ -101,6 +101,11 @@ class ServerArgs:
         if self.api_key is not None and not all(self.api_keys):
             raise ValueError("--api-key must not be empty (or contain an empty key between commas)")
 
+    def public_dict(self) -> dict:
+        """The arguments as /server_info shows them: secrets redacted."""
+        return {k: ("<redacted>" if k in ("api_key", "admin_api_key") and v else v)
+                for k, v in dataclasses.asdict(self).items()}
+
     @property
     def api_keys(self) -> list[str]:
         return [k.strip() for k in self.api_key.split(",")] if self.api_key else []

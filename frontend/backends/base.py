@@ -7,6 +7,7 @@ choices of `select`) is the same for every backend and lives here.
 
 from __future__ import annotations
 
+import abc
 import functools
 from typing import Any, Iterator
 
@@ -30,18 +31,21 @@ def _check(out: dict) -> dict:
     return out
 
 
-class Backend:
+class Backend(abc.ABC):
     chat_template_override: str | None = None
 
     # -- the primitive, per backend -------------------------------------------------------------
+    @abc.abstractmethod
     def call(self, body: dict) -> Any:
-        raise NotImplementedError
+        """One /generate call: its JSON body in, its JSON out."""
 
+    @abc.abstractmethod
     def call_stream(self, body: dict) -> Iterator[dict]:
-        raise NotImplementedError
+        """One streamed /generate call: its chunks."""
 
+    @abc.abstractmethod
     def model_info(self) -> dict:
-        raise NotImplementedError
+        """/get_model_info's fields (chat_template, bos_token, eos_token at least)."""
 
     # -- shared -----------------------------------------------------------------------------------
     @functools.cached_property

@@ -8,7 +8,6 @@ and `async_generate` from any running event loop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
 from typing import Any, AsyncIterator, Iterator
@@ -127,9 +126,7 @@ class Engine:
 
     def get_server_info(self) -> dict:
         state = self._run(self.tokenizer_manager.get_internal_state())
-        args = {k: ("<redacted>" if k in ("api_key", "admin_api_key") and v else v)
-                for k, v in dataclasses.asdict(self.server_args).items()}
-        return {**args, **self._subs.scheduler_info,
+        return {**self.server_args.public_dict(), **self._subs.scheduler_info,
                 "max_req_input_len": self.tokenizer_manager.max_req_input_len, "version": __version__,
                 "internal_states": [state]}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import hmac
 import logging
@@ -36,7 +35,6 @@ MAX_BODY_BYTES = 64 * 2**20
 
 # Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
 ADMIN_ROUTES = frozenset({"/flush_cache", "/server_info", "/get_server_info"})
-SECRET_ARGS = ("api_key", "admin_api_key")
 
 
 class Auth:
@@ -93,10 +91,6 @@ class AuthMiddleware:
         state["admin"] = self.auth.is_admin(who)
         state["tenant"] = self.auth.tenant(who, request.headers)
         await self.app(scope, receive, send)
-
-
-def redacted(server_args: ServerArgs) -> dict:
-    return {k: ("<redacted>" if k in SECRET_ARGS and v else v) for k, v in dataclasses.asdict(server_args).items()}
 
 
 def json_response(payload, status: int = 200) -> Response:
@@ -188,7 +182,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         except asyncio.TimeoutError:
             state = None
         return {
-            **redacted(server_args),
+            **server_args.public_dict(),
             **tm.scheduler_info,
             "max_req_input_len": tm.max_req_input_len,
             "version": __version__,
