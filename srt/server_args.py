@@ -9,6 +9,9 @@ import tempfile
 from dataclasses import dataclass
 
 
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+
+
 @dataclass
 class ServerArgs:
     # HTTP
@@ -55,6 +58,12 @@ class ServerArgs:
     torch_compile_max_bs: int = 16
     # Parallelism
     tp_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0's torch.distributed store
+    dist_timeout: float = 60.0
     # Logging and debugging
     log_level: str = "info"
     decode_log_interval: int = 40
@@ -64,8 +73,31 @@ class ServerArgs:
     def __post_init__(self):
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size} is not supported yet (only 1)")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}; "
+                             f"got {self.load_balance_method!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            if self.dp_size != 1:
+                raise ValueError("--nnodes > 1 spans one tensor-parallel group over nodes; --dp-size must be 1 "
+                                 "(run one server per node behind a router for replicas)")
+            if self.tp_size % self.nnodes:
+                raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+            if not self.dist_init_addr:
+                raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.tp_size > 1 and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile is not supported with --tp-size > 1 yet")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -200,7 +232,19 @@ class ServerArgs:
         g.add_argument("--disable-jump-forward", action="store_true",
                        help="decode strings a grammar forces token by token instead of appending them at once")
         g = parser.add_argument_group("parallelism")
-        g.add_argument("--tp-size", type=int, default=d.tp_size)
+        g.add_argument("--tp-size", "--tp", type=int, default=d.tp_size,
+                       help="tensor-parallel ranks, one scheduler process each (gloo on CPU, NCCL on GPU)")
+        g.add_argument("--dp-size", "--dp", type=int, default=d.dp_size,
+                       help="data-parallel replicas, each its own scheduler group and prefix cache")
+        g.add_argument("--load-balance-method", default=d.load_balance_method, choices=LOAD_BALANCE_METHODS,
+                       help="how the data-parallel controller picks a replica for each request")
+        g.add_argument("--nnodes", type=int, default=d.nnodes, help="nodes one tensor-parallel group spans")
+        g.add_argument("--node-rank", type=int, default=d.node_rank,
+                       help="this node's rank; node 0 runs the HTTP server")
+        g.add_argument("--dist-init-addr", default=d.dist_init_addr,
+                       help="HOST:PORT where node 0 hosts the torch.distributed rendezvous")
+        g.add_argument("--dist-timeout", type=float, default=d.dist_timeout,
+                       help="seconds to wait for every rank to join, and for a rank to answer")
         g = parser.add_argument_group("logging")
         g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
         g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
@@ -220,11 +264,16 @@ class PortArgs:
     """ZMQ endpoints between the processes: ipc:// paths in a private temp dir."""
 
     ipc_dir: str
-    scheduler_input: str
+    scheduler_input: str  # the tokenizer manager sends here: the scheduler, or the DP controller
     detokenizer_input: str
     tokenizer_input: str
+    controller_input: str  # data-parallel replicas report their load here
 
     @classmethod
     def init_new(cls) -> "PortArgs":
         d = tempfile.mkdtemp(prefix="radixserve-")
-        return cls(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer")
+        return cls(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer", f"ipc://{d}/controller")
+
+    def replica_input(self, dp_rank: int, dp_size: int) -> str:
+        """Where replica `dp_rank`'s scheduler receives requests."""
+        return self.scheduler_input if dp_size == 1 else f"ipc://{self.ipc_dir}/scheduler-{dp_rank}"

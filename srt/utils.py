@@ -81,10 +81,15 @@ def configure_logger(level: str = "info", prefix: str = "") -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, datefmt="%H:%M:%S", force=True)
 
 
-def set_torch_threads() -> None:
-    """Use the cores this process may run on (containers often allow fewer than the host has)."""
+def set_torch_threads(share: int = 1) -> None:
+    """Use the cores this process may run on (containers often allow fewer than the host has),
+    split evenly among `share` processes computing side by side (tensor-parallel ranks).
+    An explicit OMP_NUM_THREADS wins."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        return
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, n))
+    torch.set_num_threads(max(1, n // share))
 
 
 def zmq_socket(context, socket_type, endpoint: str, bind: bool):

@@ -85,9 +85,11 @@ class ModelConfig:
             eos_token_ids=read_eos_token_ids(path, cfg),
         )
 
-    def num_kv_heads_per_rank(self, tp_size: int) -> int:
-        """KV heads are split across ranks, or replicated when there are fewer heads than ranks."""
-        return max(1, self.num_key_value_heads // tp_size)
+    def num_kv_heads_per_rank(self, tp_size: int, tp_rank: int = 0) -> int:
+        """KV heads this rank holds (split whole groups at a time, or replicated; see head_shard)."""
+        from srt.layers.linear import head_shard
+
+        return head_shard(self.num_attention_heads, self.num_key_value_heads, tp_size, tp_rank).kv_count
 
 
 def derive_context_len(cfg: PretrainedConfig) -> int:

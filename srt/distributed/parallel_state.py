@@ -1,13 +1,38 @@
 """Tensor-parallel group state. With tp_size 1 the collectives are identities and torch.distributed
-is never initialized, so the single-rank path pays nothing for being TP-aware."""
+is never initialized, so the single-rank path pays nothing for being TP-aware.
+
+With tp_size > 1 every rank joins one process group (gloo on CPU, NCCL on GPU) for the model's
+collectives, plus a gloo group on the host for the control messages rank 0 broadcasts.
+"""
 
 from __future__ import annotations
+
+import datetime
+import logging
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 _TP_RANK = 0
 _TP_SIZE = 1
+_CPU_GROUP = None
+
+
+def init_distributed(rank: int, world_size: int, init_addr: str, device: str, timeout_s: float) -> None:
+    """Join the tensor-parallel group through a TCP rendezvous at `init_addr` (host:port; rank 0
+    hosts it). Returns once every rank has joined; raises after `timeout_s` otherwise."""
+    global _CPU_GROUP
+    if world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size,
+                            timeout=timeout)
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    logger.info("joined the tensor-parallel group: rank %d of %d (%s, rendezvous %s)", rank, world_size, backend,
+                init_addr)
 
 
 def init_tp_group(rank: int, size: int) -> None:
@@ -25,6 +50,11 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
+def get_cpu_group():
+    """The gloo group for host-side messages (the WORLD group on CPU)."""
+    return _CPU_GROUP
+
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP_SIZE == 1:
         return x
@@ -38,3 +68,12 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def all_reduce_min_int(values: list[int]) -> list[int]:
+    """The element-wise minimum over ranks (sizes every rank must agree on)."""
+    if _TP_SIZE == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return t.tolist()

@@ -125,10 +125,10 @@ class Engine:
         return self._run(self.tokenizer_manager.flush_cache()).success
 
     def get_server_info(self) -> dict:
-        state = self._run(self.tokenizer_manager.get_internal_state())
+        states = self._run(self.tokenizer_manager.get_internal_states())
         return {**self.server_args.public_dict(), **self._subs.scheduler_info,
                 "max_req_input_len": self.tokenizer_manager.max_req_input_len, "version": __version__,
-                "internal_states": [state]}
+                "internal_states": states}
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):

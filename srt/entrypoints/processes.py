@@ -7,16 +7,22 @@ watcher logs why and calls the owner's `on_child_death`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
+import signal
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
+from srt.managers.data_parallel_controller import run_data_parallel_controller_process
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.scheduler import run_scheduler_process
+from srt.model_executor.tp_sync import run_tp_follower_process
 from srt.model_loader.default_model import resolve_model_path
 from srt.server_args import PortArgs, ServerArgs
 
@@ -31,7 +37,7 @@ class StartupError(RuntimeError):
 
 @dataclass
 class Subprocesses:
-    port_args: PortArgs
+    port_args: PortArgs | None
     procs: dict[str, mp.Process]
     scheduler_info: dict
     stopping: bool = False
@@ -53,6 +59,25 @@ class Subprocesses:
         self.watcher = threading.Thread(target=run, name="child-watcher", daemon=True)
         self.watcher.start()
 
+    def add(self, other: "Subprocesses") -> None:
+        self.procs.update(other.procs)
+
+    def serve_until_exit(self) -> int:
+        """Wait for a child to exit (or for SIGTERM / SIGINT), stop the others; the exit code."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.is_set():
+            exited = [(name, p.exitcode) for name, p in self.procs.items() if not p.is_alive()]
+            if exited:
+                name, code = exited[0]
+                logger.error("the %s process exited (exit code %s); stopping this node", name, code)
+                self.stop()
+                return 1
+            stop.wait(0.5)
+        self.stop()
+        return 0
+
     def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
         for p in self.procs.values():
@@ -64,32 +89,79 @@ class Subprocesses:
             if p.is_alive():
                 p.kill()
                 p.join(1)
-        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+        if self.port_args is not None:
+            shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _replica_args(server_args: ServerArgs, dp_rank: int) -> ServerArgs:
+    """Each data-parallel replica is its own torch.distributed group, with its own rendezvous."""
+    if server_args.tp_size == 1 or (server_args.dist_init_addr and server_args.dp_size == 1):
+        return server_args
+    host = server_args.dist_init_addr.rpartition(":")[0] if server_args.dist_init_addr else "127.0.0.1"
+    return dataclasses.replace(server_args, dist_init_addr=f"{host}:{_free_port()}")
 
 
 def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     """Resolve the model (converting the default GGUF once, here, before any child needs it),
-    start the workers and wait until each reports ready."""
+    start the workers and wait until each reports ready.
+
+    Node 0 runs, per data-parallel replica, tensor-parallel rank 0 (the scheduler) and the other
+    ranks of this node (followers); then the detokenizer and, with --dp-size > 1, the controller.
+    Other nodes (--node-rank > 0) run only their followers: this call then serves until they exit
+    and ends the process."""
     server_args.model_path = resolve_model_path(server_args.model_path)
     if server_args.tokenizer_path is None:
         server_args.tokenizer_path = server_args.model_path
     port_args = PortArgs.init_new()
+    per_node = server_args.tp_size // server_args.nnodes
+    local_ranks = range(server_args.node_rank * per_node, (server_args.node_rank + 1) * per_node)
+    specs = {}
+    for d in range(server_args.dp_size):
+        args = _replica_args(server_args, d)
+        prefix = f"dp{d}-" if server_args.dp_size > 1 else ""
+        for r in local_ranks:
+            if r == 0:
+                specs[f"{prefix}scheduler"] = (run_scheduler_process, (args, port_args, 0), {"dp_rank": d})
+            else:
+                specs[f"{prefix}tp{r}"] = (run_tp_follower_process, (args, r), {})
+    if server_args.node_rank > 0:
+        subs = _start(specs)
+        logger.info("node %d: tensor-parallel ranks %s ready", server_args.node_rank, list(local_ranks))
+        sys.exit(subs.serve_until_exit())
+    specs["detokenizer"] = (run_detokenizer_process, (server_args, port_args), {})
+    subs = _start(specs)
+    if server_args.dp_size > 1:
+        try:
+            capacity = subs.scheduler_info["max_total_num_tokens"]
+            subs.add(_start({"dp-controller": (run_data_parallel_controller_process,
+                                               (server_args, port_args, capacity), {})}))
+        except BaseException:
+            subs.stop()
+            raise
+    subs.port_args = port_args
+    subs.scheduler_info["process_pids"] = {name: p.pid for name, p in subs.procs.items()}
+    return subs
+
+
+def _start(specs: dict) -> Subprocesses:
     ctx = mp.get_context("spawn")
-    specs = {
-        "scheduler": (run_scheduler_process, (server_args, port_args, 0)),
-        "detokenizer": (run_detokenizer_process, (server_args, port_args)),
-    }
     procs, pipes = {}, {}
-    for name, (target, args) in specs.items():
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=target, args=(*args, writer), name=f"radixserve-{name}", daemon=True)
-        p.start()
-        procs[name], pipes[name] = p, reader
-    subs = Subprocesses(port_args, procs, {})
+    subs = Subprocesses(None, procs, {})
     try:
+        for name, (target, args, kwargs) in specs.items():
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=target, args=(*args, writer), kwargs=kwargs, name=f"radixserve-{name}", daemon=True)
+            p.start()
+            procs[name], pipes[name] = p, reader
         for name, reader in pipes.items():
             info = _wait_ready(name, procs[name], reader)
-            if name == "scheduler":
+            if name.endswith("scheduler") and not subs.scheduler_info:
                 subs.scheduler_info = info
     except BaseException:
         subs.stop()

@@ -9,6 +9,7 @@ tp_size.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -85,17 +86,23 @@ class ReplicatedLinear(nn.Module):
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
+    """Output features split across ranks; `shard` = (offset, size) of this rank's rows when the
+    split is not even (attention heads at KV-group granularity)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
+                 shard: tuple[int, int] | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.output_size_per_partition = _divide(output_size, self.tp_size)
+        if shard is None:
+            size = _divide(output_size, self.tp_size)
+            shard = (self.tp_rank * size, size)
+        self.output_offset, self.output_size_per_partition = shard
         self.gather_output = gather_output
         self.weight = _make_param(self.output_size_per_partition, input_size, loader=self.weight_loader)
         self.bias = _make_param(self.output_size_per_partition, loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+        param.data.copy_(loaded.narrow(0, self.output_offset, self.output_size_per_partition))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self, self.bias)
@@ -107,50 +114,94 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
+        for n in output_sizes:
+            _divide(n, get_tp_size())
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        if shard_id is None:
-            return super().weight_loader(param, loaded)
+        if shard_id is None:  # already fused in the checkpoint: load each projection's rows
+            starts = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+            for i, (start, n) in enumerate(zip(starts, self.output_sizes)):
+                self.weight_loader(param, loaded.narrow(0, start, n), i)
+            return
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds: query heads [q_start, q_start + q_count) and KV heads
+    [kv_start, kv_start + kv_count)."""
+
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """Split heads across ranks whole KV groups at a time (a query head stays with its KV head).
+
+    With at least as many KV heads as ranks the groups are dealt out as evenly as they go, so 3 KV
+    heads over 2 ranks is 2 + 1 (uneven, but exact). With fewer, each KV head is replicated on
+    tp_size / num_kv_heads ranks, which share its query heads."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp_size:
+        kv_start, kv_end = tp_rank * num_kv_heads // tp_size, (tp_rank + 1) * num_kv_heads // tp_size
+        return HeadShard(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start)
+    if tp_size % num_kv_heads or group < tp_size // num_kv_heads:
+        raise ValueError(f"cannot split {num_heads} attention heads with {num_kv_heads} KV heads over tp_size "
+                         f"{tp_size}: use a tp_size that divides the KV heads, or a multiple of them no larger "
+                         f"than the attention heads")
+    replicas = tp_size // num_kv_heads
+    kv, j = divmod(tp_rank, replicas)
+    q_start, q_end = kv * group + j * group // replicas, kv * group + (j + 1) * group // replicas
+    return HeadShard(q_start, q_end - q_start, kv, 1)
+
+
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections fused. KV heads are replicated when there are fewer than ranks."""
+    """Q, K and V projections fused; this rank's heads per `head_shard`."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool):
-        tp_size = get_tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(total_num_heads, tp_size)
-        if total_num_kv_heads >= tp_size:
-            self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
-            self.kv_replicas = 1
-        else:
-            self.num_kv_heads = 1
-            self.kv_replicas = _divide(tp_size, total_num_kv_heads)
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.heads = head_shard(total_num_heads, total_num_kv_heads, get_tp_size(), get_tp_rank())
+        self.num_heads, self.num_kv_heads = self.heads.q_count, self.heads.kv_count
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias)
+        total = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        super().__init__(hidden_size, total, bias, shard=(0, self.q_size + 2 * self.kv_size))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        if shard_id is None:
-            return super().weight_loader(param, loaded)
+        d = self.head_dim
+        if shard_id is None:  # already fused in the checkpoint: [Q; K; V] over all heads
+            q, k = self.total_num_heads * d, self.total_num_kv_heads * d
+            for sid, start, n in (("q", 0, q), ("k", q, k), ("v", q + k, k)):
+                self.weight_loader(param, loaded.narrow(0, start, n), sid)
+            return
         if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
+            offset, size, start = 0, self.q_size, self.heads.q_start * d
         else:
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+            size, start = self.kv_size, self.heads.kv_start * d
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
+    """Input features split across ranks (`shard` = (offset, size) when uneven); partial sums are
+    all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
+                 shard: tuple[int, int] | None = None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.input_size_per_partition = _divide(input_size, self.tp_size)
+        if shard is None:
+            size = _divide(input_size, self.tp_size)
+            shard = (self.tp_rank * size, size)
+        self.input_offset, self.input_size_per_partition = shard
         self.reduce_results = reduce_results
         self.weight = _make_param(output_size, self.input_size_per_partition, loader=self.weight_loader)
         self.bias = _make_param(output_size, loader=self.weight_loader) if bias else None
@@ -159,8 +210,7 @@ class RowParallelLinear(nn.Module):
         if param.dim() == 1:
             param.data.copy_(loaded)
             return
-        n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+        param.data.copy_(loaded.narrow(1, self.input_offset, self.input_size_per_partition))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:

@@ -166,6 +166,17 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
+class LoadReport:
+    """A data-parallel replica's load, sent to the controller whenever it changes."""
+
+    dp_rank: int
+    num_reqs: int  # running + waiting
+    num_waiting_reqs: int
+    num_used_tokens: int  # KV slots held by requests (not evictable cache)
+    num_received: int  # requests it has received so far
+
+
+@dataclass
 class BatchTokenIDOutput:
     """New tokens of the requests that made progress this step (deltas since the last send)."""
 

@@ -29,6 +29,7 @@ from srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoadReport,
     SchedulerCrashed,
     TokenizedGenerateReqInput,
 )
@@ -66,8 +67,9 @@ class IntegrityError(RuntimeError):
 
 
 class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0):
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, dp_rank: int = 0):
         self.server_args = server_args
+        self.dp_rank = dp_rank
         self.model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
         self.tp_worker = TpModelWorker(self.model_config, server_args, tp_rank)
         runner = self.tp_worker.model_runner
@@ -106,9 +108,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         self.init_guard()
         self.warmup()
         ctx = zmq.Context(2)
-        self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input, bind=True)
+        self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.replica_input(dp_rank, server_args.dp_size),
+                                              bind=True)
         self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
         self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
+        # With --dp-size, the controller routes by each replica's load: report it when it changes.
+        self.send_to_controller = (zmq_socket(ctx, zmq.PUSH, port_args.controller_input, bind=False)
+                                   if server_args.dp_size > 1 else None)
+        self.num_received = 0
+        self.last_load: tuple | None = None
 
     def warmup(self) -> None:
         """One tiny prefill and decode, so lazy initialization does not land on the first request."""
@@ -134,6 +142,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
     def event_loop_normal(self) -> None:
         while True:
             self.heartbeat()
+            self.report_load()
             self.process_input_requests(self.recv_requests())
             self.expire_deadlines()
             self.poll_grammar_queue()
@@ -150,6 +159,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         """Launch batch N on the worker thread, then process batch N-1's results while N runs."""
         while True:
             self.heartbeat()
+            self.report_load()
             self.process_input_requests(self.recv_requests())
             self.expire_deadlines()
             self.poll_grammar_queue()
@@ -208,7 +218,23 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
 
+    def report_load(self) -> None:
+        if self.send_to_controller is None:
+            return
+        load = self.load()
+        if load != self.last_load:
+            self.last_load = load
+            self.send_to_controller.send_pyobj(LoadReport(self.dp_rank, *load))
+
+    def load(self) -> tuple[int, int, int, int]:
+        """(requests held, of which waiting, KV tokens in use, requests received so far)."""
+        running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
+        waiting = len(self.waiting_queue) + len(self.grammar_queue)
+        used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return running + waiting, waiting, used, self.num_received
+
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        self.num_received += 1
         req = Req(recv.rid, recv.input_ids, recv.sampling_params, recv.return_logprob, recv.logprob_start_len,
                   recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time,
                   timeout=recv.timeout)
@@ -469,6 +495,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
     # -- idle, integrity, control ----------------------------------------------------------------
 
     def on_idle(self) -> None:
+        if self.runner.broadcaster is not None:
+            self.runner.broadcaster.keepalive()  # the other tensor-parallel ranks wait for work
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         if self.metrics is not None:
             self.metrics.gen_throughput = 0.0
@@ -504,12 +532,13 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         return FlushCacheReqOutput(True)
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer) -> None:
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer,
+                          dp_rank: int = 0) -> None:
     die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    configure_logger(server_args.log_level, prefix=f" TP{tp_rank}")
+    configure_logger(server_args.log_level, prefix=(f" DP{dp_rank}" if server_args.dp_size > 1 else "") + f" TP{tp_rank}")
     try:
-        scheduler = Scheduler(server_args, port_args, tp_rank)
+        scheduler = Scheduler(server_args, port_args, tp_rank, dp_rank)
         pipe_writer.send({"status": "ready", **scheduler.ready_info()})
     except Exception as e:
         traceback.print_exc()

@@ -182,6 +182,7 @@ class SchedulerOutputMixin:
 
     def internal_state(self) -> dict:
         return {
+            "dp_rank": self.dp_rank,
             "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
             "num_queue_reqs": len(self.waiting_queue),
             "token_usage": self.token_usage(),

@@ -87,7 +87,8 @@ class TokenizerManager:
         self.send_to_scheduler = zmq_socket(ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
         self.rid_to_state: dict[str, ReqState] = {}
         self.inflight_prompt_tokens = 0
-        self.control_waiters: dict[type, deque[asyncio.Future]] = {}
+        self.num_replicas = server_args.dp_size
+        self.control_waiters: dict[type, deque[tuple[list, asyncio.Future]]] = {}
         self.draining = False
         self.dead_reason: str | None = None
         self.handle_loop_task: asyncio.Task | None = None
@@ -110,12 +111,12 @@ class TokenizerManager:
         plus --max-queued-tokens of prompt tokens in flight), answer 503 at once."""
         args = self.server_args
         if args.max_queued_requests is not None:
-            limit = self.scheduler_info["max_running_requests"] + args.max_queued_requests
+            limit = self.scheduler_info["max_running_requests"] * args.dp_size + args.max_queued_requests
             if len(self.rid_to_state) + requests > limit:
                 raise Overloaded(f"the server is at capacity: {len(self.rid_to_state)} requests in flight, limit "
                                  f"{limit} (--max-running-requests + --max-queued-requests); retry later")
         if args.max_queued_tokens is not None:
-            limit = self.max_total_num_tokens + args.max_queued_tokens
+            limit = self.max_total_num_tokens * args.dp_size + args.max_queued_tokens
             if self.inflight_prompt_tokens + prompt_tokens > limit:
                 raise Overloaded(f"the server is at capacity: {self.inflight_prompt_tokens} prompt tokens in flight, "
                                  f"this request adds {prompt_tokens}, limit {limit} (KV pool + --max-queued-tokens); "
@@ -334,9 +335,12 @@ class TokenizerManager:
             else:
                 waiters = self.control_waiters.get(type(msg))
                 if waiters:
-                    fut = waiters.popleft()
-                    if not fut.done():
-                        fut.set_result(msg)
+                    replies, fut = waiters[0]
+                    replies.append(msg)
+                    if len(replies) == self.num_replicas:  # every data-parallel replica answered
+                        waiters.popleft()
+                        if not fut.done():
+                            fut.set_result(replies)
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
         for i, rid in enumerate(out.rids):
@@ -358,17 +362,26 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> None:
         self.send_to_scheduler.send_pyobj(AbortReq(rid, abort_all, message))
 
-    async def _control(self, req, reply_type: type, timeout: float = 60.0):
+    async def _control(self, req, reply_type: type, timeout: float = 60.0) -> list:
+        """Send a control request; every data-parallel replica answers it, in any order."""
         fut = asyncio.get_running_loop().create_future()
-        self.control_waiters.setdefault(reply_type, deque()).append(fut)
+        self.control_waiters.setdefault(reply_type, deque()).append(([], fut))
         self.send_to_scheduler.send_pyobj(req)
         return await asyncio.wait_for(fut, timeout)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        replies = await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        failed = [r.message for r in replies if not r.success]
+        return FlushCacheReqOutput(not failed, "; ".join(dict.fromkeys(failed)))
+
+    async def get_internal_states(self) -> list[dict]:
+        """One state per data-parallel replica, ordered by `dp_rank`."""
+        replies = await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout=10.0)
+        return sorted((r.state for r in replies), key=lambda st: st.get("dp_rank", 0))
 
     async def get_internal_state(self) -> dict:
-        return (await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout=10.0)).state
+        """The first replica's state (the only one without --dp-size)."""
+        return (await self.get_internal_states())[0]
 
     def fail_all(self, reason: str) -> None:
         """A worker died: every waiting request ends with an error instead of hanging. Call on the

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from srt.configs.model_config import ModelConfig
-from srt.distributed import init_tp_group
+from srt.distributed.parallel_state import all_reduce_min_int, init_distributed, init_tp_group
 from kernels import cpu as cpu_kernels
 from srt.layers.activation import enable_fused_cpu_ops
 from srt.layers.attention import create_attention_backend
@@ -35,9 +35,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
         self.page_size = server_args.page_size
+        ranks_per_node = self.tp_size // server_args.nnodes
+        if self.device == "cuda" and self.tp_size > 1:
+            torch.cuda.set_device(tp_rank % ranks_per_node)
+        if self.tp_size > 1:
+            init_distributed(tp_rank, self.tp_size, server_args.dist_init_addr, self.device, server_args.dist_timeout)
         init_tp_group(tp_rank, self.tp_size)
         if self.device == "cpu":
-            set_torch_threads()
+            set_torch_threads(share=ranks_per_node)
         set_random_seed(server_args.random_seed)
         available_before = available_memory_bytes(self.device)
         self.model = load_model(model_config, self.dtype, self.device)
@@ -50,6 +55,11 @@ class ModelRunner:
         self.init_memory_pool(available_before)
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()
+        self.broadcaster = None
+        if self.tp_size > 1 and tp_rank == 0:
+            from srt.model_executor.tp_sync import ForwardBroadcaster
+
+            self.broadcaster = ForwardBroadcaster()
         self.compiled_decode = None
         if server_args.enable_torch_compile:
             from srt.model_executor.compiled_decode import CompiledDecodeRunner
@@ -58,7 +68,7 @@ class ModelRunner:
 
     def init_memory_pool(self, available_before: int) -> None:
         cfg, args = self.model_config, self.server_args
-        kv_heads = cfg.num_kv_heads_per_rank(self.tp_size)
+        kv_heads = cfg.num_kv_heads_per_rank(self.tp_size, self.tp_rank)
         per_token = MHATokenToKVPool.bytes_per_token(kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype)
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
@@ -72,8 +82,10 @@ class ModelRunner:
                     f"{self.weight_bytes / 2**30:.2f} GiB, --mem-fraction-static {fraction}; pass --max-total-tokens"
                 )
         total = total // self.page_size * self.page_size
-        self.max_total_num_tokens = total
         max_running = args.max_running_requests or max(1, min(total // 2, 1024 if self.device == "cpu" else 4096))
+        # Rank 0 allocates for every rank: all pools get the smallest rank's sizes.
+        total, max_running = all_reduce_min_int([total, max_running])
+        self.max_total_num_tokens = total
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running, cfg.context_len + self.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(total, self.page_size, self.dtype, kv_heads, cfg.head_dim,
@@ -86,6 +98,8 @@ class ModelRunner:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
+        if self.broadcaster is not None:
+            self.broadcaster.forward(forward_batch, self.req_to_token_pool.req_to_token)
         if self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch):
             return self.compiled_decode.forward(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)

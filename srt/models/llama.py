@@ -38,7 +38,9 @@ class LlamaAttention(nn.Module):
                                           self.total_num_kv_heads, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        heads = self.qkv_proj.heads
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        shard=(heads.q_start * self.head_dim, self.q_size))
         theta, scaling = rope_parameters(config)
         rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling)

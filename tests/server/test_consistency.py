@@ -19,6 +19,8 @@ CONFIGS = {
     "radix-off-chunk-64": ["--disable-radix-cache", "--chunked-prefill-size", "64"],
     "chunk-512-page-16": ["--chunked-prefill-size", "512", "--page-size", "16"],
     "chunk-off-page-16": ["--chunked-prefill-size", "-1", "--page-size", "16"],
+    # SmolLM2's 9 heads / 3 KV heads split unevenly over 2 ranks (6 + 3 heads)
+    "tp-2-chunk-64": ["--tp-size", "2", "--chunked-prefill-size", "64"],
 }
 
 
