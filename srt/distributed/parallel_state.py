@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 
 import torch
 import torch.distributed as dist
+
+from srt.distributed.shm_comm import ShmCommunicator, shm_supported
 
 logger = logging.getLogger(__name__)
 
 _TP_RANK = 0
 _TP_SIZE = 1
 _CPU_GROUP = None
+_SHM = None  # ShmCommunicator when every rank is a CPU process on this host
 
 
-def init_distributed(rank: int, world_size: int, init_addr: str, device: str, timeout_s: float) -> None:
+def init_distributed(rank: int, world_size: int, init_addr: str, device: str, timeout_s: float,
+                     single_host: bool = True) -> None:
     """Join the tensor-parallel group through a TCP rendezvous at `init_addr` (host:port; rank 0
-    hosts it). Returns once every rank has joined; raises after `timeout_s` otherwise."""
-    global _CPU_GROUP
+    hosts it). Returns once every rank has joined; raises after `timeout_s` otherwise.
+    CPU ranks on one host exchange activations through shared memory (RADIXSERVE_TP_SHM=0: gloo)."""
+    global _CPU_GROUP, _SHM
     if world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device == "cuda" else "gloo"
@@ -31,8 +37,10 @@ def init_distributed(rank: int, world_size: int, init_addr: str, device: str, ti
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size,
                             timeout=timeout)
     _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    logger.info("joined the tensor-parallel group: rank %d of %d (%s, rendezvous %s)", rank, world_size, backend,
-                init_addr)
+    if device == "cpu" and single_host and shm_supported() and os.environ.get("RADIXSERVE_TP_SHM", "1") != "0":
+        _SHM = ShmCommunicator(rank, world_size, _CPU_GROUP, timeout_s)
+    logger.info("joined the tensor-parallel group: rank %d of %d (%s%s, rendezvous %s)", rank, world_size, backend,
+                " + shared memory" if _SHM is not None else "", init_addr)
 
 
 def init_tp_group(rank: int, size: int) -> None:
@@ -58,6 +66,8 @@ def get_cpu_group():
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP_SIZE == 1:
         return x
+    if _SHM is not None and _SHM.fits(x):
+        return _SHM.all_reduce(x)
     dist.all_reduce(x)
     return x
 
@@ -65,6 +75,8 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _TP_SIZE == 1:
         return x
+    if _SHM is not None and _SHM.fits(x):
+        return _SHM.all_gather(x, dim)
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)

@@ -129,7 +129,7 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
             if r == 0:
                 specs[f"{prefix}scheduler"] = (run_scheduler_process, (args, port_args, 0), {"dp_rank": d})
             else:
-                specs[f"{prefix}tp{r}"] = (run_tp_follower_process, (args, r), {})
+                specs[f"{prefix}tp{r}"] = (run_tp_follower_process, (args, r), {"dp_rank": d})
     if server_args.node_rank > 0:
         subs = _start(specs)
         logger.info("node %d: tensor-parallel ranks %s ready", server_args.node_rank, list(local_ranks))

@@ -71,7 +71,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         self.server_args = server_args
         self.dp_rank = dp_rank
         self.model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
-        self.tp_worker = TpModelWorker(self.model_config, server_args, tp_rank)
+        self.tp_worker = TpModelWorker(self.model_config, server_args, tp_rank, dp_rank)
         runner = self.tp_worker.model_runner
         self.runner = runner
         self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)

@@ -36,8 +36,8 @@ class FutureTokenMap:
 
 
 class TpModelWorker:
-    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0):
-        self.model_runner = ModelRunner(model_config, server_args, tp_rank)
+    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
+        self.model_runner = ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
         self.model_config = model_config
         self.device = self.model_runner.device
         self.future_map = FutureTokenMap(self.model_runner.max_running_requests, self.device)

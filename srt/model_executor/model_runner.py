@@ -28,7 +28,7 @@ DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.4}
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0,
-                 compile_buckets: list[int] | None = None):
+                 compile_buckets: list[int] | None = None, dp_rank: int = 0):
         self.model_config = model_config
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
@@ -36,13 +36,19 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
         self.page_size = server_args.page_size
         ranks_per_node = self.tp_size // server_args.nnodes
-        if self.device == "cuda" and self.tp_size > 1:
-            torch.cuda.set_device(tp_rank % ranks_per_node)
+        if self.device == "cuda" and (self.tp_size > 1 or server_args.dp_size > 1):
+            # replica d's ranks on this node use GPUs d * ranks_per_node ...
+            gpu = dp_rank * ranks_per_node + tp_rank % ranks_per_node
+            if gpu >= torch.cuda.device_count():
+                raise RuntimeError(f"--dp-size {server_args.dp_size} x {ranks_per_node} tensor-parallel ranks per node "
+                                   f"need {server_args.dp_size * ranks_per_node} GPUs; {torch.cuda.device_count()} visible")
+            torch.cuda.set_device(gpu)
         if self.tp_size > 1:
-            init_distributed(tp_rank, self.tp_size, server_args.dist_init_addr, self.device, server_args.dist_timeout)
+            init_distributed(tp_rank, self.tp_size, server_args.dist_init_addr, self.device, server_args.dist_timeout,
+                             single_host=server_args.nnodes == 1)
         init_tp_group(tp_rank, self.tp_size)
         if self.device == "cpu":
-            set_torch_threads(share=ranks_per_node)
+            set_torch_threads(share=ranks_per_node * server_args.dp_size)  # every rank of every replica computes
         set_random_seed(server_args.random_seed)
         available_before = available_memory_bytes(self.device)
         self.model = load_model(model_config, self.dtype, self.device)

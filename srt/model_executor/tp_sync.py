@@ -83,7 +83,7 @@ def serve_forwards(runner) -> None:
         runner.forward(fb)
 
 
-def run_tp_follower_process(server_args, tp_rank: int, pipe_writer) -> None:
+def run_tp_follower_process(server_args, tp_rank: int, pipe_writer, dp_rank: int = 0) -> None:
     """Process entry of tensor-parallel ranks 1..N-1."""
     from srt.configs.model_config import ModelConfig
     from srt.model_executor.model_runner import ModelRunner
@@ -91,10 +91,10 @@ def run_tp_follower_process(server_args, tp_rank: int, pipe_writer) -> None:
 
     die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    configure_logger(server_args.log_level, prefix=f" TP{tp_rank}")
+    configure_logger(server_args.log_level, prefix=(f" DP{dp_rank}" if server_args.dp_size > 1 else "") + f" TP{tp_rank}")
     try:
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
-        runner = ModelRunner(model_config, server_args, tp_rank)
+        runner = ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
         pipe_writer.send({"status": "ready"})
     except Exception as e:
         traceback.print_exc()

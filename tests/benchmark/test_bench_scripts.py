@@ -101,3 +101,17 @@ def test_offline_throughput_with_hf_peer(tiny_chat_model, tmp_path):
     assert [r["engine"] for r in results] == ["radixserve", "hf"]
     for r in results:
         assert r["requests"] == 8 and r["output_tokens"] == 64 and r["output_throughput"] > 0
+
+
+def test_bench_parallel_routing_compares_policies(tiny_chat_model, tmp_path):
+    out = tmp_path / "parallel.jsonl"
+    stdout = run("bench_parallel.py", "--experiment", "routing", "--server-args",
+                 f"--model-path {tiny_chat_model} --dtype float32 --max-total-tokens 8192",
+                 "--gsp-num-groups", "2", "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "96",
+                 "--gsp-question-len", "8", "--output-len", "4", "--output-file", str(out))
+    assert "dp 2 round_robin" in stdout and "dp 2 cache_aware" in stdout
+    rr, ca = [json.loads(line) for line in out.read_text().splitlines()]
+    for rec in (rr, ca):
+        check_record(rec, 8, 4)
+        assert len(rec["replica_hit_rates"]) == 2
+    assert ca["cache_hit_rate"] >= rr["cache_hit_rate"]
