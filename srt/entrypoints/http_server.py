@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from datetime import datetime, timezone
 
 import orjson
 import uvicorn
@@ -19,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from srt.configs.model_config import load_hf_config
 from srt.entrypoints.openai.serving import EventStream, OpenAIServing, openai_error_response, with_retry_after
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20
 MAX_BODY_BYTES = 64 * 2**20
+# /v1/loads sections (SGLang's names); the ones this server has no numbers for are simply absent.
+LOAD_SECTIONS = ("core", "queues", "memory", "spec", "lora", "disagg", "all")
 
 
 # Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
@@ -129,6 +133,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             chat_template = f.read()
     openai = OpenAIServing(tm, server_args.served_model_name or server_args.model_path, server_args.model_path,
                            chat_template)
+    hf_config = load_hf_config(server_args.model_path)
 
     app.add_middleware(AuthMiddleware, auth=Auth(server_args))
 
@@ -168,6 +173,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             "tokenizer_path": server_args.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
+            "model_type": hf_config.model_type,
+            "architectures": hf_config.architectures,
             "context_length": tm.context_len,
             "chat_template": getattr(tm.tokenizer, "chat_template", None),
             "bos_token": getattr(tm.tokenizer, "bos_token", None),
@@ -178,16 +185,53 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> dict:
         try:
-            state = await tm.get_internal_state()
+            states = await tm.get_internal_states()
         except asyncio.TimeoutError:
-            state = None
+            states = []
         return {
             **server_args.public_dict(),
             **tm.scheduler_info,
             "max_req_input_len": tm.max_req_input_len,
             "version": __version__,
-            "internal_states": [state],
+            "internal_states": states,  # one per data-parallel replica
         }
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """SGLang's shape, one entry per data-parallel replica; routers sum `num_tokens`."""
+        try:
+            states = await tm.get_internal_states()
+        except asyncio.TimeoutError:
+            return error_response(503, "the scheduler did not answer within 10 s")
+        return json_response([_load(st) for st in states])
+
+    @app.get("/v1/loads")
+    async def v1_loads(request: Request) -> Response:
+        """SGLang's /v1/loads: `?include=core,queues,...`, `?dp_rank=N`, `?format=json|prometheus`."""
+        query = request.query_params
+        include = {s.strip() for s in query.get("include", "core").split(",") if s.strip()} or {"core"}
+        unknown = sorted(include - set(LOAD_SECTIONS))
+        if unknown:
+            return error_response(400, f"`include` = {','.join(unknown)} is invalid: sections are "
+                                       f"{', '.join(LOAD_SECTIONS)}")
+        fmt = query.get("format", "json")
+        if fmt not in ("json", "prometheus"):
+            return error_response(400, f"`format` = {fmt!r} is invalid: use json or prometheus")
+        rank = query.get("dp_rank")
+        if rank is not None and not (rank.isdecimal() and int(rank) < server_args.dp_size):
+            return error_response(400, f"`dp_rank` = {rank!r} is invalid: must be an integer in "
+                                       f"[0, {server_args.dp_size}) (--dp-size)")
+        try:
+            states = await tm.get_internal_states()
+        except asyncio.TimeoutError:
+            return error_response(503, "the scheduler did not answer within 10 s")
+        if rank is not None:
+            states = [st for st in states if st.get("dp_rank", 0) == int(rank)]
+        loads = [_full_load(st, tm.scheduler_info["max_running_requests"], include) for st in states]
+        if fmt == "prometheus":
+            return Response(_loads_prometheus(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return json_response({"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__,
+                              "loads": loads})
 
     if server_args.enable_metrics:
         from srt.metrics.collector import render
@@ -197,10 +241,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         @app.get("/metrics")
         async def metrics() -> Response:
             try:
-                state = await tm.get_internal_state()
+                states = await tm.get_internal_states()
             except asyncio.TimeoutError:
                 return error_response(503, "the scheduler did not answer within 10 s")
-            return Response(render(metrics_model_name, state), media_type="text/plain; version=0.0.4; charset=utf-8")
+            return Response(render(metrics_model_name, states), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -272,6 +316,44 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return EventStream(stream())
 
     return app
+
+
+def _used_tokens(st: dict) -> int:
+    """KV tokens held by requests (cached prefixes that could be evicted are free)."""
+    return st["kv_capacity"] - st["kv_available"] - st["kv_evictable"]
+
+
+def _load(st: dict) -> dict:
+    waiting = st["num_queue_reqs"] + st["grammar_queue"]
+    return {"dp_rank": st.get("dp_rank", 0), "num_reqs": st["num_running_reqs"] + waiting,
+            "num_waiting_reqs": waiting, "num_tokens": _used_tokens(st) + st["num_waiting_tokens"]}
+
+
+def _full_load(st: dict, max_running_requests: int, include: set[str]) -> dict:
+    waiting = st["num_queue_reqs"] + st["grammar_queue"]
+    load = {
+        "dp_rank": st.get("dp_rank", 0),
+        "num_running_reqs": st["num_running_reqs"],
+        "num_waiting_reqs": waiting,
+        "num_used_tokens": _used_tokens(st),
+        "max_total_num_tokens": st["kv_capacity"],
+        "token_usage": round(st["token_usage"], 4),
+        "gen_throughput": round((st["metrics"] or {}).get("gen_throughput", 0.0), 2),
+        "cache_hit_rate": round(st["cache_hit_rate"], 4),
+        "max_running_requests": max_running_requests,
+    }
+    if include & {"queues", "all"}:
+        load["queues"] = {"waiting": st["num_queue_reqs"], "grammar": st["grammar_queue"]}
+    return load
+
+
+def _loads_prometheus(loads: list[dict]) -> str:
+    lines = []
+    for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage",
+                "gen_throughput", "cache_hit_rate"):
+        lines.append(f"# TYPE sglang_{key} gauge")
+        lines += [f'sglang_{key}{{dp_rank="{x["dp_rank"]}"}} {x[key]}' for x in loads]
+    return "\n".join(lines) + "\n"
 
 
 async def _json_body(request: Request):

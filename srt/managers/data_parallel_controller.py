@@ -147,7 +147,9 @@ class DataParallelController:
 
     def dispatch(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
-            d = self.balancer.choose(msg.input_ids, msg.extra_key, self.loads())
+            d = msg.data_parallel_rank
+            if d is None:
+                d = self.balancer.choose(msg.input_ids, msg.extra_key, self.loads())
             self.dispatched[d] += 1
             self.replicas[d].send_pyobj(msg)
         else:  # aborts and control requests: every replica acts on (and answers) them

@@ -42,6 +42,7 @@ class GenerateReqInput:
     priority: int | list[int] | None = None
     extra_key: str | list[str] | None = None
     timeout: float | list[float] | None = None  # seconds; past it the request is aborted
+    data_parallel_rank: int | None = None  # pin to one --dp-size replica (SGLang's router sends it)
 
     @classmethod
     def from_dict(cls, body: Any) -> "GenerateReqInput":
@@ -103,6 +104,7 @@ class GenerateReqInput:
             priority=_item(self.priority, i, b),
             extra_key=_item(self.extra_key, i, b),
             timeout=_item(self.timeout, i, b),
+            data_parallel_rank=self.data_parallel_rank,
         )
 
 
@@ -128,6 +130,7 @@ class TokenizedGenerateReqInput:
     extra_key: str | None = None
     created_time: float = 0.0
     timeout: float | None = None
+    data_parallel_rank: int | None = None
 
 
 @dataclass

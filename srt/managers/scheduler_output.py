@@ -185,6 +185,7 @@ class SchedulerOutputMixin:
             "dp_rank": self.dp_rank,
             "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
             "num_queue_reqs": len(self.waiting_queue),
+            "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.waiting_queue),
             "token_usage": self.token_usage(),
             "cache_hit_rate": self.cache_hit_rate(),
             "total_retractions": self.total_retractions,

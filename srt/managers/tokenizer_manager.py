@@ -177,8 +177,14 @@ class TokenizerManager:
             raise InvalidRequest(f"extra_key = {extra_key!r} must be a string")
         if tenant is not None:  # namespaced by the server-side tenant: a client cannot reach another's cache
             extra_key = f"{tenant}\x00{extra_key or ''}"
+        dp_rank = obj.data_parallel_rank
+        if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)
+                                    or not 0 <= dp_rank < self.server_args.dp_size):
+            raise InvalidRequest(f"data_parallel_rank = {dp_rank!r} must be an integer in "
+                                 f"[0, {self.server_args.dp_size}) (--dp-size)")
         return TokenizedGenerateReqInput(rid, obj.text, ids, params, bool(obj.return_logprob), start, top,
-                                         obj.stream, obj.priority, extra_key, time.time(), self._timeout(obj.timeout))
+                                         obj.stream, obj.priority, extra_key, time.time(), self._timeout(obj.timeout),
+                                         dp_rank)
 
     def _timeout(self, given) -> float | None:
         default = self.server_args.request_timeout

@@ -98,49 +98,56 @@ class SchedulerMetrics:
 
 
 class _StateCollector:
-    """A prometheus_client collector over one scrape's scheduler state."""
+    """A prometheus_client collector over one scrape of the schedulers' states: one series per
+    metric, or one per data-parallel replica (a `dp_rank` label) when there are several."""
 
-    def __init__(self, model_name: str, scheduler_state: dict):
+    def __init__(self, model_name: str, scheduler_states: list[dict]):
         self.model_name = model_name
-        self.state = scheduler_state
+        self.states = scheduler_states
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        st, metrics, labels = self.state, self.state["metrics"], [self.model_name]
-        gauges = {
-            "num_running_reqs": st["num_running_reqs"],
-            "num_queue_reqs": st["num_queue_reqs"],
-            "num_grammar_queue_reqs": st["grammar_queue"],
-            "num_used_tokens": st["kv_capacity"] - st["kv_available"] - st["kv_evictable"],
-            "token_usage": st["token_usage"],
-            "cache_hit_rate": st["cache_hit_rate"],
-            "gen_throughput": metrics["gen_throughput"],
-            "num_retractions": st["total_retractions"],
-        }
+        per_replica = len(self.states) > 1
+        names = ["model_name"] + (["dp_rank"] if per_replica else [])
+        families = {}
         for name, doc in GAUGES.items():
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, gauges[name])
-            yield family
+            families[name] = GaugeMetricFamily(PREFIX + name, doc, labels=names)
         for name, doc in COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, metrics["counters"][name])
-            yield family
+            families[name] = CounterMetricFamily(PREFIX + name, doc, labels=names)
         for name, (doc, _) in HISTOGRAMS.items():
-            h = metrics["histograms"][name]
-            cumulative, buckets = 0, []
-            for bound, count in zip([*h["bounds"], float("inf")], h["counts"]):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-            family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, buckets, h["sum"])
-            yield family
+            families[name] = HistogramMetricFamily(PREFIX + name, doc, labels=names)
+        for st in self.states:
+            labels = [self.model_name] + ([str(st.get("dp_rank", 0))] if per_replica else [])
+            metrics = st["metrics"]
+            gauges = {
+                "num_running_reqs": st["num_running_reqs"],
+                "num_queue_reqs": st["num_queue_reqs"],
+                "num_grammar_queue_reqs": st["grammar_queue"],
+                "num_used_tokens": st["kv_capacity"] - st["kv_available"] - st["kv_evictable"],
+                "token_usage": st["token_usage"],
+                "cache_hit_rate": st["cache_hit_rate"],
+                "gen_throughput": metrics["gen_throughput"],
+                "num_retractions": st["total_retractions"],
+            }
+            for name in GAUGES:
+                families[name].add_metric(labels, gauges[name])
+            for name in COUNTERS:
+                families[name].add_metric(labels, metrics["counters"][name])
+            for name in HISTOGRAMS:
+                h = metrics["histograms"][name]
+                cumulative, buckets = 0, []
+                for bound, count in zip([*h["bounds"], float("inf")], h["counts"]):
+                    cumulative += count
+                    buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+                families[name].add_metric(labels, buckets, h["sum"])
+        yield from families.values()
 
 
-def render(model_name: str, scheduler_state: dict) -> bytes:
-    """The Prometheus text exposition of one scrape of the scheduler's state."""
+def render(model_name: str, scheduler_states: list[dict]) -> bytes:
+    """The Prometheus text exposition of one scrape of the schedulers' states."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StateCollector(model_name, scheduler_state))
+    registry.register(_StateCollector(model_name, scheduler_states))
     return generate_latest(registry)

@@ -98,7 +98,7 @@ def test_node_rank_without_address_is_rejected():
 @pytest.fixture(scope="module")
 def dp2(server_factory, tiny_chat_model):
     return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--dp-size", "2",
-                          "--load-balance-method", "cache_aware")
+                          "--load-balance-method", "cache_aware", "--enable-metrics")
 
 
 def replica_states(server) -> list[dict]:
@@ -131,3 +131,20 @@ def test_dp2_abort_flush_and_control_reach_every_replica(dp2):
     assert all(s["kv_evictable"] == 0 for s in replica_states(dp2))
     for s in replica_states(dp2):
         assert s["idle"] and s["integrity_ok"]
+
+
+def test_dp2_data_parallel_rank_pins_a_replica(dp2):
+    before = [s["forward_passes"] for s in replica_states(dp2)]
+    for _ in range(3):
+        dp2.generate(text="Pinned to replica one", sampling_params={"max_new_tokens": 2}, data_parallel_rank=1)
+    after = [s["forward_passes"] for s in replica_states(dp2)]
+    assert after[0] == before[0] and after[1] > before[1]
+    bad = dp2.post("/generate", {"text": "x", "data_parallel_rank": 2})
+    assert bad.status_code == 400 and "data_parallel_rank" in bad.json()["error"]["message"]
+
+
+def test_dp2_load_and_metrics_per_replica(dp2):
+    loads = requests.get(dp2.url + "/get_load", timeout=30).json()
+    assert [x["dp_rank"] for x in loads] == [0, 1]
+    metrics = requests.get(dp2.url + "/metrics", timeout=30).text
+    assert 'dp_rank="0"' in metrics and 'dp_rank="1"' in metrics
