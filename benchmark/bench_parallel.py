@@ -38,7 +38,7 @@ def workload(args, tokenizer):
         return shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                                       args.gsp_system_prompt_len, args.gsp_question_len, args.output_len, args.seed)
     n = args.num_prompts or (8 if args.experiment == "tp" else 64)
-    return random_requests(tokenizer, n, args.input_len, args.output_len, 0.0, args.seed)
+    return random_requests(tokenizer, n, args.input_len, args.output_len, 1.0, args.seed)  # fixed lengths
 
 
 def replica_hit_rates(url: str) -> list[float]:
@@ -70,7 +70,7 @@ def main() -> None:
             tokenizer = load_tokenizer(info.get("tokenizer_path"))
             reqs = workload(args, tokenizer)
             # one short unrelated request per replica first, so start-up costs stay out of the numbers
-            warm = random_requests(tokenizer, 2, 32, 8, 0.0, args.seed + 1)
+            warm = random_requests(tokenizer, 2, 32, 8, 1.0, args.seed + 1)
             asyncio.run(run_workload("sglang", url, None, warm, math.inf, None, True, {}, tokenizer, args.seed, False, {}))
             results, duration = asyncio.run(run_workload("sglang", url, None, reqs, math.inf, concurrency, True, {},
                                                          tokenizer, args.seed, True, {}))

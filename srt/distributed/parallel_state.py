@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from srt.distributed.shm_comm import ShmCommunicator, shm_supported
+from srt.distributed.shm_comm import ShmCommunicator, gloo_broadcast_bytes, shm_supported
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ def init_distributed(rank: int, world_size: int, init_addr: str, device: str, ti
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size,
                             timeout=timeout)
     _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    if device == "cpu" and single_host and shm_supported() and os.environ.get("RADIXSERVE_TP_SHM", "1") != "0":
-        _SHM = ShmCommunicator(rank, world_size, _CPU_GROUP, timeout_s)
+    if single_host and shm_supported() and os.environ.get("RADIXSERVE_TP_SHM", "1") != "0":
+        _SHM = ShmCommunicator(rank, world_size, _CPU_GROUP, timeout_s)  # GPU ranks use it for broadcasts only
     logger.info("joined the tensor-parallel group: rank %d of %d (%s%s, rendezvous %s)", rank, world_size, backend,
                 " + shared memory" if _SHM is not None else "", init_addr)
 
@@ -80,6 +80,13 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_bytes(payload: bytes | None) -> bytes:
+    """Rank 0's bytes to every rank (the others pass None): shared memory on one host, else gloo."""
+    if _SHM is not None:
+        return _SHM.broadcast_bytes(payload)
+    return gloo_broadcast_bytes(payload, _TP_RANK, _CPU_GROUP)
 
 
 def all_reduce_min_int(values: list[int]) -> list[int]:

@@ -1,15 +1,18 @@
-"""All-reduce and all-gather through shared memory, for tensor-parallel ranks on one CPU host.
+"""Shared memory between tensor-parallel ranks on one host: rank 0's per-step broadcast, and (for
+CPU ranks) the all-reduce and all-gather of activations.
 
 gloo over loopback TCP costs ~1.5 ms per collective on a small host, and a decode step of a
-30-layer model makes ~60 of them. Here each rank copies its tensor into its slot of a shared
+30-layer model makes ~60 of them; here each rank copies its tensor into its slot of a shared
 buffer, publishes a sequence number, waits until every rank has published the same number, and
-reads all slots: a few microseconds plus the copies.
+reads all slots: a few microseconds plus the copies. Rank 0's message before each forward (the
+batch) goes through a shared buffer as well, instead of two gloo broadcasts.
 
-Two buffers alternate between calls: a rank can only start call s + 2 (reusing call s's buffer)
-after every rank published call s + 1, which each does only after it finished reading call s.
-Ordering relies on x86's total store order (data stores become visible before the flag store that
-follows them; loads are not reordered with loads), so this path is enabled on x86-64 only.
-Tensors larger than a slot go through gloo (every rank decides the same way: sizes are equal).
+Buffers alternate between calls: a rank starts call s + 2 (reusing call s's buffer) only after
+every rank has published call s + 1, which each does only after it finished reading call s; the
+broadcast buffer is reused only after every rank acknowledged reading it. Ordering relies on x86's
+total store order (data stores become visible before the flag store that follows them; loads are
+not reordered with loads), so this path is enabled on x86-64 only. Anything larger than a slot goes
+through gloo (every rank decides the same way).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 SLOT_BYTES = 16 << 20
+BROADCAST_BYTES = 32 << 20
 SPIN_BEFORE_YIELD = 2000
+TOO_BIG = -1  # a broadcast length that means "this one goes through gloo"
 
 
 def shm_supported() -> bool:
@@ -31,14 +36,15 @@ def shm_supported() -> bool:
 
 
 class ShmCommunicator:
-    def __init__(self, rank: int, world_size: int, group, timeout_s: float, slot_bytes: int = SLOT_BYTES):
-        self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
-        self.timeout_s = timeout_s
+    def __init__(self, rank: int, world_size: int, group, timeout_s: float, slot_bytes: int = SLOT_BYTES,
+                 broadcast_capacity: int = BROADCAST_BYTES):
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.slot_bytes, self.broadcast_capacity, self.timeout_s = slot_bytes, broadcast_capacity, timeout_s
         name = [f"/dev/shm/radixserve-tp-{uuid.uuid4().hex}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=group)
         path = name[0]
-        header = 64 * world_size  # one 64-byte line per rank's flag
-        total = header + 2 * world_size * slot_bytes
+        header = 2 * 64 * world_size  # 64-byte lines: each rank's collective flag, then its broadcast flag
+        total = header + 2 * world_size * slot_bytes + 2 * (8 + broadcast_capacity)
         if rank == 0:
             with open(path, "wb") as f:
                 f.truncate(total)
@@ -48,12 +54,33 @@ class ShmCommunicator:
         if rank == 0:
             os.unlink(path)  # the mappings stay valid; nothing is left behind in /dev/shm
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self.flags = raw[:header].view(torch.int64).view(world_size, 8)[:, 0]
-        self.buffers = raw[header:].view(2, world_size, slot_bytes)
+        lines = raw[:header].view(torch.int64).view(2, world_size, 8)
+        self.flags, self.bcast_flags = lines[0, :, 0], lines[1, :, 0]
+        end = header + 2 * world_size * slot_bytes
+        self.buffers = raw[header:end].view(2, world_size, slot_bytes)
+        self.bcast = raw[end:].view(2, 8 + broadcast_capacity)
         self.seq = 0
+        self.bcast_seq = 0
+
+    def _wait(self, ready, what: str, timeout_s: float | None = None) -> None:
+        """Spin until ready(), yielding the core after a while and sleeping when it takes long."""
+        spins, since = 0, None
+        while not ready():
+            spins += 1
+            if spins <= SPIN_BEFORE_YIELD:
+                continue
+            if since is None:
+                since = time.monotonic()
+            waited = time.monotonic() - since
+            time.sleep(0 if waited < 0.005 else 0.0002 if waited < 0.1 else 0.001)
+            if waited > (timeout_s or self.timeout_s):
+                raise RuntimeError(f"tensor-parallel {what} timed out after {timeout_s or self.timeout_s:g} s "
+                                   f"(--dist-timeout): a rank died or hung")
+
+    # -- collectives (CPU tensors) --------------------------------------------------------------
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.numel() * x.element_size() <= self.slot_bytes
+        return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Publish x; return every rank's copy as [world_size, *x.shape] (a view of shared memory)."""
@@ -62,17 +89,7 @@ class ShmCommunicator:
         slots = self.buffers[self.seq & 1, :, :nbytes]
         slots[self.rank].copy_(x.contiguous().view(-1).view(torch.uint8))
         self.flags[self.rank] = self.seq
-        spins, since = 0, None
-        while int(self.flags.min()) < self.seq:
-            spins += 1
-            if spins > SPIN_BEFORE_YIELD:
-                time.sleep(0)
-                if spins % SPIN_BEFORE_YIELD == 0:  # a rank that never arrives has died or hung
-                    since = since or time.monotonic()
-                    if time.monotonic() - since > self.timeout_s:
-                        late = [r for r in range(self.world_size) if int(self.flags[r]) < self.seq]
-                        raise RuntimeError(f"tensor-parallel rank(s) {late} did not reach collective {self.seq} "
-                                           f"within {self.timeout_s:g} s (--dist-timeout)")
+        self._wait(lambda: int(self.flags.min()) >= self.seq, f"collective {self.seq}")
         return slots.view(x.dtype).view(self.world_size, *x.shape)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,3 +101,40 @@ class ShmCommunicator:
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = self._exchange(x)
         return torch.cat(parts.unbind(0), dim=dim)
+
+    # -- rank 0's broadcast -----------------------------------------------------------------------
+
+    def broadcast_bytes(self, payload: bytes | None, idle_timeout_s: float | None = None) -> bytes:
+        """Rank 0 passes the payload, the others None; every rank returns it."""
+        self.bcast_seq += 1
+        s, buf = self.bcast_seq, self.bcast[self.bcast_seq & 1]
+        length = buf[:8].view(torch.int64)
+        if self.rank == 0:
+            # buffer s % 2 last carried message s - 2: wait until every rank has read it
+            self._wait(lambda: int(self.bcast_flags.min()) >= s - 2, f"broadcast {s}")
+            big = len(payload) > self.broadcast_capacity
+            length[0] = TOO_BIG if big else len(payload)
+            if not big:
+                buf[8 : 8 + len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self.bcast_flags[0] = s
+            if big:
+                self._gloo_broadcast(payload)
+            return payload
+        self._wait(lambda: int(self.bcast_flags[0]) >= s, f"broadcast {s}", idle_timeout_s)
+        n = int(length[0])
+        out = self._gloo_broadcast(None) if n == TOO_BIG else buf[8 : 8 + n].numpy().tobytes()
+        self.bcast_flags[self.rank] = s
+        return out
+
+    def _gloo_broadcast(self, payload: bytes | None) -> bytes:
+        return gloo_broadcast_bytes(payload, self.rank, self.group)
+
+
+def gloo_broadcast_bytes(payload: bytes | None, rank: int, group) -> bytes:
+    """Two gloo broadcasts (length, then bytes): cheaper than broadcast_object_list's pickling."""
+    size = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0
+            else torch.empty(int(size[0]), dtype=torch.uint8))
+    dist.broadcast(data, src=0, group=group)
+    return payload if rank == 0 else data.numpy().tobytes()

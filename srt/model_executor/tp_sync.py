@@ -7,7 +7,8 @@ shard of the weights and of the KV pool, write those rows into their own page ta
 forward, meeting rank 0 in the model's all-reduces and all-gathers. The KV slots rank 0 allocates
 are therefore valid on every rank, and nothing that depends on time or randomness ever runs twice.
 
-While idle, rank 0 sends a keep-alive now and then, so a follower waiting for work can tell a quiet
+Messages are pickled with tensors as raw bytes, and travel through shared memory when every rank is
+on this host (gloo otherwise). While idle, rank 0 sends a keep-alive now and then, so a follower waiting for work can tell a quiet
 server from a dead one (the collective's timeout). A rank that dies breaks the group: the others'
 next collective fails and they exit non-zero.
 """
@@ -17,21 +18,42 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import logging
+import pickle
 import signal
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from srt.distributed.parallel_state import get_cpu_group
+from srt.distributed.parallel_state import broadcast_bytes
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
 KEEPALIVE_INTERVAL_S = 5.0
 _NOT_SENT = ("sampling_info", "req_to_token_pool", "token_to_kv_pool", "attn_backend")
+
+
+class _Packed(NamedTuple):
+    """A tensor as raw bytes: pickling these is ~100x cheaper than pickling torch tensors."""
+
+    dtype: str
+    shape: tuple
+    data: bytes
+
+
+def _pack(t: torch.Tensor) -> _Packed:
+    t = t.detach().contiguous().cpu()
+    return _Packed(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _unpack(p: _Packed, device) -> torch.Tensor:
+    dtype = getattr(torch, p.dtype)
+    if not p.data:
+        return torch.empty(p.shape, dtype=dtype, device=device)
+    return torch.frombuffer(bytearray(p.data), dtype=dtype).view(p.shape).to(device)
 
 
 class ForwardBroadcaster:
@@ -41,7 +63,7 @@ class ForwardBroadcaster:
         self.last_sent = time.monotonic()
 
     def _send(self, msg: dict) -> None:
-        dist.broadcast_object_list([msg], src=0, group=get_cpu_group())
+        broadcast_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self.last_sent = time.monotonic()
 
     def forward(self, fb: ForwardBatch, req_to_token: torch.Tensor) -> None:
@@ -50,9 +72,9 @@ class ForwardBroadcaster:
             if f.name in _NOT_SENT:
                 continue
             value = getattr(fb, f.name)
-            fields[f.name] = value.cpu() if isinstance(value, torch.Tensor) else value
-        rows = [req_to_token[i, :n] for i, n in zip(fields["req_pool_indices"].tolist(), fb.seq_lens_cpu)]
-        self._send({"kind": "forward", "fields": fields, "rows": torch.cat(rows).cpu()})
+            fields[f.name] = _pack(value) if isinstance(value, torch.Tensor) else value
+        rows = [req_to_token[i, :n] for i, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu)]
+        self._send({"kind": "forward", "fields": fields, "rows": _pack(torch.cat(rows))})
 
     def keepalive(self) -> None:
         if time.monotonic() - self.last_sent >= KEEPALIVE_INTERVAL_S:
@@ -66,18 +88,15 @@ def serve_forwards(runner) -> None:
     """A follower's loop: run every forward rank 0 broadcasts, until it says stop."""
     table = runner.req_to_token_pool.req_to_token
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=get_cpu_group())
-        msg = box[0]
+        msg = pickle.loads(broadcast_bytes(None))
         if msg["kind"] == "stop":
             return
         if msg["kind"] != "forward":
             continue
-        fields = msg["fields"]
-        fb = ForwardBatch(**{k: v.to(runner.device) if isinstance(v, torch.Tensor) else v
-                             for k, v in fields.items()})
-        rows, offset = msg["rows"].to(runner.device), 0
-        for slot, n in zip(fields["req_pool_indices"].tolist(), fb.seq_lens_cpu):
+        fields = {k: _unpack(v, runner.device) if isinstance(v, _Packed) else v for k, v in msg["fields"].items()}
+        fb = ForwardBatch(**fields)
+        rows, offset = _unpack(msg["rows"], runner.device), 0
+        for slot, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
             table[slot, :n] = rows[offset : offset + n]
             offset += n
         runner.forward(fb)

@@ -1,5 +1,5 @@
-"""The tensor-parallel collectives across real processes: shared memory and gloo give the same sums
-and gathers, including many calls in a row (buffer reuse) and tensors too big for a slot."""
+"""The tensor-parallel collectives across real processes: shared memory and gloo give the same sums,
+gathers and broadcasts, including many calls in a row (buffer reuse) and payloads too big for a slot."""
 
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ def _worker(rank: int, world: int, addr: str, use_shm: bool, out_dir: str) -> No
     if use_shm:
         assert ps._SHM is not None
         ps._SHM.slot_bytes = 4096  # force the gloo fallback for the larger tensors below
+        ps._SHM.broadcast_capacity = 3000
     results = []
+    for step in range(20):  # rank 0's messages, some over the shared buffer's capacity
+        payload = bytes([step % 251]) * (100 + step * 300) if rank == 0 else None
+        results.append(ps.broadcast_bytes(payload))
     for step in range(50):
         n = (step % 7 + 1) * 100  # 400 B .. 2.8 KB in slots, and 2 x 1.6 KB pairs above
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -51,6 +55,10 @@ def _run(world: int, use_shm: bool, tmp_path) -> list[list[torch.Tensor]]:
 @pytest.mark.skipif(not shm_supported(), reason="shared-memory collectives need x86-64 Linux")
 def test_shared_memory_matches_gloo(tmp_path):
     shm, gloo = _run(2, True, tmp_path), _run(2, False, tmp_path)
+    for step in range(20):
+        expected = bytes([step % 251]) * (100 + step * 300)
+        assert all(run[rank][step] == expected for run in (shm, gloo) for rank in range(2))
+    shm, gloo = [r[20:] for r in shm], [r[20:] for r in gloo]
     for step in range(50):
         g = [torch.Generator().manual_seed(step * 10 + r) for r in range(2)]
         xs = [torch.randn((step % 7 + 1) * 100, generator=gen) for gen in g]
