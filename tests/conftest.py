@@ -7,6 +7,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter on CPU tensors. Set before anything imports triton:
+    # triton.language decorates its own helpers (tl.sum, tl.sigmoid, ...) at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_CONFIGS = {
     "LlamaForCausalLM": dict(model_type="llama", tie_word_embeddings=False),
     "MistralForCausalLM": dict(model_type="mistral", sliding_window=None),

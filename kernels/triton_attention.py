@@ -1,0 +1,307 @@
+"""Triton attention over the paged KV pool: GPU kernels, also run on CPU tensors under
+TRITON_INTERPRET=1 (the tests do; see kernels/triton_ops.py).
+
+Same layout and semantics as kernels/reference.py `paged_decode_attention` and
+`paged_extend_attention`: every K/V row is read through `req_to_token[req_pool_indices[b], position]`,
+so cached prefixes and freshly written tokens are read alike and any page size works.
+
+Decode is split-KV (flash-decoding). Stage 1 runs one program per (request, KV head, split): it
+takes a contiguous range of the request's positions and the whole query group of that KV head,
+so each K/V row is read once per group, and writes the split's normalized partial output and its
+log-sum-exp. Stage 2 merges the splits of each (request, head). Extend runs one program per
+(head, block of new tokens, request), flash-attention style over positions 0 up to the block's
+last token, causally masked. No host syncs: the grids depend only on shapes (and, for extend,
+`max_extend_len`).
+
+Numerics: softmax statistics and accumulators are float32, the output is cast once at the store.
+On the GPU the two matmuls take the 16-bit storage dtype (their products are exact in the float32
+accumulator; the probabilities are rounded to it for P @ V, as in flash attention); float32 inputs
+use 3xTF32 dots (float32 accuracy on tensor cores), not plain TF32. The interpreter computes
+everything in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.triton_ops import check_device, interpreting, jit, tl, triton
+
+LOG2E = 1.4426950408889634
+MAX_KV_SPLITS = 16
+MIN_TOKENS_PER_SPLIT = 256
+DECODE_BLOCK_N = 64  # positions per decode iteration; splits are whole multiples of it
+
+
+def choose_num_kv_splits(batch: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per request for decode: enough that batch x splits programs (times the KV heads)
+    cover the GPU's SMs, while each split keeps at least MIN_TOKENS_PER_SPLIT positions to amortize
+    the merge, and at most MAX_KV_SPLITS."""
+    if batch < 1 or max_seq_len < 1 or num_sms < 1:
+        raise ValueError(f"choose_num_kv_splits: batch={batch}, max_seq_len={max_seq_len} and "
+                         f"num_sms={num_sms} must all be >= 1")
+    wanted = -(-num_sms // batch)
+    return max(1, min(wanted, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_KV_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dot_config(dtype: torch.dtype) -> dict:
+    """Operand dtype and input precision of the kernels' dots (see the module docstring)."""
+    if interpreting():
+        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="ieee")
+    if dtype not in (torch.float16, torch.bfloat16):
+        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="tf32x3")
+    return dict(MMA_DTYPE=tl.float16 if dtype == torch.float16 else tl.bfloat16, DOT_PRECISION="tf32")
+
+
+def _check_common(name: str, q, k_buffer, v_buffer, o, req_to_token, tokens_dim: str) -> None:
+    if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3 or o.dim() != 3:
+        raise ValueError(f"{name}: q, k_buffer, v_buffer and o must be 3-D, got {tuple(q.shape)}, "
+                         f"{tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}, {tuple(o.shape)}")
+    heads, kv_heads = q.shape[1], k_buffer.shape[1]
+    if heads % kv_heads or v_buffer.shape[1] != kv_heads:
+        raise ValueError(f"{name}: {heads} query heads need a multiple of k_buffer's {kv_heads} KV heads "
+                         f"(v_buffer has {v_buffer.shape[1]})")
+    if k_buffer.shape[2] != q.shape[2] or v_buffer.shape[0] != k_buffer.shape[0]:
+        raise ValueError(f"{name}: k_buffer {tuple(k_buffer.shape)} does not fit q {tuple(q.shape)} "
+                         f"and v_buffer {tuple(v_buffer.shape)}")
+    if o.shape != (q.shape[0], heads, v_buffer.shape[2]):
+        raise ValueError(f"{name}: o has shape {tuple(o.shape)}, expected "
+                         f"[{tokens_dim}={q.shape[0]}, H={heads}, Dv={v_buffer.shape[2]}]")
+    tensors = {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer, "o": o, "req_to_token": req_to_token}
+    for t_name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: {t_name} must be contiguous in its last dim, got strides {t.stride()}")
+    check_device(*tensors.values())
+
+
+# -- decode -----------------------------------------------------------------------------------------
+
+
+@jit
+def _decode_split_kernel(Q, K, V, req_to_token, req_pool_indices, seq_lens, MidO, MidLse, scale_log2,
+                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_table,
+                         stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, MMA_DTYPE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if end > start:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kv_head * GROUP + offs_h
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < HEAD_DIM
+        mask_dv = offs_dv < HEAD_DIM_V
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(MMA_DTYPE)
+        table_row = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_table
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(MMA_DTYPE)
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
+                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(MMA_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)
+            m = m_new
+        mid = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
+        tl.store(mid, acc / denom[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m + tl.log2(denom), mask=mask_h)
+
+
+@jit
+def _decode_merge_kernel(MidO, MidLse, Out, seq_lens, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                         stride_ob, stride_oh, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < HEAD_DIM_V
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for split in range(NUM_KV_SPLITS):
+        if split * split_len < seq_len:  # the same empty splits that stage 1 skipped
+            lse = tl.load(MidLse + b * stride_lb + head * stride_lh + split)
+            part = tl.load(MidO + b * stride_mb + head * stride_mh + split * stride_ms + offs_dv, mask=mask_dv,
+                           other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            weight = tl.exp2(lse - m_new)
+            acc = acc * alpha + part * weight
+            total = total * alpha + weight
+            m = m_new
+    tl.store(Out + b * stride_ob + head * stride_oh + offs_dv, (acc / total).to(Out.dtype.element_ty), mask=mask_dv)
+
+
+def decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                         num_kv_splits=None):
+    """One query token per request, at position seq_lens[b] - 1, attending to positions
+    0..seq_lens[b] - 1 of request slot req_pool_indices[b]. q [B, H, D]; k_buffer [S, Hkv, D];
+    v_buffer [S, Hkv, Dv]; o [B, H, Dv] is written in place (and returned); req_to_token [R, L]
+    int32; req_pool_indices and seq_lens [B] int64, seq_lens >= 1.
+
+    num_kv_splits None chooses with `choose_num_kv_splits` from the batch size and the batch's
+    longest context when seq_lens is on the host, else the request table's width (an upper bound
+    known without a device sync). Each request splits its own context into that many ranges of
+    whole DECODE_BLOCK_N blocks, so short requests use fewer splits."""
+    _check_common("decode_attention_fwd", q, k_buffer, v_buffer, o, req_to_token, "B")
+    batch, heads, head_dim = q.shape
+    kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
+    if req_pool_indices.shape != (batch,) or seq_lens.shape != (batch,):
+        raise ValueError(f"decode_attention_fwd: req_pool_indices {tuple(req_pool_indices.shape)} and seq_lens "
+                         f"{tuple(seq_lens.shape)} must both be [B={batch}]")
+    if batch == 0:
+        return o
+    if num_kv_splits is None:
+        max_seq_len = int(seq_lens.max()) if not seq_lens.is_cuda else req_to_token.shape[1]
+        num_kv_splits = choose_num_kv_splits(batch, max_seq_len, _num_sms(q.device) if q.is_cuda else 1)
+    if not 1 <= num_kv_splits <= 256:
+        raise ValueError(f"decode_attention_fwd: num_kv_splits={num_kv_splits} must be in 1..256")
+    group = heads // kv_heads
+    # The query group is padded to 16 rows on the GPU, the smallest tensor-core tile.
+    block_h = triton.next_power_of_2(group) if interpreting() else max(16, triton.next_power_of_2(group))
+    block_n = DECODE_BLOCK_N
+    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v)
+
+    mid_o = torch.empty(batch, heads, num_kv_splits, head_dim_v, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, heads, num_kv_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, BLOCK_N=block_n, NUM_KV_SPLITS=num_kv_splits, **_dot_config(q.dtype),
+        num_warps=4, num_stages=2)
+    _decode_merge_kernel[(batch, heads)](
+        mid_o, mid_lse, o, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), o.stride(0), o.stride(1), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_N=block_n,
+        NUM_KV_SPLITS=num_kv_splits, num_warps=4, num_stages=2)
+    return o
+
+
+# -- extend -----------------------------------------------------------------------------------------
+
+
+@jit
+def _extend_kernel(Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, prefix_lens, start_loc, scale_log2,
+                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+                   stride_table, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   MMA_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    head = tl.program_id(0)
+    block_m = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    prefix = tl.load(prefix_lens + b)
+    m_start = block_m * BLOCK_M
+    if m_start < seq_len - prefix:
+        kv_head = head // GROUP
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < seq_len - prefix
+        q_pos = prefix + offs_m
+        rows = tl.load(start_loc + b).to(tl.int64) + offs_m
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < HEAD_DIM
+        mask_dv = offs_dv < HEAD_DIM_V
+        q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(MMA_DTYPE)
+        table_row = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_table
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        # The loop stops at the block's last token. Position 0, in the first iteration, is visible to
+        # every row (padding rows included), so no row's running maximum stays -inf.
+        end = tl.minimum(seq_len, prefix + m_start + BLOCK_M)
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(MMA_DTYPE)
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
+                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(MMA_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)
+            m = m_new
+        out = (acc / denom[:, None]).to(Out.dtype.element_ty)
+        tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :], out,
+                 mask=mask_m[:, None] & mask_dv[None, :])
+
+
+def _extend_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if interpreting():
+        return 64, 64, 4, 1
+    if dtype == torch.float32:  # 3xTF32 dots: three MMAs each and twice the bytes, so smaller tiles
+        return 64, 16, 4, 1
+    if block_d <= 128:
+        return 128, 64, 4 if block_d <= 64 else 8, 2
+    return 64, 64, 8, 1
+
+
+def extend_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                         extend_start_loc, sm_scale, max_extend_len=None):
+    """Causal attention for the new tokens of each request, whose K/V are already in the pool.
+
+    q [T, H, D] packs the new tokens in batch order: request b's seq_lens[b] - extend_prefix_lens[b]
+    tokens start at row extend_start_loc[b] and sit at positions extend_prefix_lens[b]..seq_lens[b] - 1;
+    the token at position p attends to positions 0..p, all read through req_to_token. o [T, H, Dv] is
+    written in place (and returned); rows of q that belong to no request are left untouched.
+    req_pool_indices, seq_lens, extend_prefix_lens, extend_start_loc [B] (int64 or int32).
+    max_extend_len: the longest extend in the batch, from host data; None computes it (one sync)."""
+    _check_common("extend_attention_fwd", q, k_buffer, v_buffer, o, req_to_token, "T")
+    batch = seq_lens.shape[0]
+    for t_name, t in (("req_pool_indices", req_pool_indices), ("extend_prefix_lens", extend_prefix_lens),
+                      ("extend_start_loc", extend_start_loc)):
+        if t.shape != (batch,):
+            raise ValueError(f"extend_attention_fwd: {t_name} has shape {tuple(t.shape)}, expected [B={batch}]")
+    if max_extend_len is None:
+        max_extend_len = int((seq_lens - extend_prefix_lens).max()) if batch else 0
+    if batch == 0 or max_extend_len <= 0 or q.shape[0] == 0:
+        return o
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
+    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v)
+    block_m, block_n, warps, stages = _extend_tiles(q.dtype, max(block_d, block_dv))
+    # Heads vary fastest in the grid, so a KV head's query group runs together and shares its K/V in L2.
+    grid = (heads, triton.cdiv(max_extend_len, block_m), batch)
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_start_loc,
+        sm_scale * LOG2E, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), o.stride(0), o.stride(1), req_to_token.stride(0), GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, **_dot_config(q.dtype), num_warps=warps, num_stages=stages)
+    return o

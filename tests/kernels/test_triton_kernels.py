@@ -1,0 +1,295 @@
+"""The Triton kernels against the pure-torch references in kernels/reference.py: under the Triton
+interpreter on CPU tensors when there is no GPU, natively on CUDA tensors when there is one."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede triton's import (see kernels/triton_ops.py); tests/conftest.py sets it too, before
+    # anything else in the session (xgrammar) can import triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from kernels import reference  # noqa: E402
+from kernels.triton_attention import (choose_num_kv_splits, decode_attention_fwd,  # noqa: E402
+                                      extend_attention_fwd)
+from kernels.triton_ops import rms_norm, silu_and_mul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GQA = [(8, 2), (4, 4)]  # (heads, kv_heads)
+
+
+def tol(dtype):
+    if dtype == torch.float32:  # on the GPU float32 dots run as 3xTF32: float32-level, not bit-exact
+        return dict(atol=5e-5, rtol=5e-5) if DEVICE == "cuda" else dict(atol=2e-5, rtol=2e-5)
+    return dict(atol=2e-2, rtol=2e-2)
+
+
+def make_pool(page, kv_heads, seq_lens, dtype, seed, head_dim=64, device=DEVICE):
+    """A KV pool holding each request's tokens the way a paged allocator places them: whole pages
+    of `page` consecutive slots, the pages scattered through the pool, request slots shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    pages_needed = sum(-(-n // page) for n in seq_lens) + 3
+    slots_total = (pages_needed + 1) * page
+    k = torch.randn(slots_total, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(slots_total, kv_heads, head_dim, generator=g).to(dtype)
+    k[:page], v[:page] = float("nan"), float("nan")  # page 0, where unused table entries point, must never be read
+    pages = (torch.randperm(pages_needed, generator=g) + 1).tolist()
+    table = torch.zeros(len(seq_lens) + 2, max(seq_lens) + page, dtype=torch.int32)
+    rows = list(range(len(seq_lens) + 2))
+    random.Random(seed).shuffle(rows)
+    rows = rows[: len(seq_lens)]
+    for r, n in zip(rows, seq_lens):
+        own = torch.tensor([pages.pop() for _ in range(-(-n // page))], dtype=torch.int32)
+        pos = torch.arange(n, dtype=torch.int32)
+        table[r, :n] = own[pos // page] * page + pos % page
+    return k.to(device), v.to(device), table.to(device), torch.tensor(rows, device=device)
+
+
+def run_decode(dtype, page, heads, kv_heads, seq_lens, head_dim=64, num_kv_splits=None, seed=0):
+    k, v, table, rows = make_pool(page, kv_heads, seq_lens, dtype, seed, head_dim)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    q, lens = q.to(DEVICE), torch.tensor(seq_lens, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention_fwd(q, k, v, out, table, rows, lens, head_dim**-0.5, num_kv_splits)
+    ref = reference.paged_decode_attention(q.float(), k.float(), v.float(), table, rows, lens, head_dim**-0.5)
+    return out, ref
+
+
+def run_extend(dtype, page, heads, kv_heads, prefix, ext, head_dim=64, seed=0, pass_max_extend_len=True):
+    seq = [p + e for p, e in zip(prefix, ext)]
+    k, v, table, rows = make_pool(page, kv_heads, seq, dtype, seed, head_dim)
+    q = torch.randn(sum(ext) + 1, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    q = q.to(DEVICE)
+    starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=DEVICE)
+    lens, prefix_lens = torch.tensor(seq, device=DEVICE), torch.tensor(prefix, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(q, k, v, out, table, rows, lens, prefix_lens, starts, head_dim**-0.5,
+                         max(ext) if pass_max_extend_len else None)
+    assert out[-1].isnan().all(), "the row after the last request's tokens must stay untouched"
+    ref = reference.paged_extend_attention(q[:-1].float(), k.float(), v.float(), table, rows, lens, prefix_lens,
+                                           head_dim**-0.5)
+    return out[:-1], ref
+
+
+# -- decode ------------------------------------------------------------------------------------------
+
+DECODE_LENS = [1, 7, 33, 300, 64, 130]  # ragged: one token, partial and whole blocks, a long context
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_matches_reference(dtype, page, heads, kv_heads, splits):
+    out, ref = run_decode(dtype, page, heads, kv_heads, DECODE_LENS, num_kv_splits=splits, seed=page + heads)
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
+def test_decode_many_splits_some_empty():
+    # 9 splits of whole blocks: the 300-token request fills some, the short ones leave most empty
+    out, ref = run_decode(torch.float32, 16, 8, 2, [300, 2, 40, 1], num_kv_splits=9)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+def test_decode_default_splits():
+    out, ref = run_decode(torch.float32, 1, 8, 2, DECODE_LENS)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_non_power_of_two_head_dim(dtype):
+    out, ref = run_decode(dtype, 16, 6, 2, [5, 90, 33], head_dim=80, num_kv_splits=3)
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
+def test_choose_num_kv_splits():
+    assert choose_num_kv_splits(1, 100, 132) == 1  # too short to split
+    assert choose_num_kv_splits(1, 4096, 132) == 16  # one long request: as many as allowed
+    assert choose_num_kv_splits(1, 1024, 132) == 4  # at least 256 positions per split
+    assert choose_num_kv_splits(64, 4096, 132) == 3  # a big batch fills the SMs by itself
+    assert choose_num_kv_splits(256, 32768, 132) == 1
+    assert choose_num_kv_splits(4, 4096, 1) == 1
+    with pytest.raises(ValueError, match="batch=0"):
+        choose_num_kv_splits(0, 100, 132)
+
+
+def test_decode_rejects_bad_shapes():
+    q = torch.zeros(2, 6, 64, device=DEVICE)
+    k = torch.zeros(10, 4, 64, device=DEVICE)
+    table, idx = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of k_buffer's 4 KV heads"):
+        decode_attention_fwd(q, k, k, torch.empty_like(q), table, idx, idx + 1, 1.0)
+    with pytest.raises(ValueError, match="o has shape"):
+        decode_attention_fwd(q[:, :4], k, k, torch.empty(2, 4, 32, device=DEVICE), table, idx, idx + 1, 1.0)
+
+
+# -- extend ------------------------------------------------------------------------------------------
+
+EXTEND_PREFIX = [0, 0, 17, 100, 3, 64]  # no prefix, short and page-aligned prefixes
+EXTEND_LENS = [40, 1, 25, 9, 1, 70]  # ragged, with one-token rows as in a mixed batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_extend_matches_reference(dtype, page, heads, kv_heads):
+    out, ref = run_extend(dtype, page, heads, kv_heads, EXTEND_PREFIX, EXTEND_LENS, seed=page + heads)
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_non_power_of_two_head_dim(dtype):
+    out, ref = run_extend(dtype, 16, 6, 2, [0, 20], [33, 12], head_dim=80)
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
+def test_extend_skips_fully_cached_requests():
+    # a request with nothing new (prefix == seq_len) owns no rows of q and must not disturb the others
+    out, ref = run_extend(torch.float32, 1, 4, 2, [5, 12, 0], [3, 0, 7], pass_max_extend_len=False)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+def test_value_head_dim_differs_from_key_head_dim():
+    # the references assume Dv == D: zero-padding V to D and dropping the padding gives the same result
+    k, v_full, table, rows = make_pool(16, 2, [70, 5], torch.float32, seed=5)
+    v = v_full[..., :24].contiguous()
+    v_padded = torch.cat([v, torch.zeros_like(v_full[..., 24:])], dim=-1)
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    lens = torch.tensor([70, 5], device=DEVICE)
+    out = decode_attention_fwd(q, k, v, torch.empty(2, 4, 24, device=DEVICE), table, rows, lens, 0.125, 2)
+    ref = reference.paged_decode_attention(q, k, v_padded, table, rows, lens, 0.125)[..., :24]
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+    prefix = torch.tensor([60, 0], device=DEVICE)
+    starts = torch.tensor([0, 10], device=DEVICE)
+    q = torch.randn(15, 4, 64, device=DEVICE)
+    out = extend_attention_fwd(q, k, v, torch.empty(15, 4, 24, device=DEVICE), table, rows, lens, prefix, starts,
+                               0.125)
+    ref = reference.paged_extend_attention(q, k, v_padded, table, rows, lens, prefix, 0.125)[..., :24]
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+# -- row-wise ops ------------------------------------------------------------------------------------
+
+
+# The interpreter narrows float32 to bfloat16 by truncation, not rounding, so the comparisons with
+# the reference's own bfloat16 rounding are bit-exact only on the GPU.
+EXACT_BF16 = DEVICE == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(5, 3, 96, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
+    x_in, res_in = x.clone(), res.clone()
+    got = rms_norm(x, w, 1e-5, res if with_residual else None)
+    ref32 = reference.rms_norm(x.float(), w.float(), 1e-5, res.float() if with_residual else None)
+    ref = reference.rms_norm(x, w, 1e-5, res if with_residual else None)
+    if with_residual:
+        assert got[1].dtype == dtype
+        torch.testing.assert_close(got[1].float(), ref32[1], **tol(dtype))
+        if EXACT_BF16 or dtype == torch.float32:
+            torch.testing.assert_close(got[1], ref[1], atol=0, rtol=0)  # the same rounded sum
+        got, ref32, ref = got[0], ref32[0], ref[0]
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), ref32, **tol(dtype))
+    if EXACT_BF16 and dtype == torch.bfloat16:  # rounded where the reference rounds: within one ulp of it
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=2**-7)
+    assert torch.equal(x, x_in) and torch.equal(res, res_in)
+
+
+def test_rms_norm_mixed_dtypes_promote_like_the_reference():
+    x = torch.randn(4, 64).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(64, device=DEVICE)
+    got = rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, reference.rms_norm(x, w, 1e-6), **tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    x = (torch.randn(2, 7, 2 * 72, generator=torch.Generator().manual_seed(4)) * 4).to(dtype).to(DEVICE)
+    got = silu_and_mul(x)
+    assert got.shape == (2, 7, 72) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference.silu_and_mul(x.float()), **tol(dtype))
+    if EXACT_BF16 and dtype == torch.bfloat16:
+        torch.testing.assert_close(got, reference.silu_and_mul(x), atol=1e-6, rtol=2**-7)
+
+
+# -- without triton ----------------------------------------------------------------------------------
+
+
+def test_modules_import_without_triton():
+    code = ("import sys, torch; sys.modules['triton'] = None\n"
+            "from kernels import triton_attention, triton_ops\n"
+            "assert triton_attention.choose_num_kv_splits(1, 4096, 132) == 16\n"
+            "try:\n"
+            "    triton_ops.silu_and_mul(torch.zeros(2, 4))\n"
+            "except ImportError as e:\n"
+            "    assert 'pip install triton' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('no ImportError')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+# -- GPU, real shapes --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page", [1, 16])
+def test_gpu_real_shapes_bf16(page):
+    heads, kv_heads, head_dim = 32, 8, 128
+    gen = random.Random(page)
+    decode_lens = [gen.randint(1, 4096) for _ in range(62)] + [1, 4096]
+    k, v, table, rows = make_pool(page, kv_heads, decode_lens, torch.bfloat16, seed=page, head_dim=head_dim)
+    q = torch.randn(len(decode_lens), heads, head_dim, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor(decode_lens, device="cuda")
+    for batch in (64, 2):  # the default split count: 3 for the full batch, 16 for two requests
+        out = torch.empty_like(q[:batch])
+        torch.cuda.set_sync_debug_mode("error")  # no host syncs inside the kernels' wrappers
+        try:
+            decode_attention_fwd(q[:batch], k, v, out, table, rows[:batch], lens[:batch], head_dim**-0.5)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ref = reference.paged_decode_attention(q[:batch].float(), k.float(), v.float(), table, rows[:batch],
+                                               lens[:batch], head_dim**-0.5)
+        torch.testing.assert_close(out.float(), ref, **tol(torch.bfloat16))
+
+    prefix = [0, 0, 1000, 2048, 17, 3000, 64, 511]
+    ext = [4096, 1, 1000, 300, 2000, 1, 129, 1024]
+    seq = [p + e for p, e in zip(prefix, ext)]
+    k, v, table, rows = make_pool(page, kv_heads, seq, torch.bfloat16, seed=page + 1, head_dim=head_dim)
+    q = torch.randn(sum(ext), heads, head_dim, device="cuda").to(torch.bfloat16)
+    starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], device="cuda")
+    lens, prefix_lens = torch.tensor(seq, device="cuda"), torch.tensor(prefix, device="cuda")
+    out = torch.empty_like(q)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        extend_attention_fwd(q, k, v, out, table, rows, lens, prefix_lens, starts, head_dim**-0.5, max(ext))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = reference.paged_extend_attention(q.float(), k.float(), v.float(), table, rows, lens, prefix_lens,
+                                           head_dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, **tol(torch.bfloat16))
+
+    x, res = (torch.randn(4096, 4096, device="cuda").to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
+    normed, summed = rms_norm(x, w, 1e-6, res)
+    ref_normed, ref_summed = reference.rms_norm(x.float(), w.float(), 1e-6, res.float())
+    torch.testing.assert_close(normed.float(), ref_normed, **tol(torch.bfloat16))
+    torch.testing.assert_close(summed.float(), ref_summed, **tol(torch.bfloat16))
+    y = torch.randn(4096, 2 * 14336, device="cuda").to(torch.bfloat16)
+    torch.testing.assert_close(silu_and_mul(y).float(), reference.silu_and_mul(y.float()), **tol(torch.bfloat16))
