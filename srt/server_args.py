@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ServerArgs:
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "auto"
+    load_format: str = "auto"  # dummy: random weights, only config.json (and a tokenizer) needed
     random_seed: int = 42
     # Memory
     mem_fraction_static: float | None = None
@@ -49,13 +51,15 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     enable_overlap_schedule: bool = False
     # Kernels
-    attention_backend: str | None = None  # None: cpu (C++ kernels) on CPU when they build, else torch_native
+    attention_backend: str | None = None  # None: CPU: cpu (C++ kernels) when they build; GPU: triton; else torch_native
     disable_cpu_weight_prepack: bool = False
     enable_torch_compile: bool = False
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 30.0
     disable_jump_forward: bool = False
     torch_compile_max_bs: int = 16
+    cuda_graph_max_bs: int = 160
+    disable_cuda_graph: bool = False
     # Parallelism
     tp_size: int = 1
     dp_size: int = 1
@@ -114,6 +118,17 @@ class ServerArgs:
             raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
         if not 1 <= self.torch_compile_max_bs <= 1024:
             raise ValueError(f"--torch-compile-max-bs must be in [1, 1024], got {self.torch_compile_max_bs}")
+        if not 1 <= self.cuda_graph_max_bs <= 4096:
+            raise ValueError(f"--cuda-graph-max-bs must be in [1, 4096], got {self.cuda_graph_max_bs}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if self.attention_backend == "triton":
+            from srt.layers.attention.triton_backend import triton_unavailable_reason
+            from srt.utils import resolve_device
+
+            reason = triton_unavailable_reason(resolve_device(self.device))
+            if reason is not None:
+                raise ValueError(reason)
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError(f"--grammar-backend must be xgrammar or none, got {self.grammar_backend!r}")
         if not self.grammar_compile_timeout > 0:
@@ -193,6 +208,9 @@ class ServerArgs:
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
                        help="auto = bfloat16 on GPUs and CPUs with AMX/AVX512-BF16, else float32")
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                       help="auto: the model folder's safetensors; dummy: random weights from config.json alone "
+                            "(benchmarks of a model's shape without its checkpoint)")
         g.add_argument("--random-seed", type=int, default=d.random_seed)
         g = parser.add_argument_group("memory")
         g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
@@ -216,7 +234,8 @@ class ServerArgs:
                        help="overlap batch preparation with the forward on CPU too (on by default on GPU only)")
         g = parser.add_argument_group("kernels")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS),
-                       help="default: cpu (C++ kernels over the paged pool) on CPU when they build, else torch_native")
+                       help="default: on CPU cpu (C++ kernels over the paged pool) when they build, on GPU triton "
+                            "when triton is installed, else torch_native")
         g.add_argument("--disable-cpu-weight-prepack", action="store_true",
                        help="on CPU, multiply with plain torch weights instead of oneDNN-prepacked ones")
         g.add_argument("--enable-torch-compile", action="store_true",
@@ -224,6 +243,11 @@ class ServerArgs:
                             "up to --torch-compile-max-bs, in the background while serving eagerly; cached on disk")
         g.add_argument("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs,
                        help="largest decode batch run compiled; batches are padded to buckets 1, 2, 4, 8, ...")
+        g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                       help="GPU: largest decode batch run as a CUDA graph; graphs for 1, 2, 4, 8, then multiples of "
+                            "8 are captured at start-up and batches padded to the next one (ignored on CPU)")
+        g.add_argument("--disable-cuda-graph", action="store_true",
+                       help="GPU: run decode eagerly instead of replaying captured CUDA graphs (ignored on CPU)")
         g = parser.add_argument_group("structured output")
         g.add_argument("--grammar-backend", default=d.grammar_backend, choices=["xgrammar", "none"],
                        help="json_schema / regex / ebnf constraints; 'none' rejects constrained requests with 400")

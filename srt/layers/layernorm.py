@@ -16,6 +16,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.variance_epsilon = eps
         self.fused_ops = None  # set by enable_fused_cpu_ops: one C++ pass instead of ~7 torch ops
+        self.gpu_ops = None  # set by enable_fused_gpu_ops: sgl-kernel or Triton (see srt/layers/gpu_ops.py)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -32,6 +33,8 @@ class RMSNorm(nn.Module):
             x, residual = x.contiguous(), residual.contiguous()
             self.fused_ops.rms_norm(x, residual, self.weight, self.variance_epsilon)  # in place: both are ours
             return x, residual
+        if self.gpu_ops is not None and not torch.compiler.is_dynamo_compiling() and x.dim() == 2:
+            return self.gpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -205,6 +205,7 @@ class SchedulerOutputMixin:
             "overlap_schedule": self.overlap,
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
+            "cuda_graph": self.runner.cuda_graph_status(),
             "metrics": self.metrics.state() if self.metrics is not None else None,
             "idle": not self.has_work(),
             "pid": os.getpid(),

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import torch
 
 from srt.configs.model_config import ModelConfig
 from srt.distributed.parallel_state import all_reduce_min_int, init_distributed, init_tp_group
 from kernels import cpu as cpu_kernels
-from srt.layers.activation import enable_fused_cpu_ops
+from srt.layers import gpu_ops
+from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
 from srt.layers.linear import prepack_cpu_weights
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
@@ -24,6 +27,31 @@ from srt.utils import available_memory_bytes, resolve_device, resolve_dtype, set
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.4}
+MAX_RUNNING_CAP = {"cuda": 4096, "cpu": 1024}
+
+
+def memory_info(device: str) -> tuple[int, int]:
+    """(free, total) bytes: device memory on CUDA, available and total RAM on CPU."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()
+    return available_memory_bytes(device), psutil.virtual_memory().total
+
+
+def kv_pool_tokens(device: str, fraction: float, per_token_bytes: int, page_size: int, *, free_before: int,
+                   free_after: int, total: int, weight_bytes: int, reserved_bytes: int = 0) -> int:
+    """KV pool size in tokens (whole pages) under --mem-fraction-static `fraction`.
+
+    CUDA (as SGLang): the static share `fraction * total` of the device, less everything in use
+    once the weights are loaded (`total - free_after`: weights, rotary tables, the CUDA context,
+    other processes) and `reserved_bytes` (CUDA graphs, the request table); the rest of the
+    device is left for activations. CPU: `fraction` of the RAM available before loading, less the
+    weights (available RAM after loading understates the weights: their pages are touched lazily).
+    """
+    if device == "cuda":
+        budget = free_after - total * (1 - fraction) - reserved_bytes
+    else:
+        budget = free_before * fraction - weight_bytes - reserved_bytes
+    return max(0, int(budget // per_token_bytes)) // page_size * page_size
 
 
 class ModelRunner:
@@ -51,15 +79,19 @@ class ModelRunner:
             set_torch_threads(share=ranks_per_node * server_args.dp_size)  # every rank of every replica computes
         set_random_seed(server_args.random_seed)
         available_before = available_memory_bytes(self.device)
-        self.model = load_model(model_config, self.dtype, self.device)
+        self.model = load_model(model_config, self.dtype, self.device, server_args.load_format)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
         if self.device == "cpu" and (ops := cpu_kernels.load()) is not None:
             logger.info("Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops))
-        self.init_memory_pool(available_before)
+        if self.device == "cuda" and (ops := gpu_ops.load()) is not None:
+            logger.info("Fused %s kernels for %d norm/activation modules", ops.name,
+                        enable_fused_gpu_ops(self.model, ops))
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
+        self.init_memory_pool(available_before)
         self.sampler = Sampler()
         self.broadcaster = None
         if self.tp_size > 1 and tp_rank == 0:
@@ -71,24 +103,46 @@ class ModelRunner:
             from srt.model_executor.compiled_decode import CompiledDecodeRunner
 
             self.compiled_decode = CompiledDecodeRunner(self, server_args.torch_compile_max_bs, compile_buckets)
+        self.cuda_graph_runner = None
+        if self.cuda_graph_off_reason is None:
+            self.cuda_graph_runner = CudaGraphRunner(self, server_args.cuda_graph_max_bs,
+                                                     self.cuda_graph_reserved_bytes)
+        elif self.device == "cuda":
+            logger.info("CUDA graphs off: %s", self.cuda_graph_off_reason)
 
     def init_memory_pool(self, available_before: int) -> None:
         cfg, args = self.model_config, self.server_args
         kv_heads = cfg.num_kv_heads_per_rank(self.tp_size, self.tp_rank)
         per_token = MHATokenToKVPool.bytes_per_token(kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype)
+        max_running_cap = args.max_running_requests or MAX_RUNNING_CAP[self.device]
+        self.cuda_graph_reserved_bytes = 0
+        if self.cuda_graph_off_reason is None:
+            hf = cfg.hf_config
+            self.cuda_graph_reserved_bytes = graph_memory_estimate(
+                min(args.cuda_graph_max_bs, max_running_cap), cfg.vocab_size, cfg.hidden_size,
+                getattr(hf, "intermediate_size", 4 * cfg.hidden_size), cfg.num_attention_heads // self.tp_size,
+                cfg.head_dim, self.dtype.itemsize)
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
         else:
             fraction = args.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device]
-            budget = available_before * fraction - self.weight_bytes
-            total = int(budget // per_token)
+            free_after, device_total = memory_info(self.device)
+            # The request table is a real allocation on GPU; on CPU its pages are touched lazily.
+            table_bytes = max_running_cap * (cfg.context_len + self.page_size) * 4 if self.device == "cuda" else 0
+            total = kv_pool_tokens(self.device, fraction, per_token, self.page_size, free_before=available_before,
+                                   free_after=free_after, total=device_total, weight_bytes=self.weight_bytes,
+                                   reserved_bytes=self.cuda_graph_reserved_bytes + table_bytes)
             if total < self.page_size:
                 raise RuntimeError(
-                    f"not enough memory for a KV cache: {available_before / 2**30:.1f} GiB available, weights "
-                    f"{self.weight_bytes / 2**30:.2f} GiB, --mem-fraction-static {fraction}; pass --max-total-tokens"
+                    f"not enough memory for a KV cache: {available_before / 2**30:.1f} GiB available before loading, "
+                    f"{free_after / 2**30:.1f} GiB after, of {device_total / 2**30:.1f} GiB; weights "
+                    f"{self.weight_bytes / 2**30:.2f} GiB, reserved for CUDA graphs and the request table "
+                    f"{(self.cuda_graph_reserved_bytes + table_bytes) / 2**30:.2f} GiB, "
+                    f"--mem-fraction-static {fraction}; "
+                    "pass a larger --mem-fraction-static or --max-total-tokens"
                 )
         total = total // self.page_size * self.page_size
-        max_running = args.max_running_requests or max(1, min(total // 2, 1024 if self.device == "cpu" else 4096))
+        max_running = args.max_running_requests or max(1, min(total // 2, max_running_cap))
         # Rank 0 allocates for every rank: all pools get the smallest rank's sizes.
         total, max_running = all_reduce_min_int([total, max_running])
         self.max_total_num_tokens = total
@@ -106,6 +160,8 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         if self.broadcaster is not None:
             self.broadcaster.forward(forward_batch, self.req_to_token_pool.req_to_token)
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         if self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch):
             return self.compiled_decode.forward(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
@@ -114,3 +170,9 @@ class ModelRunner:
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.sampler(logits_output, forward_batch.sampling_info, forward_batch.return_logprob,
                             forward_batch.top_logprobs_nums)
+
+    def cuda_graph_status(self) -> dict:
+        """/server_info's `cuda_graph`: captured batch sizes, capture time and memory, replays."""
+        if self.cuda_graph_runner is not None:
+            return self.cuda_graph_runner.status()
+        return {"enabled": False, "reason": self.cuda_graph_off_reason}

@@ -49,7 +49,30 @@ def iterate_weights(path: str, progress: bool = False) -> Iterator[tuple[str, to
             raise ModelLoadError(f"cannot read weights file {file}: {e}") from e
 
 
-def load_model(model_config: ModelConfig, dtype: torch.dtype, device: str) -> torch.nn.Module:
+DUMMY_SEED = 0
+DUMMY_STD = 0.02
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
+    """`--load-format dummy`: random weights where the model lives, from a fixed seed. Matrices are
+    N(0, std), small enough that activations and logits stay finite at any depth; norm scales are
+    one and biases zero, as in a freshly initialized HF model."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        gen = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
+def load_model(model_config: ModelConfig, dtype: torch.dtype, device: str,
+               load_format: str = "auto") -> torch.nn.Module:
+    """The model on `device` in `dtype`: weights from the folder's safetensors (`auto`), or random
+    ones (`dummy`: only config.json is read; for benchmarks of models not at hand)."""
     cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
     previous = torch.get_default_dtype()
@@ -59,11 +82,14 @@ def load_model(model_config: ModelConfig, dtype: torch.dtype, device: str) -> to
             model = cls(model_config.hf_config)
     finally:
         torch.set_default_dtype(previous)
-    try:
-        model.load_weights(iterate_weights(model_config.path, progress=True))
-    except KeyError as e:
-        raise ModelLoadError(f"weights in {model_config.path} do not match {cls.__name__}: {e}") from e
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        try:
+            model.load_weights(iterate_weights(model_config.path, progress=True))
+        except KeyError as e:
+            raise ModelLoadError(f"weights in {model_config.path} do not match {cls.__name__}: {e}") from e
     model.eval()
-    logger.info("Loaded %s (%s, %s) in %.1f s", cls.__name__, str(dtype).removeprefix("torch."), device,
-                time.perf_counter() - start)
+    logger.info("Loaded %s (%s, %s%s) in %.1f s", cls.__name__, str(dtype).removeprefix("torch."), device,
+                ", dummy weights" if load_format == "dummy" else "", time.perf_counter() - start)
     return model

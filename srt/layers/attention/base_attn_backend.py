@@ -16,10 +16,21 @@ class AttentionBackend(ABC):
     tokens of the batch (in batch order); the result is `[T, num_heads * head_dim]`.
     """
 
+    # Whether init_forward_metadata_cuda_graph is implemented: decode may be captured as CUDA graphs.
+    supports_cuda_graph: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch) -> None:
         """Called once per forward pass before any layer runs. May precompute index tensors shared
         by all layers; must not change the pools."""
+
+    def init_forward_metadata_cuda_graph(self, forward_batch) -> None:
+        """Instead of init_forward_metadata, before a decode batch is captured into a CUDA graph
+        that is then replayed with other contents of the same shape: may use the batch size and
+        the batch's device tensors, never its host-side lengths (`seq_lens_cpu` holds
+        placeholders), and must leave the layers' launches valid for any sequence length up to
+        the context length."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in CUDA graphs")
 
     @abstractmethod
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
