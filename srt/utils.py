@@ -126,3 +126,28 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.d
     raw = np.zeros(nbytes + 64, dtype=np.uint8)
     offset = -raw.ctypes.data % 64  # cache-line aligned, like torch's own allocations
     return torch.from_numpy(raw[offset : offset + nbytes]).view(dtype).view(shape)
+
+
+def rank_log_prefix(server_args, tp_rank: int, dp_rank: int = 0) -> str:
+    return (f" DP{dp_rank}" if server_args.dp_size > 1 else "") + f" TP{tp_rank}"
+
+
+def start_child_process(pipe_writer, log_level: str, log_prefix: str, build, ready_info=None):
+    """The common start of a worker process: die with the parent, dump stacks on SIGUSR1, log with
+    a prefix, build the worker and report ready (with `ready_info(worker)`) or the error (then exit 1)."""
+    import faulthandler
+    import signal
+    import sys
+    import traceback
+
+    die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    configure_logger(log_level, prefix=log_prefix)
+    try:
+        worker = build()
+        pipe_writer.send({"status": "ready", **(ready_info(worker) if ready_info else {})})
+        return worker
+    except Exception as e:
+        traceback.print_exc()
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)

@@ -9,10 +9,8 @@ burst does not all land on the replica that looked idle a moment ago.
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import logging
-import signal
 import sys
 import traceback
 from array import array
@@ -22,7 +20,7 @@ import zmq
 
 from srt.managers.io_struct import FlushCacheReq, LoadReport, TokenizedGenerateReqInput
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logger, die_with_parent, zmq_socket
+from srt.utils import start_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -161,16 +159,8 @@ class DataParallelController:
 
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs, kv_capacity_tokens: int,
                                          pipe_writer) -> None:
-    die_with_parent()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    configure_logger(server_args.log_level, prefix=" DP controller")
-    try:
-        controller = DataParallelController(server_args, port_args, kv_capacity_tokens)
-        pipe_writer.send({"status": "ready"})
-    except Exception as e:
-        traceback.print_exc()
-        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        sys.exit(1)
+    controller = start_child_process(pipe_writer, server_args.log_level, " DP controller",
+                                     lambda: DataParallelController(server_args, port_args, kv_capacity_tokens))
     try:
         controller.event_loop()
     except Exception:

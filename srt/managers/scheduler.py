@@ -8,11 +8,8 @@ BatchBuilder; this class only orchestrates.
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
-import signal
-import sys
 import time
 import traceback
 from collections import deque
@@ -46,7 +43,7 @@ from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logger, die_with_parent, zmq_socket
+from srt.utils import rank_log_prefix, start_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -534,16 +531,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer,
                           dp_rank: int = 0) -> None:
-    die_with_parent()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    configure_logger(server_args.log_level, prefix=(f" DP{dp_rank}" if server_args.dp_size > 1 else "") + f" TP{tp_rank}")
-    try:
-        scheduler = Scheduler(server_args, port_args, tp_rank, dp_rank)
-        pipe_writer.send({"status": "ready", **scheduler.ready_info()})
-    except Exception as e:
-        traceback.print_exc()
-        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        sys.exit(1)
+    scheduler = start_child_process(pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank),
+                                    lambda: Scheduler(server_args, port_args, tp_rank, dp_rank), Scheduler.ready_info)
     try:
         scheduler.event_loop()
     except Exception as e:

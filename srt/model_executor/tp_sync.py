@@ -16,13 +16,10 @@ next collective fails and they exit non-zero.
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import logging
 import pickle
-import signal
 import sys
 import time
-import traceback
 from typing import NamedTuple
 
 import torch
@@ -106,19 +103,14 @@ def run_tp_follower_process(server_args, tp_rank: int, pipe_writer, dp_rank: int
     """Process entry of tensor-parallel ranks 1..N-1."""
     from srt.configs.model_config import ModelConfig
     from srt.model_executor.model_runner import ModelRunner
-    from srt.utils import configure_logger, die_with_parent
+    from srt.utils import rank_log_prefix, start_child_process
 
-    die_with_parent()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    configure_logger(server_args.log_level, prefix=(f" DP{dp_rank}" if server_args.dp_size > 1 else "") + f" TP{tp_rank}")
-    try:
+    def build() -> ModelRunner:
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
-        runner = ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
-        pipe_writer.send({"status": "ready"})
-    except Exception as e:
-        traceback.print_exc()
-        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        sys.exit(1)
+        return ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
+
+    runner = start_child_process(pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank),
+                                 build)
     try:
         serve_forwards(runner)
     except Exception as e:  # rank 0 (or another rank) went away, or a forward failed
