@@ -84,6 +84,27 @@ def _check_common(name: str, q, k_buffer, v_buffer, o, req_to_token, tokens_dim:
 
 
 @jit
+def _attend_block(q, K, V, table_row, offs_n, mask_n, allowed, kv_head, offs_d, mask_d, offs_dv, mask_dv,
+                  stride_kn, stride_kh, stride_vn, stride_vh, scale_log2, m, denom, acc,
+                  MMA_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over the KV positions offs_n (read through the page-table row):
+    `allowed` [rows, BLOCK_N] masks what each query row may see. Returns the updated (m, denom, acc)."""
+    slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+    k = tl.load(K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(MMA_DTYPE)
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(MMA_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)
+    return m_new, denom, acc
+
+
+@jit
 def _decode_split_kernel(Q, K, V, req_to_token, req_pool_indices, seq_lens, MidO, MidLse, scale_log2,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_table,
                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
@@ -115,19 +136,9 @@ def _decode_split_kernel(Q, K, V, req_to_token, req_pool_indices, seq_lens, MidO
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(MMA_DTYPE)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
-                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(MMA_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)
-            m = m_new
+            m, denom, acc = _attend_block(q, K, V, table_row, offs_n, mask_n, mask_n[None, :], kv_head, offs_d, mask_d,
+                                          offs_dv, mask_dv, stride_kn, stride_kh, stride_vn, stride_vh, scale_log2,
+                                          m, denom, acc, MMA_DTYPE, DOT_PRECISION)
         mid = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
         tl.store(mid, acc / denom[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m + tl.log2(denom), mask=mask_h)
@@ -243,19 +254,9 @@ def _extend_kernel(Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, prefi
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(MMA_DTYPE)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
-                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(MMA_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)
-            m = m_new
+            m, denom, acc = _attend_block(q, K, V, table_row, offs_n, mask_n, mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), kv_head, offs_d, mask_d,
+                                          offs_dv, mask_dv, stride_kn, stride_kh, stride_vn, stride_vh, scale_log2,
+                                          m, denom, acc, MMA_DTYPE, DOT_PRECISION)
         out = (acc / denom[:, None]).to(Out.dtype.element_ty)
         tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :], out,
                  mask=mask_m[:, None] & mask_dv[None, :])
