@@ -30,7 +30,7 @@ class AttentionBackend(ABC):
         the batch's device tensors, never its host-side lengths (`seq_lens_cpu` holds
         placeholders), and must leave the layers' launches valid for any sequence length up to
         the context length."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be captured in CUDA graphs")
+        raise RuntimeError(f"{type(self).__name__} cannot be captured in CUDA graphs (supports_cuda_graph is False)")
 
     @abstractmethod
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
