@@ -42,8 +42,9 @@ def _count(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float,
-                    seed: int) -> list[BenchRequest]:
+def random_requests(
+    tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
     rng = random.Random(seed)
     ins = _lengths(rng, num_prompts, input_len, range_ratio)
     outs = _lengths(rng, num_prompts, output_len, range_ratio)
@@ -54,8 +55,15 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
     return out
 
 
-def shared_prefix_requests(tokenizer, num_groups: int, prompts_per_group: int, system_prompt_len: int,
-                           question_len: int, output_len: int, seed: int) -> list[BenchRequest]:
+def shared_prefix_requests(
+    tokenizer,
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[BenchRequest]:
     """`num_groups` system prompts, each followed by `prompts_per_group` different questions; the
     requests are shuffled, as traffic from many users of a few apps would arrive."""
     rng = random.Random(seed)
@@ -69,8 +77,9 @@ def shared_prefix_requests(tokenizer, num_groups: int, prompts_per_group: int, s
     return out
 
 
-def sharegpt_requests(tokenizer, path: str, num_prompts: int, seed: int,
-                      fixed_output_len: int | None = None) -> list[BenchRequest]:
+def sharegpt_requests(
+    tokenizer, path: str, num_prompts: int, seed: int, fixed_output_len: int | None = None
+) -> list[BenchRequest]:
     """The first human turn of each conversation as the prompt, the first reply's token count as
     the output length; pairs too short (< 4 tokens) or too long (prompt > 1024, total > 2048) are
     skipped, as SGLang's bench_serving does."""

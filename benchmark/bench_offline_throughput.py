@@ -20,17 +20,29 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_datasets import random_requests, sharegpt_requests, shared_prefix_requests  # noqa: E402
+from bench_datasets import random_requests, shared_prefix_requests, sharegpt_requests  # noqa: E402
 
 
 def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
     if args.dataset_name == "random":
-        reqs = random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, args.seed)
+        reqs = random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
     elif args.dataset_name == "generated-shared-prefix":
-        reqs = shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
-                                      args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
-                                      args.seed)
+        reqs = shared_prefix_requests(
+            tokenizer,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            args.seed,
+        )
     else:
         reqs = sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts, args.seed)
     ids = [tokenizer.encode(r.prompt, add_special_tokens=False) for r in reqs]
@@ -39,11 +51,20 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
 
 def report(name: str, ids: list[list[int]], outs: list[int], seconds: float) -> dict:
     n_in, n_out = sum(map(len, ids)), sum(outs)
-    r = {"engine": name, "requests": len(ids), "input_tokens": n_in, "output_tokens": n_out, "seconds": seconds,
-         "request_throughput": len(ids) / seconds, "output_throughput": n_out / seconds,
-         "total_token_throughput": (n_in + n_out) / seconds}
-    print(f"{name:>10}: {len(ids)} requests in {seconds:.1f} s | {r['request_throughput']:.2f} req/s | "
-          f"output {r['output_throughput']:.1f} tok/s | total {r['total_token_throughput']:.1f} tok/s")
+    r = {
+        "engine": name,
+        "requests": len(ids),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "seconds": seconds,
+        "request_throughput": len(ids) / seconds,
+        "output_throughput": n_out / seconds,
+        "total_token_throughput": (n_in + n_out) / seconds,
+    }
+    print(
+        f"{name:>10}: {len(ids)} requests in {seconds:.1f} s | {r['request_throughput']:.2f} req/s | "
+        f"output {r['output_throughput']:.1f} tok/s | total {r['total_token_throughput']:.1f} tok/s"
+    )
     return r
 
 
@@ -68,23 +89,23 @@ def run_ours(args, path: str, ids: list[list[int]], outs: list[int]) -> dict:
 
 def run_hf(args, path: str, ids: list[list[int]], outs: list[int]) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
     from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
 
     from srt.utils import resolve_dtype
 
     torch_dtype = resolve_dtype(args.dtype, "cpu")  # what the engine picked for the same flag
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    batches = [order[i : i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
 
     def generate(batch: list[int]) -> None:
         width = max(len(ids[i]) for i in batch)
         x = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros_like(x)
         for row, i in enumerate(batch):
-            x[row, width - len(ids[i]):] = torch.tensor(ids[i])
-            mask[row, width - len(ids[i]):] = 1
+            x[row, width - len(ids[i]) :] = torch.tensor(ids[i])
+            mask[row, width - len(ids[i]) :] = 1
         n = max(outs[i] for i in batch)
         with torch.no_grad():
             model.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -105,8 +126,12 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=256)
-    p.add_argument("--random-range-ratio", type=float, default=1.0,
-                   help="lengths uniform in [ratio * len, len]; 1.0 (default here) = fixed lengths")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths uniform in [ratio * len, len]; 1.0 (default here) = fixed lengths",
+    )
     p.add_argument("--gsp-num-groups", type=int, default=8)
     p.add_argument("--gsp-prompts-per-group", type=int, default=8)
     p.add_argument("--gsp-system-prompt-len", type=int, default=512)
@@ -116,7 +141,9 @@ def main() -> None:
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--enable-torch-compile", action="store_true")
-    p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run HF transformers on the same prompts")
+    p.add_argument(
+        "--peer", choices=["none", "hf"], default="none", help="also run HF transformers on the same prompts"
+    )
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     args = p.parse_args()

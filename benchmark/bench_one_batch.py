@@ -46,8 +46,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def bench_ours(path: str, dtype: str, args, backend: str | None = None) -> dict:
     max_bs = max(args.batch_sizes)
     tokens = max(max_bs * (args.input_len + args.output_len + 2), args.prefill_len + 2) + 64
-    sa = ServerArgs(model_path=path, dtype=dtype, max_total_tokens=tokens, max_running_requests=max_bs,
-                    attention_backend=backend)
+    sa = ServerArgs(
+        model_path=path, dtype=dtype, max_total_tokens=tokens, max_running_requests=max_bs, attention_backend=backend
+    )
     gen = StaticBatchGenerator(ModelRunner(ModelConfig.from_path(path), sa))
     vocab = gen.runner.model_config.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
@@ -56,7 +57,9 @@ def bench_ours(path: str, dtype: str, args, backend: str | None = None) -> dict:
     gen.generate(prompt, SamplingParams(max_new_tokens=1, **greedy))
     result = {"prefill_tok_s": args.prefill_len / gen.last_timings["prefill_s"], "decode_tok_s": {}}
     for bs in args.batch_sizes:
-        gen.generate(random_prompts(bs, args.input_len, vocab, 2), SamplingParams(max_new_tokens=args.output_len, **greedy))
+        gen.generate(
+            random_prompts(bs, args.input_len, vocab, 2), SamplingParams(max_new_tokens=args.output_len, **greedy)
+        )
         t = gen.last_timings
         result["decode_tok_s"][bs] = bs * t["decode_steps"] / t["decode_s"]
     return result
@@ -68,9 +71,15 @@ def bench_steps(path: str, dtype: str, args) -> dict:
     from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     max_bs, max_ctx = max(args.batch_sizes), max(args.contexts)
-    sa = ServerArgs(model_path=path, dtype=dtype, max_total_tokens=max_bs * (max_ctx + 1) + 64,
-                    max_running_requests=max_bs, attention_backend="cpu", enable_torch_compile=args.torch_compile,
-                    torch_compile_max_bs=max_bs)
+    sa = ServerArgs(
+        model_path=path,
+        dtype=dtype,
+        max_total_tokens=max_bs * (max_ctx + 1) + 64,
+        max_running_requests=max_bs,
+        attention_backend="cpu",
+        enable_torch_compile=args.torch_compile,
+        torch_compile_max_bs=max_bs,
+    )
     runner = ModelRunner(ModelConfig.from_path(path), sa, compile_buckets=args.batch_sizes)
     backends = {name: create_attention_backend(name, runner) for name in args.attention_backend.split(",")}
     layers = sorted((m for m in runner.model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id)
@@ -110,15 +119,19 @@ def bench_steps(path: str, dtype: str, args) -> dict:
             runner.attn_backend = backend
             for on in modes:
                 runner.compiled_decode = compiled if on else None
-                step = _time(lambda: runner.forward(fb), args.repeats)
-                rows.append({"backend": name, "compile": on, "bs": bs, "ctx": ctx, "step_ms": step * 1e3,
-                             "tok_s": bs / step})
+                step = _time(lambda fb=fb: runner.forward(fb), args.repeats)
+                rows.append(
+                    {"backend": name, "compile": on, "bs": bs, "ctx": ctx, "step_ms": step * 1e3, "tok_s": bs / step}
+                )
             fb.attn_backend = backend
             backend.init_forward_metadata(fb)
-            attn = _time(lambda: [backend.forward(q, k, v, layer, fb) for layer in layers], args.repeats)
+            attn = _time(
+                lambda b=backend, fb=fb, q=q, k=k, v=v: [b.forward(q, k, v, ly, fb) for ly in layers], args.repeats
+            )
             gbs = bs * (ctx + 1) * kv_bytes_per_token / attn / 1e9
-            rows.append({"backend": name, "attention": True, "bs": bs, "ctx": ctx, "attn_ms": attn * 1e3,
-                         "attn_gb_s": gbs})
+            rows.append(
+                {"backend": name, "attention": True, "bs": bs, "ctx": ctx, "attn_ms": attn * 1e3, "attn_gb_s": gbs}
+            )
         runner.compiled_decode = None
         for loc in kv:
             runner.token_to_kv_pool_allocator.free(loc)
@@ -139,23 +152,33 @@ def _time(fn, repeats: int) -> float:
 
 
 def print_steps(path: str, dtype: str, rows: list[dict], args) -> None:
-    print(f"\nmodel {path}, {dtype}, {torch.get_num_threads()} threads; decode step ms (tok/s), median of "
-          f"{args.repeats}\n")
+    print(
+        f"\nmodel {path}, {dtype}, {torch.get_num_threads()} threads; decode step ms (tok/s), median of "
+        f"{args.repeats}\n"
+    )
     points = [(bs, ctx) for ctx in args.contexts for bs in args.batch_sizes]
     print("| backend | compiled | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
     print("|---|---|" + "---|" * len(points))
     steps = {(r["backend"], r["compile"], r["bs"], r["ctx"]): r for r in rows if "step_ms" in r}
     for backend, on in dict.fromkeys((r["backend"], r["compile"]) for r in rows if "step_ms" in r):
         cells = [steps[(backend, on, b, c)] for b, c in points]
-        print(f"| {backend} | {'yes' if on else 'no'} | "
-              + " | ".join(f"{x['step_ms']:.1f} ({x['tok_s']:.0f})" for x in cells) + " |")
+        print(
+            f"| {backend} | {'yes' if on else 'no'} | "
+            + " | ".join(f"{x['step_ms']:.1f} ({x['tok_s']:.0f})" for x in cells)
+            + " |"
+        )
     print("\ndecode attention over all layers: ms (effective GB/s of KV read)\n")
     print("| backend | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
     print("|---|" + "---|" * len(points))
     attn = {(r["backend"], r["bs"], r["ctx"]): r for r in rows if "attn_ms" in r}
     for backend in dict.fromkeys(r["backend"] for r in rows if "attn_ms" in r):
-        print(f"| {backend} | " + " | ".join(
-            f"{attn[(backend, b, c)]['attn_ms']:.1f} ({attn[(backend, b, c)]['attn_gb_s']:.1f})" for b, c in points) + " |")
+        print(
+            f"| {backend} | "
+            + " | ".join(
+                f"{attn[(backend, b, c)]['attn_ms']:.1f} ({attn[(backend, b, c)]['attn_gb_s']:.1f})" for b, c in points
+            )
+            + " |"
+        )
 
 
 def bench_hf(path: str, dtype: str, args) -> dict:
@@ -168,8 +191,14 @@ def bench_hf(path: str, dtype: str, args) -> dict:
         x = torch.tensor(ids)
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - start
 
     generate(random_prompts(1, 32, vocab, 0), 4)
@@ -194,13 +223,18 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request in the decode runs")
     p.add_argument("--output-len", type=int, default=32, help="new tokens per request in the decode runs")
     p.add_argument("--prefill-len", type=int, default=1024)
-    p.add_argument("--attention-backend", default="cpu",
-                   help="comma-separated backends to compare, e.g. cpu,torch_native")
+    p.add_argument(
+        "--attention-backend", default="cpu", help="comma-separated backends to compare, e.g. cpu,torch_native"
+    )
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same weights")
     p.add_argument("--output-file", default=None, help="append one JSON record per run")
     p.add_argument("--steps", action="store_true", help="time single decode steps at --batch-sizes x --contexts")
-    p.add_argument("--contexts", default="128,512,2048", type=lambda s: [int(x) for x in s.split(",")],
-                   help="tokens already cached per request, with --steps")
+    p.add_argument(
+        "--contexts",
+        default="128,512,2048",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="tokens already cached per request, with --steps",
+    )
     p.add_argument("--torch-compile", action="store_true", help="with --steps: also time compiled decode steps")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per point, with --steps")
     args = p.parse_args()
@@ -216,16 +250,20 @@ def main() -> None:
                 with open(args.output_file, "a") as f:
                     f.write(json.dumps({"dtype": dtype, **vars(args), "rows": rows}, default=str) + "\n")
         return
-    engines = [(f"radixserve {b}", lambda p_, d_, a_, b=b: bench_ours(p_, d_, a_, b))
-               for b in args.attention_backend.split(",")]
+    engines = [
+        (f"radixserve {b}", lambda p_, d_, a_, b=b: bench_ours(p_, d_, a_, b))
+        for b in args.attention_backend.split(",")
+    ]
     engines += [("hf", bench_hf)] if args.compare_hf else []
     results: dict[tuple[str, str], dict] = {}
     for dtype in tqdm(dtypes, desc="dtypes"):
         for name, fn in engines:
             results[(name, dtype)] = fn(path, dtype, args)
     cols = ["prefill"] + [f"decode bs={b}" for b in args.batch_sizes]
-    print(f"\nmodel {path}, {torch.get_num_threads()} threads; tokens/s (prefill {args.prefill_len} tokens; "
-          f"decode {args.input_len} in + {args.output_len} out)\n")
+    print(
+        f"\nmodel {path}, {torch.get_num_threads()} threads; tokens/s (prefill {args.prefill_len} tokens; "
+        f"decode {args.input_len} in + {args.output_len} out)\n"
+    )
     print("| engine | dtype | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for (name, dtype), r in results.items():
@@ -234,7 +272,8 @@ def main() -> None:
         if name == "hf":
             ours = results[(engines[0][0], dtype)]
             ratio = [ours["prefill_tok_s"] / r["prefill_tok_s"]] + [
-                ours["decode_tok_s"][b] / r["decode_tok_s"][b] for b in args.batch_sizes]
+                ours["decode_tok_s"][b] / r["decode_tok_s"][b] for b in args.batch_sizes
+            ]
             print(f"| ratio {engines[0][0]} / hf | {dtype} | " + " | ".join(f"{v:.2f}x" for v in ratio) + " |")
     if args.output_file:
         with open(args.output_file, "a") as f:

@@ -25,9 +25,13 @@ from bench_runtime import start_server  # noqa: E402
 
 async def run_batch(url: str, bs: int, args) -> dict:
     rng = random.Random(bs)
-    bodies = [{"input_ids": [rng.randrange(100, 40000) for _ in range(args.input_len)],
-               "sampling_params": {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}}
-              for _ in range(bs)]
+    bodies = [
+        {
+            "input_ids": [rng.randrange(100, 40000) for _ in range(args.input_len)],
+            "sampling_params": {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0},
+        }
+        for _ in range(bs)
+    ]
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=1000)) as c:
         before = (await c.get("/server_info")).json()["internal_states"][0]
         start = time.perf_counter()
@@ -65,12 +69,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for bs in args.batch_sizes:
         on, off = results[("overlap", bs)], results[("no-overlap", bs)]
-        print(f"| {bs} | {on['tok_s']:.1f} | {100 * on['idle_fraction']:.1f}% | {off['tok_s']:.1f} | "
-              f"{100 * off['idle_fraction']:.1f}% | {on['tok_s'] / off['tok_s']:.2f}x |")
+        print(
+            f"| {bs} | {on['tok_s']:.1f} | {100 * on['idle_fraction']:.1f}% | {off['tok_s']:.1f} | "
+            f"{100 * off['idle_fraction']:.1f}% | {on['tok_s'] / off['tok_s']:.2f}x |"
+        )
     if args.output_file:
         with open(args.output_file, "a") as f:
-            f.write(json.dumps({"args": vars(args), "results": {f"{k[0]}@{k[1]}": v for k, v in results.items()}})
-                    + "\n")
+            f.write(
+                json.dumps({"args": vars(args), "results": {f"{k[0]}@{k[1]}": v for k, v in results.items()}}) + "\n"
+            )
 
 
 if __name__ == "__main__":

@@ -28,15 +28,24 @@ from frontier import launch  # noqa: E402
 EXPERIMENTS = {
     "dp": [("dp 1", "--dp-size 1"), ("dp 2", "--dp-size 2")],
     "tp": [("tp 1", "--tp-size 1"), ("tp 2", "--tp-size 2")],
-    "routing": [("dp 2 round_robin", "--dp-size 2 --load-balance-method round_robin"),
-                ("dp 2 cache_aware", "--dp-size 2 --load-balance-method cache_aware")],
+    "routing": [
+        ("dp 2 round_robin", "--dp-size 2 --load-balance-method round_robin"),
+        ("dp 2 cache_aware", "--dp-size 2 --load-balance-method cache_aware"),
+    ],
 }
 
 
 def workload(args, tokenizer):
     if args.experiment == "routing":
-        return shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
-                                      args.gsp_system_prompt_len, args.gsp_question_len, args.output_len, args.seed)
+        return shared_prefix_requests(
+            tokenizer,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.output_len,
+            args.seed,
+        )
     n = args.num_prompts or (8 if args.experiment == "tp" else 64)
     return random_requests(tokenizer, n, args.input_len, args.output_len, 1.0, args.seed)  # fixed lengths
 
@@ -71,24 +80,36 @@ def main() -> None:
             reqs = workload(args, tokenizer)
             # one short unrelated request per replica first, so start-up costs stay out of the numbers
             warm = random_requests(tokenizer, 2, 32, 8, 1.0, args.seed + 1)
-            asyncio.run(run_workload("sglang", url, None, warm, math.inf, None, True, {}, tokenizer, args.seed, False, {}))
-            results, duration = asyncio.run(run_workload("sglang", url, None, reqs, math.inf, concurrency, True, {},
-                                                         tokenizer, args.seed, True, {}))
+            asyncio.run(
+                run_workload("sglang", url, None, warm, math.inf, None, True, {}, tokenizer, args.seed, False, {})
+            )
+            results, duration = asyncio.run(
+                run_workload("sglang", url, None, reqs, math.inf, concurrency, True, {}, tokenizer, args.seed, True, {})
+            )
             s = summarize(results, duration)
-            s.update(config=name, flags=f"{args.server_args} {flags}", experiment=args.experiment,
-                     max_concurrency=concurrency, replica_hit_rates=replica_hit_rates(url))
+            s.update(
+                config=name,
+                flags=f"{args.server_args} {flags}",
+                experiment=args.experiment,
+                max_concurrency=concurrency,
+                replica_hit_rates=replica_hit_rates(url),
+            )
             rows.append(s)
         finally:
             proc.terminate()
             proc.wait(60)
     base = rows[0]
-    print(f"\n{'config':<20}{'ok':>5}{'out tok/s':>11}{'x':>7}{'req/s':>8}{'TTFT p50':>10}{'ITL p50':>9}"
-          f"{'hit rate':>10}  per-replica hit rates")
+    print(
+        f"\n{'config':<20}{'ok':>5}{'out tok/s':>11}{'x':>7}{'req/s':>8}{'TTFT p50':>10}{'ITL p50':>9}"
+        f"{'hit rate':>10}  per-replica hit rates"
+    )
     for s in rows:
         hit = f"{s['cache_hit_rate']:.2f}" if s["cache_hit_rate"] is not None else "-"
-        print(f"{s['config']:<20}{s['completed']:>5}{s['output_throughput']:>11.1f}"
-              f"{s['output_throughput'] / base['output_throughput']:>7.2f}{s['request_throughput']:>8.2f}"
-              f"{s['ttft_ms']['median']:>9.0f}ms{s['itl_ms']['median']:>7.1f}ms{hit:>10}  {s['replica_hit_rates']}")
+        print(
+            f"{s['config']:<20}{s['completed']:>5}{s['output_throughput']:>11.1f}"
+            f"{s['output_throughput'] / base['output_throughput']:>7.2f}{s['request_throughput']:>8.2f}"
+            f"{s['ttft_ms']['median']:>9.0f}ms{s['itl_ms']['median']:>7.1f}ms{hit:>10}  {s['replica_hit_rates']}"
+        )
     if args.output_file:
         with open(args.output_file, "a") as f:
             for s in rows:

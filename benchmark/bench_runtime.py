@@ -65,15 +65,24 @@ async def stream_one(client: httpx.AsyncClient, body: dict, bar=None) -> dict:
         bar.update(1)
     n = last["meta_info"]["completion_tokens"]
     itl = [(b - a) for a, b in zip(stamps, stamps[1:])]
-    return {"ttft": stamps[0] - start, "e2e": stamps[-1] - start, "tokens": n, "itl": itl,
-            "cached": last["meta_info"]["cached_tokens"]}
+    return {
+        "ttft": stamps[0] - start,
+        "e2e": stamps[-1] - start,
+        "tokens": n,
+        "itl": itl,
+        "cached": last["meta_info"]["cached_tokens"],
+    }
 
 
 async def throughput(url: str, args) -> dict:
     rng = random.Random(0)
-    bodies = [{"input_ids": [rng.randrange(100, 40000) for _ in range(args.input_len)],
-               "sampling_params": {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}}
-              for _ in range(args.concurrency)]
+    bodies = [
+        {
+            "input_ids": [rng.randrange(100, 40000) for _ in range(args.input_len)],
+            "sampling_params": {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0},
+        }
+        for _ in range(args.concurrency)
+    ]
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=1000)) as client:
         with tqdm(total=len(bodies), desc=f"{args.concurrency} concurrent requests") as bar:
             start = time.perf_counter()
@@ -81,10 +90,14 @@ async def throughput(url: str, args) -> dict:
             wall = time.perf_counter() - start
     out_tokens = sum(r["tokens"] for r in results)
     itl = [x for r in results for x in r["itl"]]
-    return {"wall_s": wall, "output_tok_s": out_tokens / wall,
-            "total_tok_s": (out_tokens + args.input_len * len(bodies)) / wall,
-            "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
-            "itl_median_ms": 1000 * statistics.median(itl), "requests": len(results)}
+    return {
+        "wall_s": wall,
+        "output_tok_s": out_tokens / wall,
+        "total_tok_s": (out_tokens + args.input_len * len(bodies)) / wall,
+        "ttft_mean_s": statistics.mean(r["ttft"] for r in results),
+        "itl_median_ms": 1000 * statistics.median(itl),
+        "requests": len(results),
+    }
 
 
 async def shared_prefix_ttft(url: str, args) -> dict:
@@ -94,12 +107,17 @@ async def shared_prefix_ttft(url: str, args) -> dict:
         await client.post("/flush_cache")
         results = []
         for _ in tqdm(range(args.prefix_requests), desc="shared-prefix requests"):
-            body = {"input_ids": prefix + [rng.randrange(100, 40000) for _ in range(32)],
-                    "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+            body = {
+                "input_ids": prefix + [rng.randrange(100, 40000) for _ in range(32)],
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            }
             results.append(await stream_one(client, body))
     later = results[1:]  # the first request fills the cache
-    return {"ttft_first_s": results[0]["ttft"], "ttft_mean_s": statistics.mean(r["ttft"] for r in later),
-            "cached_tokens_mean": statistics.mean(r["cached"] for r in later)}
+    return {
+        "ttft_first_s": results[0]["ttft"],
+        "ttft_mean_s": statistics.mean(r["ttft"] for r in later),
+        "cached_tokens_mean": statistics.mean(r["cached"] for r in later),
+    }
 
 
 def wait_compiled(url: str, timeout: float = 3600) -> None:
@@ -133,8 +151,10 @@ def compare_configs(args, pool: str) -> None:
     print("| config | output tok/s | total tok/s | wall s | mean TTFT s | median ITL ms |")
     print("|---|---|---|---|---|---|")
     for name, t in rows.items():
-        print(f"| {name} | {t['output_tok_s']:.1f} | {t['total_tok_s']:.1f} | {t['wall_s']:.1f} | "
-              f"{t['ttft_mean_s']:.2f} | {t['itl_median_ms']:.1f} |")
+        print(
+            f"| {name} | {t['output_tok_s']:.1f} | {t['total_tok_s']:.1f} | {t['wall_s']:.1f} | "
+            f"{t['ttft_mean_s']:.2f} | {t['itl_median_ms']:.1f} |"
+        )
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps({"args": vars(args), "configs": rows}) + "\n")
@@ -151,10 +171,15 @@ def main() -> None:
     p.add_argument("--prefix-requests", type=int, default=9)
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
-    p.add_argument("--configs", nargs="+", default=None, metavar="NAME=FLAGS",
-                   help="instead of the default run: the throughput run once per server configuration, side by "
-                        "side, e.g. cpu= 'torch_native=--attention-backend torch_native' "
-                        "'compiled=--enable-torch-compile --torch-compile-max-bs 64'")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        metavar="NAME=FLAGS",
+        help="instead of the default run: the throughput run once per server configuration, side by "
+        "side, e.g. cpu= 'torch_native=--attention-backend torch_native' "
+        "'compiled=--enable-torch-compile --torch-compile-max-bs 64'",
+    )
     args = p.parse_args()
     pool = str(max(args.concurrency * (args.input_len + args.output_len) + 1024, 4 * args.prefix_len + 4096))
     if args.configs:
@@ -172,13 +197,17 @@ def main() -> None:
             proc.terminate()
             proc.wait(60)
     t = results["throughput"]
-    print(f"\n{args.concurrency} concurrent requests, {args.input_len} in / {args.output_len} out: "
-          f"{t['output_tok_s']:.1f} output tok/s ({t['total_tok_s']:.1f} total tok/s), wall {t['wall_s']:.1f} s, "
-          f"mean TTFT {t['ttft_mean_s']:.2f} s, median ITL {t['itl_median_ms']:.1f} ms")
+    print(
+        f"\n{args.concurrency} concurrent requests, {args.input_len} in / {args.output_len} out: "
+        f"{t['output_tok_s']:.1f} output tok/s ({t['total_tok_s']:.1f} total tok/s), wall {t['wall_s']:.1f} s, "
+        f"mean TTFT {t['ttft_mean_s']:.2f} s, median ITL {t['itl_median_ms']:.1f} ms"
+    )
     on, off = results["radix"], results["no-radix"]
-    print(f"shared {args.prefix_len}-token prefix, TTFT: radix on {1000 * on['ttft_mean_s']:.0f} ms "
-          f"(cached {on['cached_tokens_mean']:.0f} tokens) vs off {1000 * off['ttft_mean_s']:.0f} ms: "
-          f"{off['ttft_mean_s'] / on['ttft_mean_s']:.1f}x faster")
+    print(
+        f"shared {args.prefix_len}-token prefix, TTFT: radix on {1000 * on['ttft_mean_s']:.0f} ms "
+        f"(cached {on['cached_tokens_mean']:.0f} tokens) vs off {1000 * off['ttft_mean_s']:.0f} ms: "
+        f"{off['ttft_mean_s'] / on['ttft_mean_s']:.1f}x faster"
+    )
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps({"args": vars(args), **results}) + "\n")

@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import httpx  # noqa: E402
-
-from bench_datasets import BenchRequest, random_requests, sharegpt_requests, shared_prefix_requests  # noqa: E402
+from bench_datasets import BenchRequest, random_requests, shared_prefix_requests, sharegpt_requests  # noqa: E402
 
 BACKENDS = ("sglang", "openai", "openai-chat")
 
@@ -48,26 +47,46 @@ class Result:
 
 # -- one request per backend ---------------------------------------------------------------------
 
+
 def _body(backend: str, model: str | None, req: BenchRequest, ignore_eos: bool, extra: dict) -> tuple[str, dict]:
     if backend == "sglang":
-        return "/generate", {"text": req.prompt, "stream": True, **extra,
-                             "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0.0,
-                                                 "ignore_eos": ignore_eos, **extra.get("sampling_params", {})}}
-    common = {"model": model, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-              "ignore_eos": ignore_eos, **extra}
+        return "/generate", {
+            "text": req.prompt,
+            "stream": True,
+            **extra,
+            "sampling_params": {
+                "max_new_tokens": req.output_len,
+                "temperature": 0.0,
+                "ignore_eos": ignore_eos,
+                **extra.get("sampling_params", {}),
+            },
+        }
+    common = {
+        "model": model,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+        **extra,
+    }
     if backend == "openai":
         return "/v1/completions", {**common, "prompt": req.prompt, "max_tokens": req.output_len}
-    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": req.prompt}],
-                                    "max_completion_tokens": req.output_len}
+    return "/v1/chat/completions", {
+        **common,
+        "messages": [{"role": "user", "content": req.prompt}],
+        "max_completion_tokens": req.output_len,
+    }
 
 
 def _content(backend: str, chunk: dict) -> tuple[str, dict | None]:
     """(new text, usage-like dict or None) of one stream chunk."""
     if backend == "sglang":
         meta = chunk.get("meta_info", {})
-        return chunk.get("text", ""), {"completion_tokens": meta.get("completion_tokens"),
-                                       "prompt_tokens": meta.get("prompt_tokens"),
-                                       "cached_tokens": meta.get("cached_tokens")}
+        return chunk.get("text", ""), {
+            "completion_tokens": meta.get("completion_tokens"),
+            "prompt_tokens": meta.get("prompt_tokens"),
+            "cached_tokens": meta.get("cached_tokens"),
+        }
     usage = chunk.get("usage")
     if usage:
         details = usage.get("prompt_tokens_details") or {}
@@ -79,8 +98,16 @@ def _content(backend: str, chunk: dict) -> tuple[str, dict | None]:
     return (c.get("text") if backend == "openai" else (c.get("delta") or {}).get("content")) or "", usage
 
 
-async def send(client: httpx.AsyncClient, backend: str, base_url: str, model: str | None, req: BenchRequest,
-               ignore_eos: bool, extra: dict, tokenizer) -> Result:
+async def send(
+    client: httpx.AsyncClient,
+    backend: str,
+    base_url: str,
+    model: str | None,
+    req: BenchRequest,
+    ignore_eos: bool,
+    extra: dict,
+    tokenizer,
+) -> Result:
     path, body = _body(backend, model, req, ignore_eos, extra)
     res = Result(prompt_len=req.prompt_len)
     start = time.perf_counter()
@@ -126,10 +153,22 @@ async def send(client: httpx.AsyncClient, backend: str, base_url: str, model: st
 
 # -- the run ---------------------------------------------------------------------------------------
 
-async def run_workload(backend: str, base_url: str, model: str | None, requests: list[BenchRequest],
-                       request_rate: float, max_concurrency: int | None, ignore_eos: bool, extra: dict,
-                       tokenizer, seed: int, progress: bool = True, headers: dict | None = None,
-                       timeout: float = 3600) -> tuple[list[Result], float]:
+
+async def run_workload(
+    backend: str,
+    base_url: str,
+    model: str | None,
+    requests: list[BenchRequest],
+    request_rate: float,
+    max_concurrency: int | None,
+    ignore_eos: bool,
+    extra: dict,
+    tokenizer,
+    seed: int,
+    progress: bool = True,
+    headers: dict | None = None,
+    timeout: float = 3600,
+) -> tuple[list[Result], float]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=64)
@@ -139,8 +178,8 @@ async def run_workload(backend: str, base_url: str, model: str | None, requests:
 
         bar = tqdm(total=len(requests), desc=f"{backend} c={max_concurrency or 'inf'}", leave=False)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits,
-                                 headers=headers) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits, headers=headers) as client:
+
         async def one(req: BenchRequest) -> Result:
             if sem is None:
                 res = await send(client, backend, base_url, model, req, ignore_eos, extra, tokenizer)
@@ -175,28 +214,39 @@ def _pct(values: list[float], q: float) -> float:
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict:
     v = [x * scale for x in values]
-    return {"mean": statistics.fmean(v) if v else float("nan"), "median": _pct(v, 0.5), "p95": _pct(v, 0.95),
-            "p99": _pct(v, 0.99)}
+    return {
+        "mean": statistics.fmean(v) if v else float("nan"),
+        "median": _pct(v, 0.5),
+        "p95": _pct(v, 0.95),
+        "p99": _pct(v, 0.99),
+    }
 
 
-def summarize(results: list[Result], duration: float, slo_ttft_ms: float | None = None,
-              slo_itl_ms: float | None = None) -> dict:
+def summarize(
+    results: list[Result], duration: float, slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None
+) -> dict:
     ok = [r for r in results if r.ok]
     tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     prompt_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
-    good = [r for r in ok if (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
-            and (slo_itl_ms is None or all(x * 1000 <= slo_itl_ms for x in r.itl))]
+    good = [
+        r
+        for r in ok
+        if (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
+        and (slo_itl_ms is None or all(x * 1000 <= slo_itl_ms for x in r.itl))
+    ]
     return {
-        "completed": len(ok), "failed": len(results) - len(ok),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "input_throughput": prompt_tokens / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration,
-        "total_input_tokens": prompt_tokens, "total_output_tokens": output_tokens,
+        "total_input_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
         "ttft_ms": _stats([r.ttft for r in ok]),
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "tpot_ms": _stats(tpot),
@@ -209,21 +259,35 @@ def summarize(results: list[Result], duration: float, slo_ttft_ms: float | None 
 
 def print_report(s: dict, title: str) -> None:
     print(f"\n{'=' * 18} {title} {'=' * 18}")
-    rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
-            ("Benchmark duration (s)", s["duration_s"]), ("Total input tokens", s["total_input_tokens"]),
-            ("Total output tokens", s["total_output_tokens"]), ("Request throughput (req/s)", s["request_throughput"]),
-            ("Input token throughput (tok/s)", s["input_throughput"]),
-            ("Output token throughput (tok/s)", s["output_throughput"]),
-            ("Total token throughput (tok/s)", s["total_token_throughput"]), ("Concurrency", s["concurrency"])]
+    rows = [
+        ("Successful requests", s["completed"]),
+        ("Failed requests", s["failed"]),
+        ("Benchmark duration (s)", s["duration_s"]),
+        ("Total input tokens", s["total_input_tokens"]),
+        ("Total output tokens", s["total_output_tokens"]),
+        ("Request throughput (req/s)", s["request_throughput"]),
+        ("Input token throughput (tok/s)", s["input_throughput"]),
+        ("Output token throughput (tok/s)", s["output_throughput"]),
+        ("Total token throughput (tok/s)", s["total_token_throughput"]),
+        ("Concurrency", s["concurrency"]),
+    ]
     if s["cache_hit_rate"] is not None:
         rows.append(("Cache hit rate", s["cache_hit_rate"]))
     if s["goodput"] is not None:
         rows.append(("Goodput (req/s)", s["goodput"]))
-    for name, key in (("E2E latency", "e2e_latency_ms"), ("Time to first token", "ttft_ms"),
-                      ("Inter-token latency", "itl_ms"), ("Time per output token", "tpot_ms")):
+    for name, key in (
+        ("E2E latency", "e2e_latency_ms"),
+        ("Time to first token", "ttft_ms"),
+        ("Inter-token latency", "itl_ms"),
+        ("Time per output token", "tpot_ms"),
+    ):
         st = s[key]
-        rows += [(f"{name} mean (ms)", st["mean"]), (f"{name} median (ms)", st["median"]),
-                 (f"{name} p95 (ms)", st["p95"]), (f"{name} p99 (ms)", st["p99"])]
+        rows += [
+            (f"{name} mean (ms)", st["mean"]),
+            (f"{name} median (ms)", st["median"]),
+            (f"{name} p95 (ms)", st["p95"]),
+            (f"{name} p99 (ms)", st["p99"]),
+        ]
     for name, value in rows:
         print(f"{name:<40}{value:>14.2f}" if isinstance(value, float) else f"{name:<40}{value:>14}")
     for e in s["errors"]:
@@ -231,6 +295,7 @@ def print_report(s: dict, title: str) -> None:
 
 
 # -- CLI ---------------------------------------------------------------------------------------------
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="sglang", choices=BACKENDS)
@@ -290,12 +355,24 @@ def load_tokenizer(path: str | None):
 
 def build_requests(args, tokenizer) -> list[BenchRequest]:
     if args.dataset_name == "random":
-        return random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, args.seed)
+        return random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
     if args.dataset_name == "generated-shared-prefix":
-        return shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
-                                      args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
-                                      args.seed)
+        return shared_prefix_requests(
+            tokenizer,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            args.seed,
+        )
     if not args.dataset_path:
         raise SystemExit("--dataset-name sharegpt needs --dataset-path (make one with benchmark/make_sharegpt.py)")
     return sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)
@@ -312,24 +389,44 @@ def run(args) -> dict:
     ignore_eos = not args.disable_ignore_eos
 
     def workload(reqs: list[BenchRequest], progress: bool):
-        return run_workload(args.backend, base_url, model, reqs, args.request_rate, args.max_concurrency, ignore_eos,
-                            extra, tokenizer, args.seed, progress, headers)
+        return run_workload(
+            args.backend,
+            base_url,
+            model,
+            reqs,
+            args.request_rate,
+            args.max_concurrency,
+            ignore_eos,
+            extra,
+            tokenizer,
+            args.seed,
+            progress,
+            headers,
+        )
 
     async def main() -> tuple[list[Result], float]:
         if args.flush_cache:
             async with httpx.AsyncClient(headers=headers) as c:
                 await c.post(base_url + "/flush_cache")
         if args.warmup_requests:
-            warm = [dataclasses.replace(r, output_len=min(r.output_len, 16)) for r in requests[:args.warmup_requests]]
+            warm = [dataclasses.replace(r, output_len=min(r.output_len, 16)) for r in requests[: args.warmup_requests]]
             await workload(warm, False)
         return await workload(requests, not args.disable_tqdm)
 
     results, duration = asyncio.run(main())
     summary = summarize(results, duration, args.slo_ttft_ms, args.slo_itl_ms)
-    record = {"tag": args.tag, "backend": args.backend, "base_url": base_url, "model": model,
-              "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
-              "request_rate": None if args.request_rate == math.inf else args.request_rate,
-              "max_concurrency": args.max_concurrency, "seed": args.seed, **summary}
+    record = {
+        "tag": args.tag,
+        "backend": args.backend,
+        "base_url": base_url,
+        "model": model,
+        "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts,
+        "request_rate": None if args.request_rate == math.inf else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        **summary,
+    }
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -28,17 +28,30 @@ from bench_runtime import start_server  # noqa: E402
 
 N_INTS = 48
 # 48 integers of 1-3 digits: output length is set by the schema, not by when the model stops.
-INT_ARRAY = {"type": "array", "items": {"type": "integer", "minimum": 100, "maximum": 999},
-             "minItems": N_INTS, "maxItems": N_INTS}
-LONG_KEYS = {"type": "object", "properties": {
-    "customer_full_legal_name_as_registered": {"type": "string", "maxLength": 16},
-    "customer_primary_contact_email_address": {"type": "string", "maxLength": 24},
-    "customer_billing_address_postal_code_value": {"type": "string", "pattern": "^[0-9]{5}$"},
-    "customer_account_creation_year_number": {"type": "integer", "minimum": 1990, "maximum": 2030},
-    "customer_preferred_communication_channel": {"enum": ["email_message", "phone_call", "postal_letter"]}},
-    "required": ["customer_full_legal_name_as_registered", "customer_primary_contact_email_address",
-                 "customer_billing_address_postal_code_value", "customer_account_creation_year_number",
-                 "customer_preferred_communication_channel"], "additionalProperties": False}
+INT_ARRAY = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 100, "maximum": 999},
+    "minItems": N_INTS,
+    "maxItems": N_INTS,
+}
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "customer_full_legal_name_as_registered": {"type": "string", "maxLength": 16},
+        "customer_primary_contact_email_address": {"type": "string", "maxLength": 24},
+        "customer_billing_address_postal_code_value": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "customer_account_creation_year_number": {"type": "integer", "minimum": 1990, "maximum": 2030},
+        "customer_preferred_communication_channel": {"enum": ["email_message", "phone_call", "postal_letter"]},
+    },
+    "required": [
+        "customer_full_legal_name_as_registered",
+        "customer_primary_contact_email_address",
+        "customer_billing_address_postal_code_value",
+        "customer_account_creation_year_number",
+        "customer_preferred_communication_channel",
+    ],
+    "additionalProperties": False,
+}
 
 
 async def post(client: httpx.AsyncClient, url: str, body: dict) -> dict:
@@ -57,8 +70,9 @@ async def throughput(url: str, concurrency: int, constrained: bool, max_new: int
         params["json_schema"] = json.dumps(INT_ARRAY)
     else:
         params["ignore_eos"] = True
-    bodies = [{"text": f"List some three-digit numbers, set {i}: ", "sampling_params": params}
-              for i in range(concurrency)]
+    bodies = [
+        {"text": f"List some three-digit numbers, set {i}: ", "sampling_params": params} for i in range(concurrency)
+    ]
     async with httpx.AsyncClient() as client:
         await post(client, url, bodies[0])  # warm: the grammar compiles once, outside the timing
         start = time.perf_counter()
@@ -72,19 +86,35 @@ async def jump_forward_run(url: str, prompts: list[str]) -> dict:
     before = state(url)
     start = time.perf_counter()
     async with httpx.AsyncClient() as client:
-        outs = [await post(client, url, {"text": p, "sampling_params": {
-            "temperature": 0, "max_new_tokens": 400, "json_schema": json.dumps(LONG_KEYS)}}) for p in prompts]
+        outs = [
+            await post(
+                client,
+                url,
+                {
+                    "text": p,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 400, "json_schema": json.dumps(LONG_KEYS)},
+                },
+            )
+            for p in prompts
+        ]
     wall = time.perf_counter() - start
     after = state(url)
-    return {"texts": [o["text"] for o in outs], "wall_s": wall,
-            "forward_passes": after["forward_passes"] - before["forward_passes"],
-            "jump_forward_tokens": after["jump_forward_tokens"] - before["jump_forward_tokens"],
-            "output_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs)}
+    return {
+        "texts": [o["text"] for o in outs],
+        "wall_s": wall,
+        "forward_passes": after["forward_passes"] - before["forward_passes"],
+        "jump_forward_tokens": after["jump_forward_tokens"] - before["jump_forward_tokens"],
+        "output_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
+    }
 
 
 async def compile_latency(url: str, seed: int) -> dict:
-    schema = {"type": "object", "properties": {f"field_{seed}_{i}": {"type": "integer"} for i in range(12)},
-              "required": [f"field_{seed}_{i}" for i in range(12)], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {f"field_{seed}_{i}": {"type": "integer"} for i in range(12)},
+        "required": [f"field_{seed}_{i}" for i in range(12)],
+        "additionalProperties": False,
+    }
     body = {"text": "{", "sampling_params": {"max_new_tokens": 1, "json_schema": json.dumps(schema)}}
     async with httpx.AsyncClient() as client:
         times = []
@@ -129,20 +159,28 @@ def main() -> None:
     print("|---|---|---|---|")
     for c in args.concurrency:
         free, json_ = results["throughput"][(c, False)], results["throughput"][(c, True)]
-        print(f"| {c} | {free['output_tok_s']:.1f} | {json_['output_tok_s']:.1f} | "
-              f"{json_['output_tok_s'] / free['output_tok_s']:.2f}x |")
+        print(
+            f"| {c} | {free['output_tok_s']:.1f} | {json_['output_tok_s']:.1f} | "
+            f"{json_['output_tok_s'] / free['output_tok_s']:.2f}x |"
+        )
     on, off = results["jump_forward"]["jump-forward on"], results["jump_forward"]["jump-forward off"]
     print(f"\njump-forward, {len(prompts)} requests one at a time on a schema with long fixed keys:")
     print("| | forward passes | jump-forward tokens | output tokens | wall s |")
     print("|---|---|---|---|---|")
     for name, r in (("on", on), ("off", off)):
-        print(f"| {name} | {r['forward_passes']} | {r['jump_forward_tokens']} | {r['output_tokens']} | "
-              f"{r['wall_s']:.2f} |")
-    print(f"identical greedy texts: {on['texts'] == off['texts']}; forward passes saved "
-          f"{1 - on['forward_passes'] / off['forward_passes']:.0%}, time saved {1 - on['wall_s'] / off['wall_s']:.0%}")
+        print(
+            f"| {name} | {r['forward_passes']} | {r['jump_forward_tokens']} | {r['output_tokens']} | "
+            f"{r['wall_s']:.2f} |"
+        )
+    print(
+        f"identical greedy texts: {on['texts'] == off['texts']}; forward passes saved "
+        f"{1 - on['forward_passes'] / off['forward_passes']:.0%}, time saved {1 - on['wall_s'] / off['wall_s']:.0%}"
+    )
     comp = results["compile"]
-    print(f"\ngrammar compile (12-key object schema): first request {comp['cold_s'] * 1000:.0f} ms, same schema "
-          f"again {comp['cached_s'] * 1000:.0f} ms; server-side compiles: {comp['server_compile']}")
+    print(
+        f"\ngrammar compile (12-key object schema): first request {comp['cold_s'] * 1000:.0f} ms, same schema "
+        f"again {comp['cached_s'] * 1000:.0f} ms; server-side compiles: {comp['server_compile']}"
+    )
     if args.output_file:
         results["throughput"] = {f"{c}-{'json' if k else 'free'}": v for (c, k), v in results["throughput"].items()}
         with open(args.output_file, "a") as f:

@@ -26,9 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
-
-from bench_serving import load_tokenizer, run_workload, server_info, summarize  # noqa: E402
 from bench_datasets import random_requests  # noqa: E402
+from bench_serving import load_tokenizer, run_workload, server_info, summarize  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,8 +36,16 @@ def launch(server_args: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(port), "--log-level", "warning",
-           *shlex.split(server_args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "srt.launch_server",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *shlex.split(server_args),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -62,26 +69,49 @@ def sweep(name: str, backend: str, url: str, args, tokenizer) -> list[dict]:
         n = max(args.min_prompts, args.prompts_per_conc * conc)
         reqs = random_requests(tokenizer, n, args.random_input_len, args.random_output_len, 1.0, args.seed + conc)
         warm = [r.__class__(r.prompt, r.prompt_len, 8) for r in reqs[:2]]
-        asyncio.run(run_workload(backend, url, models[0] if models else None, warm, float("inf"), 2, True, {},
-                                 tokenizer, 0, progress=False))
-        results, duration = asyncio.run(run_workload(backend, url, models[0] if models else None, reqs,
-                                                     float("inf"), conc, True, {}, tokenizer, args.seed))
+        asyncio.run(
+            run_workload(
+                backend,
+                url,
+                models[0] if models else None,
+                warm,
+                float("inf"),
+                2,
+                True,
+                {},
+                tokenizer,
+                0,
+                progress=False,
+            )
+        )
+        results, duration = asyncio.run(
+            run_workload(
+                backend, url, models[0] if models else None, reqs, float("inf"), conc, True, {}, tokenizer, args.seed
+            )
+        )
         s = summarize(results, duration)
         row = {"target": name, "backend": backend, "requests": n, **s, "max_concurrency": conc}
         rows.append(row)
-        print(f"{name} c={conc}: {s['output_throughput']:.1f} out tok/s, p95 TTFT {s['ttft_ms']['p95']:.0f} ms, "
-              f"p95 ITL {s['itl_ms']['p95']:.1f} ms, failed {s['failed']}", flush=True)
+        print(
+            f"{name} c={conc}: {s['output_throughput']:.1f} out tok/s, p95 TTFT {s['ttft_ms']['p95']:.0f} ms, "
+            f"p95 ITL {s['itl_ms']['p95']:.1f} ms, failed {s['failed']}",
+            flush=True,
+        )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| target | max concurrency | output tok/s | req/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | E2E p50 (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| target | max concurrency | output tok/s | req/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | E2E p50 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['target']} | {r['max_concurrency']} | {r['output_throughput']:.1f} | "
-                     f"{r['request_throughput']:.2f} | {r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p95']:.0f} | "
-                     f"{r['itl_ms']['median']:.1f} / {r['itl_ms']['p95']:.1f} | "
-                     f"{r['e2e_latency_ms']['median'] / 1000:.1f} |")
+        lines.append(
+            f"| {r['target']} | {r['max_concurrency']} | {r['output_throughput']:.1f} | "
+            f"{r['request_throughput']:.2f} | {r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p95']:.0f} | "
+            f"{r['itl_ms']['median']:.1f} / {r['itl_ms']['p95']:.1f} | "
+            f"{r['e2e_latency_ms']['median'] / 1000:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -92,14 +122,18 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "ttft_ms", "p95 time to first token (ms)"),
-                           (axes[1], "itl_ms", "p95 inter-token latency (ms)")):
+    for ax, key, label in (
+        (axes[0], "ttft_ms", "p95 time to first token (ms)"),
+        (axes[1], "itl_ms", "p95 inter-token latency (ms)"),
+    ):
         for target in dict.fromkeys(r["target"] for r in rows):
             pts = [r for r in rows if r["target"] == target]
             xs, ys = [r[key]["p95"] for r in pts], [r["output_throughput"] for r in pts]
             ax.plot(xs, ys, marker="o", label=target)
             for r, x, y in zip(pts, xs, ys):
-                ax.annotate(f"c={r['max_concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
+                ax.annotate(
+                    f"c={r['max_concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8
+                )
         ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("output throughput (tok/s)")
@@ -113,9 +147,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", action="append", default=[],
-                   help="NAME=BACKEND@URL (backend: sglang, openai, openai-chat); repeatable. "
-                        "Default: a server started here with --server-args")
+    p.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help="NAME=BACKEND@URL (backend: sglang, openai, openai-chat); repeatable. "
+        "Default: a server started here with --server-args",
+    )
     p.add_argument("--server-args", default="", help="flags for the server this script starts")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--prompts-per-conc", type=int, default=2)
@@ -127,8 +165,11 @@ def main() -> None:
     p.add_argument("--out", default="frontier.png")
     p.add_argument("--output-file", default=None, help="append every level as a JSON line")
     p.add_argument("--title", default=None)
-    p.add_argument("--add-rows", default=None,
-                   help="a JSONL file written by an earlier --output-file: its levels join the table and plot")
+    p.add_argument(
+        "--add-rows",
+        default=None,
+        help="a JSONL file written by an earlier --output-file: its levels join the table and plot",
+    )
     args = p.parse_args()
 
     proc = None
@@ -155,11 +196,13 @@ def main() -> None:
             proc.wait(60)
     if args.output_file:
         with open(args.output_file, "a") as f:
-            for r in rows[len(earlier):]:
+            for r in rows[len(earlier) :]:
                 f.write(json.dumps(r) + "\n")
     print("\n" + table(rows))
-    title = args.title or (f"random {args.random_input_len} in / {args.random_output_len} out, "
-                           f"concurrency {', '.join(map(str, args.concurrency))}")
+    title = args.title or (
+        f"random {args.random_input_len} in / {args.random_output_len} out, "
+        f"concurrency {', '.join(map(str, args.concurrency))}"
+    )
     plot(rows, args.out, title)
 
 

@@ -28,13 +28,31 @@ WORK = os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check")
 HBM_BYTES_PER_S = 4.8e12  # H200
 
 LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
 }
 TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template")
 
@@ -59,8 +77,10 @@ def copy_tokenizer(src: str, dst: str) -> None:
 def tokenizer_source() -> str:
     src = default_model_or_none() or (BUNDLE if os.path.isfile(os.path.join(BUNDLE, "config.json")) else None)
     if src is None:
-        sys.exit("no default model and no .gpu_check/default-model: run `bash benchmark/gpu_check.sh prepare` "
-                 "on a machine with the project's .venv and carry .gpu_check")
+        sys.exit(
+            "no default model and no .gpu_check/default-model: run `bash benchmark/gpu_check.sh prepare` "
+            "on a machine with the project's .venv and carry .gpu_check"
+        )
     return src
 
 
@@ -139,8 +159,15 @@ def bench(out_path: str) -> None:
         return {"temperature": 0, "max_new_tokens": n_out, "ignore_eos": True}
 
     start = time.perf_counter()
-    engine = Engine(model_path=model_dir, load_format="dummy", dtype="bfloat16", cuda_graph_max_bs=256,
-                    max_running_requests=256, grammar_backend="none", log_level="warning")
+    engine = Engine(
+        model_path=model_dir,
+        load_format="dummy",
+        dtype="bfloat16",
+        cuda_graph_max_bs=256,
+        max_running_requests=256,
+        grammar_backend="none",
+        log_level="warning",
+    )
     try:
         result["startup_s"] = round(time.perf_counter() - start, 1)
         state = engine.get_server_info()["internal_states"][0]
@@ -160,9 +187,13 @@ def bench(out_path: str) -> None:
         assert out["meta_info"]["completion_tokens"] == 256
         tok_s = 255 / max(full - first, 1e-9)
         ceiling = HBM_BYTES_PER_S / read_bytes
-        result["batch1"] = {"decode_tok_s": round(tok_s, 1), "ttft_s": round(first, 4),
-                            "hbm_ceiling_tok_s": round(ceiling, 1), "fraction_of_ceiling": round(tok_s / ceiling, 3),
-                            "bytes_per_step_gb": round(read_bytes / 1e9, 2)}
+        result["batch1"] = {
+            "decode_tok_s": round(tok_s, 1),
+            "ttft_s": round(first, 4),
+            "hbm_ceiling_tok_s": round(ceiling, 1),
+            "fraction_of_ceiling": round(tok_s / ceiling, 3),
+            "bytes_per_step_gb": round(read_bytes / 1e9, 2),
+        }
         save()
 
         for n in (64, 256):
@@ -171,8 +202,13 @@ def bench(out_path: str) -> None:
             outs = engine.generate(input_ids=batch, sampling_params=params(256))
             wall = time.perf_counter() - t
             generated = sum(o["meta_info"]["completion_tokens"] for o in outs)
-            result[f"concurrency_{n}"] = {"output_tok_s": round(generated / wall, 1), "wall_s": round(wall, 2),
-                                          "requests": n, "input_len": 256, "output_len": 256}
+            result[f"concurrency_{n}"] = {
+                "output_tok_s": round(generated / wall, 1),
+                "wall_s": round(wall, 2),
+                "requests": n,
+                "input_len": 256,
+                "output_len": 256,
+            }
             save()
         state = engine.get_server_info()["internal_states"][0]
         result["cuda_graph"] = state.get("cuda_graph")
@@ -207,26 +243,33 @@ def summary(run_dir: str) -> None:
     elif final:
         print("tests: " + final[-1].strip("= "))
     else:  # cut off: count the results -v printed so far
-        counts = {w: sum(1 for ln in log if "::" in ln and f" {w}" in ln)
-                  for w in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+        counts = {
+            w: sum(1 for ln in log if "::" in ln and f" {w}" in ln) for w in ("PASSED", "FAILED", "SKIPPED", "ERROR")
+        }
         print("tests: no final line (timed out?); so far " + ", ".join(f"{n} {w.lower()}" for w, n in counts.items()))
     for ln in failed[:12]:
         print(f"  {ln[:160]}")
     b = load("bench.json")
     if b:
-        print(f"bench: {b.get('model')}, {b.get('weight_gb')} GB of weights, start-up {b.get('startup_s')} s, "
-              f"backend {b.get('attention_backend')}, KV capacity {b.get('kv_capacity_tokens')} tokens")
+        print(
+            f"bench: {b.get('model')}, {b.get('weight_gb')} GB of weights, start-up {b.get('startup_s')} s, "
+            f"backend {b.get('attention_backend')}, KV capacity {b.get('kv_capacity_tokens')} tokens"
+        )
         g = b.get("cuda_graph") or {}
         if g:
-            print(f"  cuda graphs: enabled={g.get('enabled')} sizes={len(g.get('batch_sizes') or [])} "
-                  f"capture {g.get('capture_seconds')} s, {(g.get('memory_bytes') or 0) / 2**30:.2f} GiB "
-                  f"(reserved {(g.get('reserved_bytes') or 0) / 2**30:.2f}), replays {g.get('replays')}"
-                  + (f", off: {g.get('reason')}" if g.get("reason") else ""))
+            print(
+                f"  cuda graphs: enabled={g.get('enabled')} sizes={len(g.get('batch_sizes') or [])} "
+                f"capture {g.get('capture_seconds')} s, {(g.get('memory_bytes') or 0) / 2**30:.2f} GiB "
+                f"(reserved {(g.get('reserved_bytes') or 0) / 2**30:.2f}), replays {g.get('replays')}"
+                + (f", off: {g.get('reason')}" if g.get("reason") else "")
+            )
         if "batch1" in b:
             x = b["batch1"]
-            print(f"  batch 1: {x['decode_tok_s']} tok/s decode = {100 * x['fraction_of_ceiling']:.0f}% of the HBM "
-                  f"ceiling {x['hbm_ceiling_tok_s']} tok/s ({x['bytes_per_step_gb']} GB/step at 4.8 TB/s); "
-                  f"TTFT {x['ttft_s']} s")
+            print(
+                f"  batch 1: {x['decode_tok_s']} tok/s decode = {100 * x['fraction_of_ceiling']:.0f}% of the HBM "
+                f"ceiling {x['hbm_ceiling_tok_s']} tok/s ({x['bytes_per_step_gb']} GB/step at 4.8 TB/s); "
+                f"TTFT {x['ttft_s']} s"
+            )
         for n in (64, 256):
             x = b.get(f"concurrency_{n}")
             if x:

@@ -17,13 +17,15 @@ import json
 import math
 import random
 
-WORDS = ("the of and to in is you that it for was on are as with his they at be this have from or one had by "
-         "word but not what all were we when your can said there use an each which she do how their if will up "
-         "other about out many then them these so some her would make like him into time has look two more write "
-         "go see number no way could people my than first water been call who oil its now find long down day did "
-         "get come made may part model server request token cache latency memory batch prompt python function "
-         "explain example please code error question answer because system design network data value table "
-         "list string test result simple small large fast slow better best problem solution step reason").split()
+WORDS = (
+    "the of and to in is you that it for was on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part model server request token cache latency memory batch prompt python function "
+    "explain example please code error question answer because system design network data value table "
+    "list string test result simple small large fast slow better best problem solution step reason"
+).split()
 
 
 def words(rng: random.Random, n: int) -> str:

@@ -35,11 +35,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     path = resolve_model_path(args.model_path)
     tok = get_tokenizer(path)
-    runner = ModelRunner(ModelConfig.from_path(path), ServerArgs(model_path=path, dtype=args.dtype, max_total_tokens=4096,
-                                                                 max_running_requests=8))
+    runner = ModelRunner(
+        ModelConfig.from_path(path),
+        ServerArgs(model_path=path, dtype=args.dtype, max_total_tokens=4096, max_running_requests=8),
+    )
     gen = StaticBatchGenerator(runner)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-               for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
     ids = [tok.encode(t, add_special_tokens=False) for t in prompts]
     start = time.perf_counter()
     out = gen.generate(ids, SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens))

@@ -7,8 +7,8 @@ import inspect
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from frontend.backends.base import Backend
 from frontend.interpreter import ProgramError, ProgramState, StreamExecutor
@@ -18,8 +18,20 @@ logger = logging.getLogger(__name__)
 _default_backend: Backend | None = None
 
 # Program-level defaults that `run(...)` accepts; a gen's own arguments win over them.
-RUN_SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-                     "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "sampling_seed")
+RUN_SAMPLING_KEYS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "sampling_seed",
+)
 
 
 def set_default_backend(backend: Backend | None) -> None:
@@ -74,8 +86,10 @@ class Program:
         try:
             self.signature.bind(None, *args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{self.func.__name__}{self.signature}: {e}; run() also takes stream, backend and the "
-                            f"sampling defaults {', '.join(RUN_SAMPLING_KEYS)}") from None
+            raise TypeError(
+                f"{self.func.__name__}{self.signature}: {e}; run() also takes stream, backend and the "
+                f"sampling defaults {', '.join(RUN_SAMPLING_KEYS)}"
+            ) from None
         executor = StreamExecutor(self._backend(backend), _defaults(sampling), stream)
         state = ProgramState(executor)
         if stream:
@@ -97,8 +111,14 @@ class Program:
             executor.end()
             executor.sync()
 
-    def run_batch(self, batch_kwargs: list[dict], num_threads: int | str = "auto", progress_bar: bool = False,
-                  backend: Backend | None = None, **sampling) -> list[ProgramState]:
+    def run_batch(
+        self,
+        batch_kwargs: list[dict],
+        num_threads: int | str = "auto",
+        progress_bar: bool = False,
+        backend: Backend | None = None,
+        **sampling,
+    ) -> list[ProgramState]:
         """Run the program once per kwargs dict, concurrently (so the server batches them). Returns
         the states in order; a program that failed has `state.error()` set and is logged."""
         if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(k, dict) for k in batch_kwargs):

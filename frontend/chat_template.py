@@ -47,13 +47,14 @@ class ChatTemplate:
             self._derive()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return _compile(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                               **self.special)
+        return _compile(self.template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+        )
 
     def _split(self, text: str, before: str) -> tuple[str, str]:
         if not text.startswith(before) or text.count(_SENTINEL) != 1:
             raise ValueError("template output is not a prefix extension")
-        prefix, suffix = text[len(before):].split(_SENTINEL)
+        prefix, suffix = text[len(before) :].split(_SENTINEL)
         return prefix, suffix
 
     def _derive(self) -> None:
@@ -61,8 +62,11 @@ class ChatTemplate:
         content. Templates that reject a probe (no system role, strict alternation) fall back to
         a context without the system message, then to plain `Role: ` lines for that role."""
         msg = lambda role, content=_OTHER: {"role": role, "content": content}  # noqa: E731
-        contexts = {"system": [[msg("user"), msg("assistant")], []], "user": [[msg("system")], []],
-                    "assistant": [[msg("system"), msg("user")], [msg("user")]]}
+        contexts = {
+            "system": [[msg("user"), msg("assistant")], []],
+            "user": [[msg("system")], []],
+            "assistant": [[msg("system"), msg("user")], [msg("user")]],
+        }
         for role, candidates in contexts.items():
             for context in candidates:
                 try:
@@ -72,8 +76,12 @@ class ChatTemplate:
                 except Exception:
                     continue
             else:
-                logger.warning("the chat template cannot render a %s message; %s blocks use plain %r lines",
-                               role, role, f"{role.capitalize()}: ")
+                logger.warning(
+                    "the chat template cannot render a %s message; %s blocks use plain %r lines",
+                    role,
+                    role,
+                    f"{role.capitalize()}: ",
+                )
         # What precedes the role prefix when a conversation starts with each role.
         for role in self._affixes:
             try:

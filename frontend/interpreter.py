@@ -12,7 +12,8 @@ import contextlib
 import copy
 import queue
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from frontend.backends.base import Backend
 from frontend.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd, to_expr
@@ -21,7 +22,7 @@ from frontend.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select, Text, Var
 class ProgramError(RuntimeError):
     """A program failed; `state` holds everything it did up to the failure."""
 
-    def __init__(self, message: str, state: "ProgramState"):
+    def __init__(self, message: str, state: ProgramState):
         super().__init__(message)
         self.state = state
 
@@ -76,7 +77,7 @@ class StreamExecutor:
     def finished(self) -> bool:
         return self.ended and self.pending == 0
 
-    def fork_copy(self) -> "StreamExecutor":
+    def fork_copy(self) -> StreamExecutor:
         child = StreamExecutor(self.backend, self.defaults, self.stream)
         child.text = self.text
         child.variables = dict(self.variables)
@@ -131,7 +132,7 @@ class StreamExecutor:
         elif isinstance(expr, VarScopeBegin):
             self.scopes[expr.name] = len(self.text)
         elif isinstance(expr, VarScopeEnd):
-            self._set(expr.name, self.text[self.scopes.pop(expr.name):])
+            self._set(expr.name, self.text[self.scopes.pop(expr.name) :])
         else:
             raise TypeError(f"unknown expression {expr!r}")
 
@@ -141,8 +142,9 @@ class StreamExecutor:
             raise ValueError(f"gen({expr.name!r}) needs a prompt: append some text to the state first")
         if self.stream:
             parts, meta = [], {}
-            for delta, chunk_meta in self.backend.generate_stream(self.text, sampling, expr.return_logprob,
-                                                                  expr.top_logprobs_num):
+            for delta, chunk_meta in self.backend.generate_stream(
+                self.text, sampling, expr.return_logprob, expr.top_logprobs_num
+            ):
                 parts.append(delta)
                 meta = chunk_meta
                 self._append(delta, expr.name)
@@ -186,7 +188,7 @@ class ProgramState:
         self.stream_executor = executor
         self.ret_value: Any = None
 
-    def __iadd__(self, other) -> "ProgramState":
+    def __iadd__(self, other) -> ProgramState:
         self.stream_executor.submit(to_expr(other))
         return self
 
@@ -268,7 +270,7 @@ class ProgramState:
         self += VarScopeEnd(name)
 
     # -- fork ------------------------------------------------------------------------------------
-    def fork(self, size: int = 1) -> "ProgramStateGroup":
+    def fork(self, size: int = 1) -> ProgramStateGroup:
         """`size` independent copies of this state. The shared prefix is prefilled first (a
         `max_new_tokens: 0` request), so every branch's requests hit the radix cache."""
         if not isinstance(size, int) or size < 1:
@@ -289,7 +291,7 @@ class ProgramState:
         seen = 0
         while True:
             with ex.cond:
-                ex.cond.wait_for(lambda: len(ex.pieces) > seen or ex.finished or ex.error is not None)
+                ex.cond.wait_for(lambda seen=seen: len(ex.pieces) > seen or ex.finished or ex.error is not None)
                 new, seen = ex.pieces[seen:], len(ex.pieces)
                 done = (ex.finished or ex.error is not None) and not new
             for var, piece in new:
@@ -318,7 +320,7 @@ class ProgramStateGroup:
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
 
-    def __iadd__(self, other) -> "ProgramStateGroup":
+    def __iadd__(self, other) -> ProgramStateGroup:
         """`forks += expr` appends it to every branch; a list appends one item per branch."""
         if isinstance(other, (list, tuple)):
             if len(other) != len(self.states):
@@ -342,10 +344,14 @@ class ProgramStateGroup:
                 raise s.error()
         parent = self.parent.stream_executor
         if mode == "concate_and_append":
-            self.parent += "".join(s.stream_executor.text[self._base[id(s)]:] for s in self.states)
+            self.parent += "".join(s.stream_executor.text[self._base[id(s)] :] for s in self.states)
             return
         parent.sync()
-        names = {n for s in self.states for n, v in s.stream_executor.variables.items()
-                 if n not in parent.variables or parent.variables[n] is not v}
+        names = {
+            n
+            for s in self.states
+            for n, v in s.stream_executor.variables.items()
+            if n not in parent.variables or parent.variables[n] is not v
+        }
         for name in sorted(names):
             parent.variables[name] = [s.stream_executor.variables.get(name) for s in self.states]

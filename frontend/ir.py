@@ -8,11 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "ignore_eos",
-                 "n", "regex", "json_schema", "ebnf", "sampling_seed", "skip_special_tokens", "logit_bias")
+SAMPLING_KEYS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "ignore_eos",
+    "n",
+    "regex",
+    "json_schema",
+    "ebnf",
+    "sampling_seed",
+    "skip_special_tokens",
+    "logit_bias",
+)
 
 # What `dtype` (and gen_int / gen_string) constrain a generation to, and how its value is parsed.
 INT_REGEX = r"-?(0|[1-9][0-9]{0,17})"
@@ -30,10 +49,10 @@ DTYPES: dict[Any, tuple[str | None, Callable[[str], Any]]] = {
 class Expr:
     """Anything that can be appended to a program state."""
 
-    def __add__(self, other) -> "Concat":
+    def __add__(self, other) -> Concat:
         return Concat([self, to_expr(other)])
 
-    def __radd__(self, other) -> "Concat":
+    def __radd__(self, other) -> Concat:
         return Concat([to_expr(other), self])
 
 
@@ -46,7 +65,7 @@ class Text(Expr):
 class Concat(Expr):
     parts: list[Expr]
 
-    def __add__(self, other) -> "Concat":
+    def __add__(self, other) -> Concat:
         return Concat([*self.parts, to_expr(other)])
 
 
@@ -67,8 +86,10 @@ class Gen(Expr):
         try:
             return DTYPES[self.dtype][1](text.strip())
         except ValueError as e:
-            raise ValueError(f"gen({self.name!r}, dtype={self.dtype.__name__}) produced {text!r}, which does not "
-                             f"parse as {self.dtype.__name__} (was max_tokens too small?)") from e
+            raise ValueError(
+                f"gen({self.name!r}, dtype={self.dtype.__name__}) produced {text!r}, which does not "
+                f"parse as {self.dtype.__name__} (was max_tokens too small?)"
+            ) from e
 
 
 @dataclasses.dataclass
@@ -77,7 +98,7 @@ class Select(Expr):
 
     name: str | None
     choices: list[str]
-    method: "ChoicesMethod"
+    method: ChoicesMethod
     temperature: float = 0.0
 
 
@@ -106,20 +127,38 @@ def to_expr(value) -> Expr:
         return value
     if isinstance(value, str):
         return Text(value)
-    raise TypeError(f"cannot append {type(value).__name__} to a program state; use str or an expression "
-                    f"(gen, select, a role)")
+    raise TypeError(
+        f"cannot append {type(value).__name__} to a program state; use str or an expression (gen, select, a role)"
+    )
 
 
 # -- constructors -------------------------------------------------------------------------------
 
-def gen(name: str | None = None, max_tokens: int | None = None, stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None, temperature: float | None = None, top_p: float | None = None,
-        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
-        presence_penalty: float | None = None, repetition_penalty: float | None = None,
-        min_tokens: int | None = None, ignore_eos: bool | None = None, regex: str | None = None,
-        json_schema: str | dict | None = None, ebnf: str | None = None, dtype: Any = None,
-        choices: list[str] | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
-        sampling_seed: int | None = None, max_new_tokens: int | None = None) -> Expr:
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_tokens: int | None = None,
+    ignore_eos: bool | None = None,
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
+    ebnf: str | None = None,
+    dtype: Any = None,
+    choices: list[str] | None = None,
+    return_logprob: bool = False,
+    top_logprobs_num: int = 0,
+    sampling_seed: int | None = None,
+    max_new_tokens: int | None = None,
+) -> Expr:
     """Generate into variable `name`. `dtype` (int, float, bool or str) constrains and parses the
     value; `regex` / `json_schema` (a dict or a JSON string) / `ebnf` constrain it with the server's
     grammar backend. `choices=[...]` is shorthand for `select(name, choices)`."""
@@ -135,11 +174,24 @@ def gen(name: str | None = None, max_tokens: int | None = None, stop: str | list
         json_schema = json.dumps(json_schema)
     if isinstance(stop, str):
         stop = [stop]
-    values = dict(max_new_tokens=max_tokens if max_tokens is not None else max_new_tokens, stop=stop,
-                  stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                  repetition_penalty=repetition_penalty, min_new_tokens=min_tokens, ignore_eos=ignore_eos,
-                  regex=regex, json_schema=json_schema, ebnf=ebnf, sampling_seed=sampling_seed)
+    values = dict(
+        max_new_tokens=max_tokens if max_tokens is not None else max_new_tokens,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        repetition_penalty=repetition_penalty,
+        min_new_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        regex=regex,
+        json_schema=json_schema,
+        ebnf=ebnf,
+        sampling_seed=sampling_seed,
+    )
     return Gen(name, {k: v for k, v in values.items() if v is not None}, dtype, return_logprob, top_logprobs_num)
 
 
@@ -153,8 +205,12 @@ def gen_string(name: str | None = None, **kwargs) -> Expr:
     return gen(name, regex=STRING_REGEX, **kwargs)
 
 
-def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
-           choices_method: "ChoicesMethod | None" = None) -> Expr:
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: ChoicesMethod | None = None,
+) -> Expr:
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"select choices = {choices!r} must be a non-empty list of non-empty strings")
     if temperature != 0.0:

@@ -64,16 +64,26 @@ def load():
         if cached:  # the key covers sources, flags, torch and CPU: no need to ask ninja
             torch.ops.load_library(library)
         else:
-                load_extension(name="radixserve_cpu", sources=SOURCES, build_directory=directory, is_python_module=False,
-                           extra_cflags=CFLAGS, extra_include_paths=[CSRC], verbose=False)
+            load_extension(
+                name="radixserve_cpu",
+                sources=SOURCES,
+                build_directory=directory,
+                is_python_module=False,
+                extra_cflags=CFLAGS,
+                extra_include_paths=[CSRC],
+                verbose=False,
+            )
     except Exception as e:  # a compiler error, a missing header: serve anyway, without the kernels
         text = str(e).splitlines()
         lines = [x for x in text if "error:" in x] or [x for x in text if "error" in x.lower()] or [type(e).__name__]
-        logger.warning("building the CPU kernels failed (%s); attention falls back to torch_native",
-                       lines[0].strip())
+        logger.warning("building the CPU kernels failed (%s); attention falls back to torch_native", lines[0].strip())
         return None
-    logger.info("CPU kernels %s in %.1f s (%s)", "loaded from cache" if cached else "built",
-                time.perf_counter() - start, directory)
+    logger.info(
+        "CPU kernels %s in %.1f s (%s)",
+        "loaded from cache" if cached else "built",
+        time.perf_counter() - start,
+        directory,
+    )
     _state["ops"] = torch.ops.radixserve
     return _state["ops"]
 

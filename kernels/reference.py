@@ -24,8 +24,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, head_dim: int, rotary_dim: int,
-                     inv_freq: torch.Tensor, is_neox_style: bool = True) -> torch.Tensor:
+def rotary_embedding(
+    positions: torch.Tensor,
+    x: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+    inv_freq: torch.Tensor,
+    is_neox_style: bool = True,
+) -> torch.Tensor:
     """Rotates x [T, heads * head_dim] by angle position * inv_freq, position by position."""
     out = x.view(x.shape[0], -1, head_dim).clone()
     for t in range(x.shape[0]):
@@ -63,8 +69,9 @@ def paged_decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices
     return out
 
 
-def paged_extend_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
-                           scale: float):
+def paged_extend_attention(
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, scale: float
+):
     """q [T, H, D]: the new tokens of each request, packed in batch order, whose K/V are already
     in the pool. Token i of request b sits at position prefix_b + i and attends causally."""
     out = torch.empty_like(q)

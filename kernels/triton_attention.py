@@ -39,8 +39,9 @@ def choose_num_kv_splits(batch: int, max_seq_len: int, num_sms: int) -> int:
     cover the GPU's SMs, while each split keeps at least MIN_TOKENS_PER_SPLIT positions to amortize
     the merge, and at most MAX_KV_SPLITS."""
     if batch < 1 or max_seq_len < 1 or num_sms < 1:
-        raise ValueError(f"choose_num_kv_splits: batch={batch}, max_seq_len={max_seq_len} and "
-                         f"num_sms={num_sms} must all be >= 1")
+        raise ValueError(
+            f"choose_num_kv_splits: batch={batch}, max_seq_len={max_seq_len} and num_sms={num_sms} must all be >= 1"
+        )
     wanted = -(-num_sms // batch)
     return max(1, min(wanted, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_KV_SPLITS))
 
@@ -61,18 +62,26 @@ def _dot_config(dtype: torch.dtype) -> dict:
 
 def _check_common(name: str, q, k_buffer, v_buffer, o, req_to_token, tokens_dim: str) -> None:
     if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3 or o.dim() != 3:
-        raise ValueError(f"{name}: q, k_buffer, v_buffer and o must be 3-D, got {tuple(q.shape)}, "
-                         f"{tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}, {tuple(o.shape)}")
+        raise ValueError(
+            f"{name}: q, k_buffer, v_buffer and o must be 3-D, got {tuple(q.shape)}, "
+            f"{tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}, {tuple(o.shape)}"
+        )
     heads, kv_heads = q.shape[1], k_buffer.shape[1]
     if heads % kv_heads or v_buffer.shape[1] != kv_heads:
-        raise ValueError(f"{name}: {heads} query heads need a multiple of k_buffer's {kv_heads} KV heads "
-                         f"(v_buffer has {v_buffer.shape[1]})")
+        raise ValueError(
+            f"{name}: {heads} query heads need a multiple of k_buffer's {kv_heads} KV heads "
+            f"(v_buffer has {v_buffer.shape[1]})"
+        )
     if k_buffer.shape[2] != q.shape[2] or v_buffer.shape[0] != k_buffer.shape[0]:
-        raise ValueError(f"{name}: k_buffer {tuple(k_buffer.shape)} does not fit q {tuple(q.shape)} "
-                         f"and v_buffer {tuple(v_buffer.shape)}")
+        raise ValueError(
+            f"{name}: k_buffer {tuple(k_buffer.shape)} does not fit q {tuple(q.shape)} "
+            f"and v_buffer {tuple(v_buffer.shape)}"
+        )
     if o.shape != (q.shape[0], heads, v_buffer.shape[2]):
-        raise ValueError(f"{name}: o has shape {tuple(o.shape)}, expected "
-                         f"[{tokens_dim}={q.shape[0]}, H={heads}, Dv={v_buffer.shape[2]}]")
+        raise ValueError(
+            f"{name}: o has shape {tuple(o.shape)}, expected "
+            f"[{tokens_dim}={q.shape[0]}, H={heads}, Dv={v_buffer.shape[2]}]"
+        )
     tensors = {"q": q, "k_buffer": k_buffer, "v_buffer": v_buffer, "o": o, "req_to_token": req_to_token}
     for t_name, t in tensors.items():
         if t.stride(-1) != 1:
@@ -84,34 +93,87 @@ def _check_common(name: str, q, k_buffer, v_buffer, o, req_to_token, tokens_dim:
 
 
 @jit
-def _attend_block(q, K, V, table_row, offs_n, mask_n, allowed, kv_head, offs_d, mask_d, offs_dv, mask_dv,
-                  stride_kn, stride_kh, stride_vn, stride_vh, scale_log2, m, denom, acc,
-                  MMA_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_block(
+    q,
+    K,
+    V,
+    table_row,
+    offs_n,
+    mask_n,
+    allowed,
+    kv_head,
+    offs_d,
+    mask_d,
+    offs_dv,
+    mask_dv,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    scale_log2,
+    m,
+    denom,
+    acc,
+    MMA_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One online-softmax step over the KV positions offs_n (read through the page-table row):
     `allowed` [rows, BLOCK_N] masks what each query row may see. Returns the updated (m, denom, acc)."""
     slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-    k = tl.load(K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(MMA_DTYPE)
+    k = tl.load(
+        K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    ).to(MMA_DTYPE)
     qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m, tl.max(qk, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(qk - m_new[:, None])
     denom = denom * alpha + tl.sum(p, 1)
-    v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(MMA_DTYPE)
+    v = tl.load(
+        V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
+        mask=mask_n[:, None] & mask_dv[None, :],
+        other=0.0,
+    ).to(MMA_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)
     return m_new, denom, acc
 
 
 @jit
-def _decode_split_kernel(Q, K, V, req_to_token, req_pool_indices, seq_lens, MidO, MidLse, scale_log2,
-                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_table,
-                         stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, MMA_DTYPE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    MidO,
+    MidLse,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_table,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    MMA_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,8 +189,11 @@ def _decode_split_kernel(Q, K, V, req_to_token, req_pool_indices, seq_lens, MidO
         offs_dv = tl.arange(0, BLOCK_DV)
         mask_d = offs_d < HEAD_DIM
         mask_dv = offs_dv < HEAD_DIM_V
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(MMA_DTYPE)
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(MMA_DTYPE)
         table_row = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_table
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_H], tl.float32)
@@ -136,18 +201,53 @@ def _decode_split_kernel(Q, K, V, req_to_token, req_pool_indices, seq_lens, MidO
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            m, denom, acc = _attend_block(q, K, V, table_row, offs_n, mask_n, mask_n[None, :], kv_head, offs_d, mask_d,
-                                          offs_dv, mask_dv, stride_kn, stride_kh, stride_vn, stride_vh, scale_log2,
-                                          m, denom, acc, MMA_DTYPE, DOT_PRECISION)
+            m, denom, acc = _attend_block(
+                q,
+                K,
+                V,
+                table_row,
+                offs_n,
+                mask_n,
+                mask_n[None, :],
+                kv_head,
+                offs_d,
+                mask_d,
+                offs_dv,
+                mask_dv,
+                stride_kn,
+                stride_kh,
+                stride_vn,
+                stride_vh,
+                scale_log2,
+                m,
+                denom,
+                acc,
+                MMA_DTYPE,
+                DOT_PRECISION,
+            )
         mid = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
         tl.store(mid, acc / denom[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m + tl.log2(denom), mask=mask_h)
 
 
 @jit
-def _decode_merge_kernel(MidO, MidLse, Out, seq_lens, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                         stride_ob, stride_oh, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr):
+def _decode_merge_kernel(
+    MidO,
+    MidLse,
+    Out,
+    seq_lens,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+):
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
@@ -160,8 +260,9 @@ def _decode_merge_kernel(MidO, MidLse, Out, seq_lens, stride_mb, stride_mh, stri
     for split in range(NUM_KV_SPLITS):
         if split * split_len < seq_len:  # the same empty splits that stage 1 skipped
             lse = tl.load(MidLse + b * stride_lb + head * stride_lh + split)
-            part = tl.load(MidO + b * stride_mb + head * stride_mh + split * stride_ms + offs_dv, mask=mask_dv,
-                           other=0.0)
+            part = tl.load(
+                MidO + b * stride_mb + head * stride_mh + split * stride_ms + offs_dv, mask=mask_dv, other=0.0
+            )
             m_new = tl.maximum(m, lse)
             alpha = tl.exp2(m - m_new)
             weight = tl.exp2(lse - m_new)
@@ -171,8 +272,9 @@ def _decode_merge_kernel(MidO, MidLse, Out, seq_lens, stride_mb, stride_mh, stri
     tl.store(Out + b * stride_ob + head * stride_oh + offs_dv, (acc / total).to(Out.dtype.element_ty), mask=mask_dv)
 
 
-def decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                         num_kv_splits=None):
+def decode_attention_fwd(
+    q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, sm_scale, num_kv_splits=None
+):
     """One query token per request, at position seq_lens[b] - 1, attending to positions
     0..seq_lens[b] - 1 of request slot req_pool_indices[b]. q [B, H, D]; k_buffer [S, Hkv, D];
     v_buffer [S, Hkv, Dv]; o [B, H, Dv] is written in place (and returned); req_to_token [R, L]
@@ -186,8 +288,10 @@ def decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indice
     batch, heads, head_dim = q.shape
     kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
     if req_pool_indices.shape != (batch,) or seq_lens.shape != (batch,):
-        raise ValueError(f"decode_attention_fwd: req_pool_indices {tuple(req_pool_indices.shape)} and seq_lens "
-                         f"{tuple(seq_lens.shape)} must both be [B={batch}]")
+        raise ValueError(
+            f"decode_attention_fwd: req_pool_indices {tuple(req_pool_indices.shape)} and seq_lens "
+            f"{tuple(seq_lens.shape)} must both be [B={batch}]"
+        )
     if batch == 0:
         return o
     if num_kv_splits is None:
@@ -204,16 +308,58 @@ def decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indice
     mid_o = torch.empty(batch, heads, num_kv_splits, head_dim_v, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, num_kv_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, BLOCK_N=block_n, NUM_KV_SPLITS=num_kv_splits, **_dot_config(q.dtype),
-        num_warps=4, num_stages=2)
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        BLOCK_N=block_n,
+        NUM_KV_SPLITS=num_kv_splits,
+        **_dot_config(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
     _decode_merge_kernel[(batch, heads)](
-        mid_o, mid_lse, o, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), o.stride(0), o.stride(1), HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        NUM_KV_SPLITS=num_kv_splits, num_warps=4, num_stages=2)
+        mid_o,
+        mid_lse,
+        o,
+        seq_lens,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=block_dv,
+        BLOCK_N=block_n,
+        NUM_KV_SPLITS=num_kv_splits,
+        num_warps=4,
+        num_stages=2,
+    )
     return o
 
 
@@ -221,11 +367,36 @@ def decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indice
 
 
 @jit
-def _extend_kernel(Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, prefix_lens, start_loc, scale_log2,
-                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-                   stride_table, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   MMA_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    prefix_lens,
+    start_loc,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    MMA_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     head = tl.program_id(0)
     block_m = tl.program_id(1)
     b = tl.program_id(2)
@@ -242,8 +413,11 @@ def _extend_kernel(Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, prefi
         offs_dv = tl.arange(0, BLOCK_DV)
         mask_d = offs_d < HEAD_DIM
         mask_dv = offs_dv < HEAD_DIM_V
-        q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(MMA_DTYPE)
+        q = tl.load(
+            Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(MMA_DTYPE)
         table_row = req_to_token + tl.load(req_pool_indices + b).to(tl.int64) * stride_table
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
@@ -254,12 +428,36 @@ def _extend_kernel(Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, prefi
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            m, denom, acc = _attend_block(q, K, V, table_row, offs_n, mask_n, mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), kv_head, offs_d, mask_d,
-                                          offs_dv, mask_dv, stride_kn, stride_kh, stride_vn, stride_vh, scale_log2,
-                                          m, denom, acc, MMA_DTYPE, DOT_PRECISION)
+            m, denom, acc = _attend_block(
+                q,
+                K,
+                V,
+                table_row,
+                offs_n,
+                mask_n,
+                mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]),
+                kv_head,
+                offs_d,
+                mask_d,
+                offs_dv,
+                mask_dv,
+                stride_kn,
+                stride_kh,
+                stride_vn,
+                stride_vh,
+                scale_log2,
+                m,
+                denom,
+                acc,
+                MMA_DTYPE,
+                DOT_PRECISION,
+            )
         out = (acc / denom[:, None]).to(Out.dtype.element_ty)
-        tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :], out,
-                 mask=mask_m[:, None] & mask_dv[None, :])
+        tl.store(
+            Out + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+            out,
+            mask=mask_m[:, None] & mask_dv[None, :],
+        )
 
 
 def _extend_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
@@ -273,8 +471,19 @@ def _extend_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]
     return 64, 64, 8, 1
 
 
-def extend_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
-                         extend_start_loc, sm_scale, max_extend_len=None):
+def extend_attention_fwd(
+    q,
+    k_buffer,
+    v_buffer,
+    o,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_prefix_lens,
+    extend_start_loc,
+    sm_scale,
+    max_extend_len=None,
+):
     """Causal attention for the new tokens of each request, whose K/V are already in the pool.
 
     q [T, H, D] packs the new tokens in batch order: request b's seq_lens[b] - extend_prefix_lens[b]
@@ -285,8 +494,11 @@ def extend_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indice
     max_extend_len: the longest extend in the batch, from host data; None computes it (one sync)."""
     _check_common("extend_attention_fwd", q, k_buffer, v_buffer, o, req_to_token, "T")
     batch = seq_lens.shape[0]
-    for t_name, t in (("req_pool_indices", req_pool_indices), ("extend_prefix_lens", extend_prefix_lens),
-                      ("extend_start_loc", extend_start_loc)):
+    for t_name, t in (
+        ("req_pool_indices", req_pool_indices),
+        ("extend_prefix_lens", extend_prefix_lens),
+        ("extend_start_loc", extend_start_loc),
+    ):
         if t.shape != (batch,):
             raise ValueError(f"extend_attention_fwd: {t_name} has shape {tuple(t.shape)}, expected [B={batch}]")
     if max_extend_len is None:
@@ -300,9 +512,34 @@ def extend_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, req_pool_indice
     # Heads vary fastest in the grid, so a KV head's query group runs together and shares its K/V in L2.
     grid = (heads, triton.cdiv(max_extend_len, block_m), batch)
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_start_loc,
-        sm_scale * LOG2E, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-        v_buffer.stride(1), o.stride(0), o.stride(1), req_to_token.stride(0), GROUP=heads // kv_heads,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, **_dot_config(q.dtype), num_warps=warps, num_stages=stages)
+        q,
+        k_buffer,
+        v_buffer,
+        o,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_prefix_lens,
+        extend_start_loc,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        o.stride(0),
+        o.stride(1),
+        req_to_token.stride(0),
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        **_dot_config(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return o

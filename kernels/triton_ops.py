@@ -23,8 +23,10 @@ ROW_TILE = 4096  # elements per program: short rows are packed several to a prog
 
 def require_triton() -> None:
     if triton is None:
-        raise ImportError("the Triton kernels need the `triton` package (pip install triton); "
-                          "without it use the torch_native or cpu attention backend")
+        raise ImportError(
+            "the Triton kernels need the `triton` package (pip install triton); "
+            "without it use the torch_native or cpu attention backend"
+        )
 
 
 def interpreting() -> bool:
@@ -35,8 +37,9 @@ def interpreting() -> bool:
 def check_device(*tensors: torch.Tensor) -> None:
     if not interpreting() and not all(t.is_cuda for t in tensors):
         devices = sorted({str(t.device) for t in tensors})
-        raise ValueError(f"Triton kernels need CUDA tensors, got {devices}; "
-                         "set TRITON_INTERPRET=1 to run them on CPU tensors")
+        raise ValueError(
+            f"Triton kernels need CUDA tensors, got {devices}; set TRITON_INTERPRET=1 to run them on CPU tensors"
+        )
 
 
 def jit(fn):
@@ -53,8 +56,23 @@ def _row_tiles(n_rows: int, width: int, max_cols: int) -> tuple[int, int, int]:
 
 
 @jit
-def _rms_norm_kernel(X, R, W, Out, ResOut, n_rows, hidden, stride_x, stride_r, stride_o, stride_ro, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+def _rms_norm_kernel(
+    X,
+    R,
+    W,
+    Out,
+    ResOut,
+    n_rows,
+    hidden,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows < n_rows)[:, None] & (cols < hidden)[None, :]
@@ -95,8 +113,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if weight.shape != (hidden,):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({hidden},)")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"rms_norm: residual is {residual.dtype}{tuple(residual.shape)}, "
-                         f"expected x's {x.dtype}{tuple(x.shape)}")
+        raise ValueError(
+            f"rms_norm: residual is {residual.dtype}{tuple(residual.shape)}, expected x's {x.dtype}{tuple(x.shape)}"
+        )
     check_device(x, weight, *([] if residual is None else [residual]))
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
@@ -106,9 +125,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if n_rows:
         rows, cols, warps = _row_tiles(n_rows, hidden, max_cols=1 << 20)
         _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-            x2, r2, weight.contiguous(), o2, ro2, n_rows, hidden, x2.stride(0), r2.stride(0), o2.stride(0),
-            ro2.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=rows, BLOCK_COLS=cols,
-            num_warps=warps)
+            x2,
+            r2,
+            weight.contiguous(),
+            o2,
+            ro2,
+            n_rows,
+            hidden,
+            x2.stride(0),
+            r2.stride(0),
+            o2.stride(0),
+            ro2.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_ROWS=rows,
+            BLOCK_COLS=cols,
+            num_warps=warps,
+        )
     return out if residual is None else (out, res_out)
 
 
@@ -124,5 +157,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if n_rows and d:
         rows, cols, warps = _row_tiles(n_rows, d, max_cols=1024)
         _silu_and_mul_kernel[(triton.cdiv(n_rows, rows), triton.cdiv(d, cols))](
-            x2, o2, n_rows, d, x2.stride(0), o2.stride(0), BLOCK_ROWS=rows, BLOCK_COLS=cols, num_warps=warps)
+            x2, o2, n_rows, d, x2.stride(0), o2.stride(0), BLOCK_ROWS=rows, BLOCK_COLS=cols, num_warps=warps
+        )
     return out

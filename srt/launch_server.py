@@ -10,8 +10,11 @@ from srt.utils import configure_logger
 
 
 def parse_args(argv: list[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="radixserve", description="radixserve HTTP server (SGLang-compatible)",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="radixserve",
+        description="radixserve HTTP server (SGLang-compatible)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     try:

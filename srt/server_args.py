@@ -8,7 +8,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -82,14 +81,18 @@ class ServerArgs:
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            raise ValueError(f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}; "
-                             f"got {self.load_balance_method!r}")
+            raise ValueError(
+                f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}; "
+                f"got {self.load_balance_method!r}"
+            )
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1:
             if self.dp_size != 1:
-                raise ValueError("--nnodes > 1 spans one tensor-parallel group over nodes; --dp-size must be 1 "
-                                 "(run one server per node behind a router for replicas)")
+                raise ValueError(
+                    "--nnodes > 1 spans one tensor-parallel group over nodes; --dp-size must be 1 "
+                    "(run one server per node behind a router for replicas)"
+                )
             if self.tp_size % self.nnodes:
                 raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
             if not self.dist_init_addr:
@@ -150,8 +153,10 @@ class ServerArgs:
 
     def public_dict(self) -> dict:
         """The arguments as /server_info shows them: secrets redacted."""
-        return {k: ("<redacted>" if k in ("api_key", "admin_api_key") and v else v)
-                for k, v in dataclasses.asdict(self).items()}
+        return {
+            k: ("<redacted>" if k in ("api_key", "admin_api_key") and v else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
 
     @property
     def api_keys(self) -> list[str]:
@@ -166,120 +171,259 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         from srt.layers.attention import ATTENTION_BACKENDS
-
         from srt.managers.schedule_policy import POLICIES
 
         d = ServerArgs
         g = parser.add_argument_group("http")
         g.add_argument("--host", default=d.host)
         g.add_argument("--port", type=int, default=d.port)
-        g.add_argument("--api-key", default=d.api_key,
-                       help="require 'Authorization: Bearer KEY' on every route except /health; several keys "
-                            "separated by commas are separate tenants of the prefix cache")
-        g.add_argument("--admin-api-key", default=d.admin_api_key,
-                       help="a separate key required for /flush_cache, /server_info and /abort_request with abort_all")
-        g.add_argument("--tenant-header", default=d.tenant_header,
-                       help="take the cache tenant from this request header (set by a trusted gateway) "
-                            "instead of from the API key; tenants never share cached KV")
+        g.add_argument(
+            "--api-key",
+            default=d.api_key,
+            help="require 'Authorization: Bearer KEY' on every route except /health; several keys "
+            "separated by commas are separate tenants of the prefix cache",
+        )
+        g.add_argument(
+            "--admin-api-key",
+            default=d.admin_api_key,
+            help="a separate key required for /flush_cache, /server_info and /abort_request with abort_all",
+        )
+        g.add_argument(
+            "--tenant-header",
+            default=d.tenant_header,
+            help="take the cache tenant from this request header (set by a trusted gateway) "
+            "instead of from the API key; tenants never share cached KV",
+        )
         g = parser.add_argument_group("overload and liveness")
-        g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
-                       help="requests allowed to wait beyond --max-running-requests; more get 503 with Retry-After")
-        g.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
-                       help="prompt tokens allowed in flight beyond the KV pool's size; more get 503")
-        g.add_argument("--max-new-tokens-cap", type=int, default=d.max_new_tokens_cap,
-                       help="largest max_new_tokens a request may ask for (larger is a 400)")
-        g.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                       help="seconds after which any request is aborted (a request's own `timeout` may be shorter)")
-        g.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
-                       help="exit (and fail every request) if the scheduler makes no progress for this long "
-                            "with work pending")
-        g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                       help="on SIGTERM, how long in-flight requests may take to finish before they are aborted")
+        g.add_argument(
+            "--max-queued-requests",
+            type=int,
+            default=d.max_queued_requests,
+            help="requests allowed to wait beyond --max-running-requests; more get 503 with Retry-After",
+        )
+        g.add_argument(
+            "--max-queued-tokens",
+            type=int,
+            default=d.max_queued_tokens,
+            help="prompt tokens allowed in flight beyond the KV pool's size; more get 503",
+        )
+        g.add_argument(
+            "--max-new-tokens-cap",
+            type=int,
+            default=d.max_new_tokens_cap,
+            help="largest max_new_tokens a request may ask for (larger is a 400)",
+        )
+        g.add_argument(
+            "--request-timeout",
+            type=float,
+            default=d.request_timeout,
+            help="seconds after which any request is aborted (a request's own `timeout` may be shorter)",
+        )
+        g.add_argument(
+            "--watchdog-timeout",
+            type=float,
+            default=d.watchdog_timeout,
+            help="exit (and fail every request) if the scheduler makes no progress for this long with work pending",
+        )
+        g.add_argument(
+            "--shutdown-timeout",
+            type=float,
+            default=d.shutdown_timeout,
+            help="on SIGTERM, how long in-flight requests may take to finish before they are aborted",
+        )
         g = parser.add_argument_group("model")
-        g.add_argument("--model-path", default=d.model_path,
-                       help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+        g.add_argument(
+            "--model-path",
+            default=d.model_path,
+            help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        )
         g.add_argument("--tokenizer-path", default=d.tokenizer_path, help="tokenizer folder (default: model path)")
-        g.add_argument("--served-model-name", default=d.served_model_name,
-                       help="the model id in the OpenAI API (default: the model path)")
-        g.add_argument("--chat-template", default=d.chat_template,
-                       help="a Jinja chat template file (default: the tokenizer's template)")
-        g.add_argument("--context-length", type=int, default=d.context_length,
-                       help="maximum tokens per request (default: from the model config)")
-        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-                       help="auto = bfloat16 on GPUs and CPUs with AMX/AVX512-BF16, else float32")
+        g.add_argument(
+            "--served-model-name",
+            default=d.served_model_name,
+            help="the model id in the OpenAI API (default: the model path)",
+        )
+        g.add_argument(
+            "--chat-template",
+            default=d.chat_template,
+            help="a Jinja chat template file (default: the tokenizer's template)",
+        )
+        g.add_argument(
+            "--context-length",
+            type=int,
+            default=d.context_length,
+            help="maximum tokens per request (default: from the model config)",
+        )
+        g.add_argument(
+            "--dtype",
+            default=d.dtype,
+            choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+            help="auto = bfloat16 on GPUs and CPUs with AMX/AVX512-BF16, else float32",
+        )
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
-                       help="auto: the model folder's safetensors; dummy: random weights from config.json alone "
-                            "(benchmarks of a model's shape without its checkpoint)")
+        g.add_argument(
+            "--load-format",
+            default=d.load_format,
+            choices=LOAD_FORMATS,
+            help="auto: the model folder's safetensors; dummy: random weights from config.json alone "
+            "(benchmarks of a model's shape without its checkpoint)",
+        )
         g.add_argument("--random-seed", type=int, default=d.random_seed)
         g = parser.add_argument_group("memory")
-        g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
-                       help="fraction of device memory (CPU: available RAM) for weights + KV cache "
-                            "(default: 0.88 on GPU, 0.4 on CPU)")
-        g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
-                       help="KV pool size in tokens (overrides --mem-fraction-static)")
+        g.add_argument(
+            "--mem-fraction-static",
+            type=float,
+            default=d.mem_fraction_static,
+            help="fraction of device memory (CPU: available RAM) for weights + KV cache "
+            "(default: 0.88 on GPU, 0.4 on CPU)",
+        )
+        g.add_argument(
+            "--max-total-tokens",
+            type=int,
+            default=d.max_total_tokens,
+            help="KV pool size in tokens (overrides --mem-fraction-static)",
+        )
         g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
         g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
         g = parser.add_argument_group("scheduling")
-        g.add_argument("--schedule-policy", default=d.schedule_policy, choices=POLICIES,
-                       help="order of the waiting queue")
-        g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                       help="max prompt tokens per prefill chunk; -1 disables chunking")
-        g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-                       help="max new prompt tokens in one prefill batch")
+        g.add_argument(
+            "--schedule-policy", default=d.schedule_policy, choices=POLICIES, help="order of the waiting queue"
+        )
+        g.add_argument(
+            "--chunked-prefill-size",
+            type=int,
+            default=d.chunked_prefill_size,
+            help="max prompt tokens per prefill chunk; -1 disables chunking",
+        )
+        g.add_argument(
+            "--max-prefill-tokens",
+            type=int,
+            default=d.max_prefill_tokens,
+            help="max new prompt tokens in one prefill batch",
+        )
         g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
-        g.add_argument("--disable-overlap-schedule", action="store_true",
-                       help="prepare the next batch only after the current one finished (no worker thread)")
-        g.add_argument("--enable-overlap-schedule", action="store_true",
-                       help="overlap batch preparation with the forward on CPU too (on by default on GPU only)")
+        g.add_argument(
+            "--disable-overlap-schedule",
+            action="store_true",
+            help="prepare the next batch only after the current one finished (no worker thread)",
+        )
+        g.add_argument(
+            "--enable-overlap-schedule",
+            action="store_true",
+            help="overlap batch preparation with the forward on CPU too (on by default on GPU only)",
+        )
         g = parser.add_argument_group("kernels")
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=sorted(ATTENTION_BACKENDS),
-                       help="default: on CPU cpu (C++ kernels over the paged pool) when they build, on GPU triton "
-                            "when triton is installed, else torch_native")
-        g.add_argument("--disable-cpu-weight-prepack", action="store_true",
-                       help="on CPU, multiply with plain torch weights instead of oneDNN-prepacked ones")
-        g.add_argument("--enable-torch-compile", action="store_true",
-                       help="compile the decode step with torch.compile (inductor, max-autotune) for batch sizes "
-                            "up to --torch-compile-max-bs, in the background while serving eagerly; cached on disk")
-        g.add_argument("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs,
-                       help="largest decode batch run compiled; batches are padded to buckets 1, 2, 4, 8, ...")
-        g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
-                       help="GPU: largest decode batch run as a CUDA graph; graphs for 1, 2, 4, 8, then multiples of "
-                            "8 are captured at start-up and batches padded to the next one (ignored on CPU)")
-        g.add_argument("--disable-cuda-graph", action="store_true",
-                       help="GPU: run decode eagerly instead of replaying captured CUDA graphs (ignored on CPU)")
+        g.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            choices=sorted(ATTENTION_BACKENDS),
+            help="default: on CPU cpu (C++ kernels over the paged pool) when they build, on GPU triton "
+            "when triton is installed, else torch_native",
+        )
+        g.add_argument(
+            "--disable-cpu-weight-prepack",
+            action="store_true",
+            help="on CPU, multiply with plain torch weights instead of oneDNN-prepacked ones",
+        )
+        g.add_argument(
+            "--enable-torch-compile",
+            action="store_true",
+            help="compile the decode step with torch.compile (inductor, max-autotune) for batch sizes "
+            "up to --torch-compile-max-bs, in the background while serving eagerly; cached on disk",
+        )
+        g.add_argument(
+            "--torch-compile-max-bs",
+            type=int,
+            default=d.torch_compile_max_bs,
+            help="largest decode batch run compiled; batches are padded to buckets 1, 2, 4, 8, ...",
+        )
+        g.add_argument(
+            "--cuda-graph-max-bs",
+            type=int,
+            default=d.cuda_graph_max_bs,
+            help="GPU: largest decode batch run as a CUDA graph; graphs for 1, 2, 4, 8, then multiples of "
+            "8 are captured at start-up and batches padded to the next one (ignored on CPU)",
+        )
+        g.add_argument(
+            "--disable-cuda-graph",
+            action="store_true",
+            help="GPU: run decode eagerly instead of replaying captured CUDA graphs (ignored on CPU)",
+        )
         g = parser.add_argument_group("structured output")
-        g.add_argument("--grammar-backend", default=d.grammar_backend, choices=["xgrammar", "none"],
-                       help="json_schema / regex / ebnf constraints; 'none' rejects constrained requests with 400")
-        g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
-                       help="seconds a request may wait for its grammar to compile before it fails with 400")
-        g.add_argument("--disable-jump-forward", action="store_true",
-                       help="decode strings a grammar forces token by token instead of appending them at once")
+        g.add_argument(
+            "--grammar-backend",
+            default=d.grammar_backend,
+            choices=["xgrammar", "none"],
+            help="json_schema / regex / ebnf constraints; 'none' rejects constrained requests with 400",
+        )
+        g.add_argument(
+            "--grammar-compile-timeout",
+            type=float,
+            default=d.grammar_compile_timeout,
+            help="seconds a request may wait for its grammar to compile before it fails with 400",
+        )
+        g.add_argument(
+            "--disable-jump-forward",
+            action="store_true",
+            help="decode strings a grammar forces token by token instead of appending them at once",
+        )
         g = parser.add_argument_group("parallelism")
-        g.add_argument("--tp-size", "--tp", type=int, default=d.tp_size,
-                       help="tensor-parallel ranks, one scheduler process each (gloo on CPU, NCCL on GPU)")
-        g.add_argument("--dp-size", "--dp", type=int, default=d.dp_size,
-                       help="data-parallel replicas, each its own scheduler group and prefix cache")
-        g.add_argument("--load-balance-method", default=d.load_balance_method, choices=LOAD_BALANCE_METHODS,
-                       help="how the data-parallel controller picks a replica for each request")
+        g.add_argument(
+            "--tp-size",
+            "--tp",
+            type=int,
+            default=d.tp_size,
+            help="tensor-parallel ranks, one scheduler process each (gloo on CPU, NCCL on GPU)",
+        )
+        g.add_argument(
+            "--dp-size",
+            "--dp",
+            type=int,
+            default=d.dp_size,
+            help="data-parallel replicas, each its own scheduler group and prefix cache",
+        )
+        g.add_argument(
+            "--load-balance-method",
+            default=d.load_balance_method,
+            choices=LOAD_BALANCE_METHODS,
+            help="how the data-parallel controller picks a replica for each request",
+        )
         g.add_argument("--nnodes", type=int, default=d.nnodes, help="nodes one tensor-parallel group spans")
-        g.add_argument("--node-rank", type=int, default=d.node_rank,
-                       help="this node's rank; node 0 runs the HTTP server")
-        g.add_argument("--dist-init-addr", default=d.dist_init_addr,
-                       help="HOST:PORT where node 0 hosts the torch.distributed rendezvous")
-        g.add_argument("--dist-timeout", type=float, default=d.dist_timeout,
-                       help="seconds to wait for every rank to join, and for a rank to answer")
+        g.add_argument(
+            "--node-rank", type=int, default=d.node_rank, help="this node's rank; node 0 runs the HTTP server"
+        )
+        g.add_argument(
+            "--dist-init-addr",
+            default=d.dist_init_addr,
+            help="HOST:PORT where node 0 hosts the torch.distributed rendezvous",
+        )
+        g.add_argument(
+            "--dist-timeout",
+            type=float,
+            default=d.dist_timeout,
+            help="seconds to wait for every rank to join, and for a rank to answer",
+        )
         g = parser.add_argument_group("logging")
         g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
-        g.add_argument("--decode-log-interval", type=int, default=d.decode_log_interval,
-                       help="log decode stats every N decode steps")
-        g.add_argument("--enable-metrics", action="store_true",
-                       help="serve Prometheus metrics at /metrics (SGLang's names, a model_name label)")
-        g.add_argument("--debug-integrity-check", action="store_true",
-                       help="exit the scheduler when the KV accounting invariant is violated (tests)")
+        g.add_argument(
+            "--decode-log-interval",
+            type=int,
+            default=d.decode_log_interval,
+            help="log decode stats every N decode steps",
+        )
+        g.add_argument(
+            "--enable-metrics",
+            action="store_true",
+            help="serve Prometheus metrics at /metrics (SGLang's names, a model_name label)",
+        )
+        g.add_argument(
+            "--debug-integrity-check",
+            action="store_true",
+            help="exit the scheduler when the KV accounting invariant is violated (tests)",
+        )
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -294,7 +438,7 @@ class PortArgs:
     controller_input: str  # data-parallel replicas report their load here
 
     @classmethod
-    def init_new(cls) -> "PortArgs":
+    def init_new(cls) -> PortArgs:
         d = tempfile.mkdtemp(prefix="radixserve-")
         return cls(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer", f"ipc://{d}/controller")
 

@@ -10,8 +10,8 @@ import random
 
 import numpy as np
 import psutil
-import zmq
 import torch
+import zmq
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ DTYPES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -20,14 +20,24 @@ TINY_CONFIGS = {
 }
 
 
-def build_tiny_model(path: str, architecture: str = "LlamaForCausalLM", vocab_size: int = 512, seed: int = 0,
-                     **overrides) -> str:
+def build_tiny_model(
+    path: str, architecture: str = "LlamaForCausalLM", vocab_size: int = 512, seed: int = 0, **overrides
+) -> str:
     """A 2-layer model with random weights, saved as an HF folder (config.json + safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                bos_token_id=1, eos_token_id=2, architectures=[architecture])
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=[architecture],
+    )
     kwargs = {**base, **TINY_CONFIGS[architecture], **overrides}
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(seed)
@@ -59,8 +69,9 @@ def make_runner(model_path: str, **args):
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path=model_path, **{"dtype": "float32", "max_total_tokens": 8192,
-                                                       "max_running_requests": 32, **args})
+    server_args = ServerArgs(
+        model_path=model_path, **{"dtype": "float32", "max_total_tokens": 8192, "max_running_requests": 32, **args}
+    )
     return ModelRunner(ModelConfig.from_path(model_path, server_args.context_length), server_args)
 
 
@@ -105,10 +116,25 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(self.port), "--dtype", "float32",
-               "--debug-integrity-check", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        cmd = [
+            sys.executable,
+            "-m",
+            "srt.launch_server",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--debug-integrity-check",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -10,8 +10,11 @@ import argparse
 import frontend as sgl
 
 LABELS = ["positive", "negative", "neutral"]
-REVIEWS = ["Absolutely wonderful, I would buy it again.", "It broke after two days. Waste of money.",
-           "It arrived on Tuesday in a cardboard box."]
+REVIEWS = [
+    "Absolutely wonderful, I would buy it again.",
+    "It broke after two days. Waste of money.",
+    "It arrived on Tuesday in a cardboard box.",
+]
 
 
 @sgl.function

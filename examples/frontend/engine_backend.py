@@ -25,8 +25,9 @@ def main() -> None:
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto")
     args = p.parse_args()
-    backend = sgl.EngineBackend(model_path=args.model_path, dtype=args.dtype, max_total_tokens=16384,
-                                log_level="warning")
+    backend = sgl.EngineBackend(
+        model_path=args.model_path, dtype=args.dtype, max_total_tokens=16384, log_level="warning"
+    )
     try:
         state = interview.run(name="Ada", temperature=0, stream=True, backend=backend)
         for piece in state.text_iter():

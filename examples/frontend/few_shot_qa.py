@@ -11,8 +11,12 @@ import argparse
 
 import frontend as sgl
 
-QUESTIONS = ["What is the capital of Germany?", "What is the largest planet?", "How many days are in a week?",
-             "What color is the sky on a clear day?"]
+QUESTIONS = [
+    "What is the capital of Germany?",
+    "What is the largest planet?",
+    "How many days are in a week?",
+    "What color is the sky on a clear day?",
+]
 
 
 @sgl.function

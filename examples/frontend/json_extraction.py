@@ -20,9 +20,11 @@ SCHEMA = {
     "required": ["name", "city", "age"],
     "additionalProperties": False,
 }
-TEXTS = ["Maria is a 34-year-old architect who lives in Lisbon.",
-         "Born 61 years ago, Kenji still runs his noodle shop in Osaka.",
-         "Tom (age 8) goes to school in Leeds."]
+TEXTS = [
+    "Maria is a 34-year-old architect who lives in Lisbon.",
+    "Born 61 years ago, Kenji still runs his noodle shop in Osaka.",
+    "Tom (age 8) goes to school in Leeds.",
+]
 
 
 @sgl.function

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from frontend.chat_template import ChatTemplate
 from frontend.choices import ChoicesMethod
@@ -26,8 +27,7 @@ class BackendError(RuntimeError):
 def _check(out: dict) -> dict:
     reason = out.get("meta_info", {}).get("finish_reason") or {}
     if reason.get("type") == "abort":
-        raise BackendError(f"request aborted: {reason.get('message') or 'no reason given'}",
-                           reason.get("status_code"))
+        raise BackendError(f"request aborted: {reason.get('message') or 'no reason given'}", reason.get("status_code"))
     return out
 
 
@@ -51,8 +51,9 @@ class Backend(abc.ABC):
     @functools.cached_property
     def chat_template(self) -> ChatTemplate:
         info = self.model_info()
-        return ChatTemplate(self.chat_template_override or info.get("chat_template"), info.get("bos_token"),
-                            info.get("eos_token"))
+        return ChatTemplate(
+            self.chat_template_override or info.get("chat_template"), info.get("bos_token"), info.get("eos_token")
+        )
 
     @staticmethod
     def _body(text: str, sampling: dict, return_logprob: bool, top_logprobs_num: int, stream: bool) -> dict:
@@ -61,13 +62,15 @@ class Backend(abc.ABC):
             body.update(return_logprob=True, top_logprobs_num=top_logprobs_num, return_text_in_logprobs=True)
         return body
 
-    def generate(self, text: str, sampling: dict, return_logprob: bool = False,
-                 top_logprobs_num: int = 0) -> tuple[str, dict]:
+    def generate(
+        self, text: str, sampling: dict, return_logprob: bool = False, top_logprobs_num: int = 0
+    ) -> tuple[str, dict]:
         out = _check(self.call(self._body(text, sampling, return_logprob, top_logprobs_num, False)))
         return out["text"], out["meta_info"]
 
-    def generate_stream(self, text: str, sampling: dict, return_logprob: bool = False,
-                        top_logprobs_num: int = 0) -> Iterator[tuple[str, dict]]:
+    def generate_stream(
+        self, text: str, sampling: dict, return_logprob: bool = False, top_logprobs_num: int = 0
+    ) -> Iterator[tuple[str, dict]]:
         """Yields (new text, meta_info so far); chunks carry cumulative text."""
         seen = 0
         for out in self.call_stream(self._body(text, sampling, return_logprob, top_logprobs_num, True)):
@@ -82,24 +85,35 @@ class Backend(abc.ABC):
         outs = self.call({"text": texts, "sampling_params": {"max_new_tokens": 0}})
         return [_check(o)["meta_info"] for o in outs]
 
-    def select(self, prefix: str, choices: list[str], method: ChoicesMethod,
-               neutral_context: str) -> tuple[int, dict]:
+    def select(self, prefix: str, choices: list[str], method: ChoicesMethod, neutral_context: str) -> tuple[int, dict]:
         """Score every choice as a continuation of `prefix` in one batched request: the prompt
         logprobs of its tokens, from just before the choice (`logprob_start_len`)."""
         contexts = [prefix, neutral_context] if method.needs_unconditional else [prefix]
         metas = iter(self.cache_prefix([c for c in contexts if c]) if any(contexts) else [])
         lengths = [next(metas)["prompt_tokens"] if c else 0 for c in contexts]
         items = [(context + choice, n, choice) for context, n in zip(contexts, lengths) for choice in choices]
-        outs = self.call({"text": [text for text, _, _ in items], "sampling_params": {"max_new_tokens": 0},
-                          "return_logprob": True, "logprob_start_len": [max(n - 1, 0) for _, n, _ in items],
-                          "return_text_in_logprobs": True})
-        scored = [_choice_logprobs(_check(out)["meta_info"]["input_token_logprobs"], choice, n > 0)
-                  for out, (_, n, choice) in zip(outs, items)]
+        outs = self.call(
+            {
+                "text": [text for text, _, _ in items],
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": [max(n - 1, 0) for _, n, _ in items],
+                "return_text_in_logprobs": True,
+            }
+        )
+        scored = [
+            _choice_logprobs(_check(out)["meta_info"]["input_token_logprobs"], choice, n > 0)
+            for out, (_, n, choice) in zip(outs, items)
+        ]
         k = len(choices)
         decision = method(scored[:k], scored[k:] if method.needs_unconditional else None)
-        meta = {"choices_method": method.name, "scores": decision.scores, "normalized_prompt_logprobs":
-                [sum(lp) / len(lp) if lp else None for lp in scored[:k]], "input_token_logprobs": scored[:k],
-                "prompt_tokens": lengths[0]}
+        meta = {
+            "choices_method": method.name,
+            "scores": decision.scores,
+            "normalized_prompt_logprobs": [sum(lp) / len(lp) if lp else None for lp in scored[:k]],
+            "input_token_logprobs": scored[:k],
+            "prompt_tokens": lengths[0],
+        }
         if method.needs_unconditional:
             meta["unconditional_token_logprobs"] = scored[k:]
         return decision.index, meta

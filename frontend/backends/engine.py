@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from frontend.backends.base import Backend, BackendError
 
-_ENGINE_ARGS = ("sampling_params", "input_ids", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                "return_text_in_logprobs", "stream", "rid", "priority")
+_ENGINE_ARGS = (
+    "sampling_params",
+    "input_ids",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "stream",
+    "rid",
+    "priority",
+)
 
 
 class EngineBackend(Backend):
@@ -28,8 +38,12 @@ class EngineBackend(Backend):
 
     def model_info(self) -> dict:
         tok = self.engine.tokenizer_manager.tokenizer
-        return {"model_path": self.engine.server_args.model_path, "chat_template": getattr(tok, "chat_template", None),
-                "bos_token": getattr(tok, "bos_token", None), "eos_token": getattr(tok, "eos_token", None)}
+        return {
+            "model_path": self.engine.server_args.model_path,
+            "chat_template": getattr(tok, "chat_template", None),
+            "bos_token": getattr(tok, "bos_token", None),
+            "eos_token": getattr(tok, "eos_token", None),
+        }
 
     def _kwargs(self, body: dict) -> dict:
         kwargs = {k: body[k] for k in _ENGINE_ARGS if k in body}

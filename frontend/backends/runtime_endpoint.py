@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import requests
 
@@ -11,8 +12,9 @@ from frontend.backends.base import Backend, BackendError
 
 
 class RuntimeEndpoint(Backend):
-    def __init__(self, base_url: str, api_key: str | None = None, chat_template: str | None = None,
-                 timeout: float = 600.0):
+    def __init__(
+        self, base_url: str, api_key: str | None = None, chat_template: str | None = None, timeout: float = 600.0
+    ):
         """`chat_template` (a Jinja template) overrides the one the server reports in /get_model_info,
         for servers that do not report one. `timeout` bounds each request (seconds between stream
         chunks when streaming)."""

@@ -56,7 +56,7 @@ class ModelConfig:
     eos_token_ids: set[int] = field(default_factory=set)
 
     @classmethod
-    def from_path(cls, path: str, context_length: int | None = None) -> "ModelConfig":
+    def from_path(cls, path: str, context_length: int | None = None) -> ModelConfig:
         cfg = load_hf_config(path)
         archs = getattr(cfg, "architectures", None) or []
         if not archs:
@@ -119,5 +119,3 @@ def _generation_config_eos(path: str):
         return None
     with open(p) as f:
         return json.load(f).get("eos_token_id")
-
-

@@ -77,8 +77,12 @@ class XGrammarBackend:
         return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
 
     def stats(self) -> dict:
-        return {"compiled": self.compiled, "total_s": round(self.compile_total_s, 4),
-                "max_s": round(self.compile_max_s, 4), "cache_entries": len(self.cache)}
+        return {
+            "compiled": self.compiled,
+            "total_s": round(self.compile_total_s, 4),
+            "max_s": round(self.compile_max_s, 4),
+            "cache_entries": len(self.cache),
+        }
 
 
 def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -87,5 +91,6 @@ def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
     """-inf on the tokens each constrained row's grammar forbids; other rows are untouched."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size,
-                                    indices=rows)
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size, indices=rows
+    )

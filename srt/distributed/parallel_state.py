@@ -24,8 +24,9 @@ _CPU_GROUP = None
 _SHM = None  # ShmCommunicator when every rank is a CPU process on this host
 
 
-def init_distributed(rank: int, world_size: int, init_addr: str, device: str, timeout_s: float,
-                     single_host: bool = True) -> None:
+def init_distributed(
+    rank: int, world_size: int, init_addr: str, device: str, timeout_s: float, single_host: bool = True
+) -> None:
     """Join the tensor-parallel group through a TCP rendezvous at `init_addr` (host:port; rank 0
     hosts it). Returns once every rank has joined; raises after `timeout_s` otherwise.
     CPU ranks on one host exchange activations through shared memory (RADIXSERVE_TP_SHM=0: gloo)."""
@@ -34,13 +35,20 @@ def init_distributed(rank: int, world_size: int, init_addr: str, device: str, ti
         return
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size,
-                            timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size, timeout=timeout
+    )
     _CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     if single_host and shm_supported() and os.environ.get("RADIXSERVE_TP_SHM", "1") != "0":
         _SHM = ShmCommunicator(rank, world_size, _CPU_GROUP, timeout_s)  # GPU ranks use it for broadcasts only
-    logger.info("joined the tensor-parallel group: rank %d of %d (%s%s, rendezvous %s)", rank, world_size, backend,
-                " + shared memory" if _SHM is not None else "", init_addr)
+    logger.info(
+        "joined the tensor-parallel group: rank %d of %d (%s%s, rendezvous %s)",
+        rank,
+        world_size,
+        backend,
+        " + shared memory" if _SHM is not None else "",
+        init_addr,
+    )
 
 
 def init_tp_group(rank: int, size: int) -> None:

@@ -36,8 +36,15 @@ def shm_supported() -> bool:
 
 
 class ShmCommunicator:
-    def __init__(self, rank: int, world_size: int, group, timeout_s: float, slot_bytes: int = SLOT_BYTES,
-                 broadcast_capacity: int = BROADCAST_BYTES):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        group,
+        timeout_s: float,
+        slot_bytes: int = SLOT_BYTES,
+        broadcast_capacity: int = BROADCAST_BYTES,
+    ):
         self.rank, self.world_size, self.group = rank, world_size, group
         self.slot_bytes, self.broadcast_capacity, self.timeout_s = slot_bytes, broadcast_capacity, timeout_s
         name = [f"/dev/shm/radixserve-tp-{uuid.uuid4().hex}" if rank == 0 else None]
@@ -74,8 +81,10 @@ class ShmCommunicator:
             waited = time.monotonic() - since
             time.sleep(0 if waited < 0.005 else 0.0002 if waited < 0.1 else 0.001)
             if waited > (timeout_s or self.timeout_s):
-                raise RuntimeError(f"tensor-parallel {what} timed out after {timeout_s or self.timeout_s:g} s "
-                                   f"(--dist-timeout): a rank died or hung")
+                raise RuntimeError(
+                    f"tensor-parallel {what} timed out after {timeout_s or self.timeout_s:g} s "
+                    f"(--dist-timeout): a rank died or hung"
+                )
 
     # -- collectives (CPU tensors) --------------------------------------------------------------
 
@@ -134,7 +143,10 @@ def gloo_broadcast_bytes(payload: bytes | None, rank: int, group) -> bytes:
     """Two gloo broadcasts (length, then bytes): cheaper than broadcast_object_list's pickling."""
     size = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0
-            else torch.empty(int(size[0]), dtype=torch.uint8))
+    data = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if rank == 0
+        else torch.empty(int(size[0]), dtype=torch.uint8)
+    )
     dist.broadcast(data, src=0, group=group)
     return payload if rank == 0 else data.numpy().tobytes()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import uvloop
 
@@ -44,21 +45,57 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @staticmethod
-    def _request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                 return_text_in_logprobs, stream, rid, priority) -> GenerateReqInput:
-        return GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-                                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
-                                stream=stream, priority=priority)
+    def _request(
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        return_text_in_logprobs,
+        stream,
+        rid,
+        priority,
+    ) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            rid=rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+            stream=stream,
+            priority=priority,
+        )
 
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
-                 logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
-                 return_text_in_logprobs: bool = False, stream: bool = False, rid: str | list[str] | None = None,
-                 priority: int | list[int] | None = None) -> dict | list[dict] | Iterator[dict]:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] = -1,
+        top_logprobs_num: int | list[int] = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        priority: int | list[int] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
         """Same arguments and outputs as POST /generate. With stream=True, an iterator of chunks."""
-        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                            return_text_in_logprobs, stream, rid, priority)
+        obj = self._request(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            stream,
+            rid,
+            priority,
+        )
         if not stream:
             return self._run(self._first(obj))
         return self._iterate(obj)
@@ -90,12 +127,32 @@ class Engine:
         finally:
             future.cancel()
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=-1, top_logprobs_num=0, return_text_in_logprobs=False, stream=False,
-                             rid=None, priority=None):
+    async def async_generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        return_text_in_logprobs=False,
+        stream=False,
+        rid=None,
+        priority=None,
+    ):
         """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
-        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                            return_text_in_logprobs, stream, rid, priority)
+        obj = self._request(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            stream,
+            rid,
+            priority,
+        )
         if not stream:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._first(obj), self._loop))
         return self._aiterate(obj)
@@ -126,9 +183,13 @@ class Engine:
 
     def get_server_info(self) -> dict:
         states = self._run(self.tokenizer_manager.get_internal_states())
-        return {**self.server_args.public_dict(), **self._subs.scheduler_info,
-                "max_req_input_len": self.tokenizer_manager.max_req_input_len, "version": __version__,
-                "internal_states": states}
+        return {
+            **self.server_args.public_dict(),
+            **self._subs.scheduler_info,
+            "max_req_input_len": self.tokenizer_manager.max_req_input_len,
+            "version": __version__,
+            "internal_states": states,
+        }
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
@@ -146,7 +207,7 @@ class Engine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -131,8 +131,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     if server_args.chat_template:
         with open(server_args.chat_template) as f:
             chat_template = f.read()
-    openai = OpenAIServing(tm, server_args.served_model_name or server_args.model_path, server_args.model_path,
-                           chat_template)
+    openai = OpenAIServing(
+        tm, server_args.served_model_name or server_args.model_path, server_args.model_path, chat_template
+    )
     hf_config = load_hf_config(server_args.model_path)
 
     app.add_middleware(AuthMiddleware, auth=Auth(server_args))
@@ -212,15 +213,17 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         include = {s.strip() for s in query.get("include", "core").split(",") if s.strip()} or {"core"}
         unknown = sorted(include - set(LOAD_SECTIONS))
         if unknown:
-            return error_response(400, f"`include` = {','.join(unknown)} is invalid: sections are "
-                                       f"{', '.join(LOAD_SECTIONS)}")
+            return error_response(
+                400, f"`include` = {','.join(unknown)} is invalid: sections are {', '.join(LOAD_SECTIONS)}"
+            )
         fmt = query.get("format", "json")
         if fmt not in ("json", "prometheus"):
             return error_response(400, f"`format` = {fmt!r} is invalid: use json or prometheus")
         rank = query.get("dp_rank")
         if rank is not None and not (rank.isdecimal() and int(rank) < server_args.dp_size):
-            return error_response(400, f"`dp_rank` = {rank!r} is invalid: must be an integer in "
-                                       f"[0, {server_args.dp_size}) (--dp-size)")
+            return error_response(
+                400, f"`dp_rank` = {rank!r} is invalid: must be an integer in [0, {server_args.dp_size}) (--dp-size)"
+            )
         try:
             states = await tm.get_internal_states()
         except asyncio.TimeoutError:
@@ -230,8 +233,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         loads = [_full_load(st, tm.scheduler_info["max_running_requests"], include) for st in states]
         if fmt == "prometheus":
             return Response(_loads_prometheus(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
-        return json_response({"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__,
-                              "loads": loads})
+        return json_response(
+            {"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__, "loads": loads}
+        )
 
     if server_args.enable_metrics:
         from srt.metrics.collector import render
@@ -325,8 +329,12 @@ def _used_tokens(st: dict) -> int:
 
 def _load(st: dict) -> dict:
     waiting = st["num_queue_reqs"] + st["grammar_queue"]
-    return {"dp_rank": st.get("dp_rank", 0), "num_reqs": st["num_running_reqs"] + waiting,
-            "num_waiting_reqs": waiting, "num_tokens": _used_tokens(st) + st["num_waiting_tokens"]}
+    return {
+        "dp_rank": st.get("dp_rank", 0),
+        "num_reqs": st["num_running_reqs"] + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": _used_tokens(st) + st["num_waiting_tokens"],
+    }
 
 
 def _full_load(st: dict, max_running_requests: int, include: set[str]) -> dict:
@@ -349,8 +357,15 @@ def _full_load(st: dict, max_running_requests: int, include: set[str]) -> dict:
 
 def _loads_prometheus(loads: list[dict]) -> str:
     lines = []
-    for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage",
-                "gen_throughput", "cache_hit_rate"):
+    for key in (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_used_tokens",
+        "max_total_num_tokens",
+        "token_usage",
+        "gen_throughput",
+        "cache_hit_rate",
+    ):
         lines.append(f"# TYPE sglang_{key} gauge")
         lines += [f'sglang_{key}{{dp_rank="{x["dp_rank"]}"}} {x[key]}' for x in loads]
     return "\n".join(lines) + "\n"
@@ -380,8 +395,15 @@ def launch_server(server_args: ServerArgs) -> None:
     subs = launch_subprocesses(server_args)
     tm = TokenizerManager(server_args, subs.port_args, subs.scheduler_info)
     app = create_app(tm, server_args)
-    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop",
-                            log_level="warning", timeout_keep_alive=5, access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        loop="uvloop",
+        log_level="warning",
+        timeout_keep_alive=5,
+        access_log=False,
+    )
     server = _Server(config)
 
     def on_child_death(reason: str) -> None:
@@ -400,9 +422,12 @@ def launch_server(server_args: ServerArgs) -> None:
     _install_drain_handlers(server, tm, subs)
     url = f"http://{server_args.host}:{server_args.port}"
     logger.info("The server is fired up and ready to roll! %s", url)
-    print(f"\nradixserve is serving {server_args.model_path} at {url}\n  curl {url}/generate -H 'Content-Type: "
-          f"application/json' -d '{{\"text\": \"The capital of France is\", \"sampling_params\": "
-          f"{{\"max_new_tokens\": 16, \"temperature\": 0}}}}'\n", flush=True)
+    print(
+        f"\nradixserve is serving {server_args.model_path} at {url}\n  curl {url}/generate -H 'Content-Type: "
+        f'application/json\' -d \'{{"text": "The capital of France is", "sampling_params": '
+        f'{{"max_new_tokens": 16, "temperature": 0}}}}\'\n',
+        flush=True,
+    )
     try:
         server.run()
     finally:

@@ -59,7 +59,7 @@ class Subprocesses:
         self.watcher = threading.Thread(target=run, name="child-watcher", daemon=True)
         self.watcher.start()
 
-    def add(self, other: "Subprocesses") -> None:
+    def add(self, other: Subprocesses) -> None:
         self.procs.update(other.procs)
 
     def serve_until_exit(self) -> int:
@@ -139,8 +139,11 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     if server_args.dp_size > 1:
         try:
             capacity = subs.scheduler_info["max_total_num_tokens"]
-            subs.add(_start({"dp-controller": (run_data_parallel_controller_process,
-                                               (server_args, port_args, capacity), {})}))
+            subs.add(
+                _start(
+                    {"dp-controller": (run_data_parallel_controller_process, (server_args, port_args, capacity), {})}
+                )
+            )
         except BaseException:
             subs.stop()
             raise

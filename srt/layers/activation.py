@@ -13,7 +13,12 @@ class SiluAndMul(nn.Module):
         d = x.shape[-1] // 2
         if self.gpu_ops is not None and not torch.compiler.is_dynamo_compiling() and x.dim() == 2:
             return self.gpu_ops.silu_and_mul(x)
-        if self.fused_ops is not None and not torch.compiler.is_dynamo_compiling() and x.dim() == 2 and x.is_contiguous():
+        if (
+            self.fused_ops is not None
+            and not torch.compiler.is_dynamo_compiling()
+            and x.dim() == 2
+            and x.is_contiguous()
+        ):
             out = torch.empty(x.shape[0], d, dtype=x.dtype, device=x.device)
             self.fused_ops.silu_and_mul(out, x)
             return out

@@ -89,8 +89,14 @@ class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; `shard` = (offset, size) of this rank's rows when the
     split is not even (attention heads at KV-group granularity)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
-                 shard: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        shard: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if shard is None:
@@ -153,9 +159,11 @@ def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) ->
         kv_start, kv_end = tp_rank * num_kv_heads // tp_size, (tp_rank + 1) * num_kv_heads // tp_size
         return HeadShard(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start)
     if tp_size % num_kv_heads or group < tp_size // num_kv_heads:
-        raise ValueError(f"cannot split {num_heads} attention heads with {num_kv_heads} KV heads over tp_size "
-                         f"{tp_size}: use a tp_size that divides the KV heads, or a multiple of them no larger "
-                         f"than the attention heads")
+        raise ValueError(
+            f"cannot split {num_heads} attention heads with {num_kv_heads} KV heads over tp_size "
+            f"{tp_size}: use a tp_size that divides the KV heads, or a multiple of them no larger "
+            f"than the attention heads"
+        )
     replicas = tp_size // num_kv_heads
     kv, j = divmod(tp_rank, replicas)
     q_start, q_end = kv * group + j * group // replicas, kv * group + (j + 1) * group // replicas
@@ -194,8 +202,14 @@ class RowParallelLinear(nn.Module):
     """Input features split across ranks (`shard` = (offset, size) when uneven); partial sums are
     all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
-                 shard: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        shard: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if shard is None:

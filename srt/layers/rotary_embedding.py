@@ -83,8 +83,15 @@ def compute_inv_freq(base: float, dim: int, scaling: dict | None, max_position: 
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
-                 scaling: dict | None = None, is_neox_style: bool = True):
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict | None = None,
+        is_neox_style: bool = True,
+    ):
         super().__init__()
         self.head_dim, self.rotary_dim, self.is_neox_style = head_dim, rotary_dim, is_neox_style
         inv_freq, attention_factor = compute_inv_freq(base, rotary_dim, scaling, max_position)

@@ -62,8 +62,13 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    def forward(self, logits_output, info: SamplingBatchInfo, return_logprob: bool = False,
-                top_logprobs_nums: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        logits_output,
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_nums: list[int] | None = None,
+    ) -> torch.Tensor:
         """Returns next token ids [B]. With `return_logprob`, fills logits_output's
         `next_token_logprobs` (and top-k) from the model's distribution before any penalty or
         temperature, the same numbers prompt logprobs use."""

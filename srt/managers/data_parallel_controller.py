@@ -85,8 +85,9 @@ class LoadBalancer:
         matches = [c.match(hashes) for c in self.caches]
         best = max(range(self.dp_size), key=lambda i: (matches[i], -loads[i]))
         cached = matches[best] * BLOCK_TOKENS
-        overloaded = (loads[best] - loads[least] > BALANCE_ABS_THRESHOLD
-                      and loads[best] > BALANCE_REL_THRESHOLD * loads[least])
+        overloaded = (
+            loads[best] - loads[least] > BALANCE_ABS_THRESHOLD and loads[best] > BALANCE_REL_THRESHOLD * loads[least]
+        )
         if matches[best] and cached >= CACHE_HIT_THRESHOLD * len(input_ids) and not overloaded:
             choice = best
             self.routed_by_cache += 1
@@ -115,8 +116,9 @@ class DataParallelController:
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input, bind=True)
         self.recv_load = zmq_socket(ctx, zmq.PULL, port_args.controller_input, bind=True)
-        self.replicas = [zmq_socket(ctx, zmq.PUSH, port_args.replica_input(d, self.dp_size), bind=False)
-                         for d in range(self.dp_size)]
+        self.replicas = [
+            zmq_socket(ctx, zmq.PUSH, port_args.replica_input(d, self.dp_size), bind=False) for d in range(self.dp_size)
+        ]
         self.reports = [LoadReport(d, 0, 0, 0, 0) for d in range(self.dp_size)]
         self.dispatched = [0] * self.dp_size
 
@@ -157,10 +159,15 @@ class DataParallelController:
                 sock.send_pyobj(msg)
 
 
-def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs, kv_capacity_tokens: int,
-                                         pipe_writer) -> None:
-    controller = start_child_process(pipe_writer, server_args.log_level, " DP controller",
-                                     lambda: DataParallelController(server_args, port_args, kv_capacity_tokens))
+def run_data_parallel_controller_process(
+    server_args: ServerArgs, port_args: PortArgs, kv_capacity_tokens: int, pipe_writer
+) -> None:
+    controller = start_child_process(
+        pipe_writer,
+        server_args.log_level,
+        " DP controller",
+        lambda: DataParallelController(server_args, port_args, kv_capacity_tokens),
+    )
     try:
         controller.event_loop()
     except Exception:

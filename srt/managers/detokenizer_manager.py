@@ -39,11 +39,18 @@ def stop_holdback(text: str, stop_strs: tuple[str, ...]) -> int:
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 stop_strs: tuple[str, ...] = (), no_stop_trim: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop_strs: tuple[str, ...] = (),
+        no_stop_trim: bool = False,
+    ):
         self.tokenizer = tokenizer
-        self.kw = dict(skip_special_tokens=skip_special_tokens,
-                       spaces_between_special_tokens=spaces_between_special_tokens)
+        self.kw = dict(
+            skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
         self.stop_strs, self.no_stop_trim = stop_strs, no_stop_trim
         self.ids: list[int] = []
         self.text = ""  # decoded text of ids[:read_offset]
@@ -64,8 +71,13 @@ class IncrementalDecoder:
 
     def step(self, new_ids: list[int], finished_reason: dict | None) -> str:
         """Feed new tokens; returns the text to emit now."""
-        if finished_reason is not None and finished_reason.get("type") == "stop" and not self.no_stop_trim \
-                and isinstance(finished_reason.get("matched"), int) and new_ids:
+        if (
+            finished_reason is not None
+            and finished_reason.get("type") == "stop"
+            and not self.no_stop_trim
+            and isinstance(finished_reason.get("matched"), int)
+            and new_ids
+        ):
             new_ids = new_ids[:-1]  # the matched stop token is not part of the text
         self.ids.extend(new_ids)
         final = finished_reason is not None
@@ -98,18 +110,29 @@ class DetokenizerManager:
 
     def handle(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
         deltas = []
-        for rid, new_ids, reason, settings in zip(batch.rids, batch.new_output_ids, batch.finished_reasons,
-                                                  batch.decode_settings):
+        for rid, new_ids, reason, settings in zip(
+            batch.rids, batch.new_output_ids, batch.finished_reasons, batch.decode_settings
+        ):
             dec = self.decoders.get(rid)
             if dec is None:
                 dec = self.decoders[rid] = IncrementalDecoder(self.tokenizer, *settings)
             deltas.append(dec.step(new_ids, reason))
             if reason is not None:
                 del self.decoders[rid]
-        return BatchStrOutput(batch.rids, batch.finished_reasons, deltas, batch.new_output_ids, batch.prompt_tokens,
-                              batch.completion_tokens, batch.cached_tokens, batch.retractions,
-                              batch.input_token_logprobs, batch.input_top_logprobs, batch.output_token_logprobs,
-                              batch.output_top_logprobs)
+        return BatchStrOutput(
+            batch.rids,
+            batch.finished_reasons,
+            deltas,
+            batch.new_output_ids,
+            batch.prompt_tokens,
+            batch.completion_tokens,
+            batch.cached_tokens,
+            batch.retractions,
+            batch.input_token_logprobs,
+            batch.input_top_logprobs,
+            batch.output_token_logprobs,
+            batch.output_top_logprobs,
+        )
 
     def event_loop(self) -> None:
         while True:

@@ -13,7 +13,6 @@ from typing import Any
 
 from srt.sampling.sampling_params import SamplingParams
 
-
 MAX_BATCH_SIZE = 2048  # prompts in one /generate call
 
 
@@ -45,7 +44,7 @@ class GenerateReqInput:
     data_parallel_rank: int | None = None  # pin to one --dp-size replica (SGLang's router sends it)
 
     @classmethod
-    def from_dict(cls, body: Any) -> "GenerateReqInput":
+    def from_dict(cls, body: Any) -> GenerateReqInput:
         if not isinstance(body, dict):
             raise InvalidRequest("request body must be a JSON object")
         names = cls.__dataclass_fields__.keys()
@@ -67,29 +66,41 @@ class GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequest("exactly one of `text` or `input_ids` must be given")
         if self.text is not None:
-            ok = isinstance(self.text, str) or (isinstance(self.text, list) and self.text
-                                                and all(isinstance(t, str) for t in self.text))
+            ok = isinstance(self.text, str) or (
+                isinstance(self.text, list) and self.text and all(isinstance(t, str) for t in self.text)
+            )
             if not ok:
                 raise InvalidRequest("`text` must be a string or a non-empty list of strings")
         else:
             ids = self.input_ids
             flat = isinstance(ids, list) and ids and all(_is_token(t) for t in ids)
-            nested = isinstance(ids, list) and ids and all(
-                isinstance(x, list) and x and all(_is_token(t) for t in x) for x in ids)
+            nested = (
+                isinstance(ids, list)
+                and ids
+                and all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in ids)
+            )
             if not (flat or nested):
                 raise InvalidRequest("`input_ids` must be a non-empty list of token ids or a list of such lists")
         n = self.batch_size
         if n > MAX_BATCH_SIZE:
             raise InvalidRequest(f"the batch has {n} prompts, more than the limit of {MAX_BATCH_SIZE}")
-        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                     "priority", "extra_key", "timeout"):
+        for name in (
+            "sampling_params",
+            "rid",
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "priority",
+            "extra_key",
+            "timeout",
+        ):
             v = getattr(self, name)
             if isinstance(v, list) and name != "input_ids" and (not self.is_batch or len(v) != n):
                 raise InvalidRequest(f"`{name}` is a list of {len(v)} but the request has {n} prompt(s)")
         if not isinstance(self.stream, bool):
             raise InvalidRequest(f"`stream` must be a boolean, got {self.stream!r}")
 
-    def item(self, i: int) -> "GenerateReqInput":
+    def item(self, i: int) -> GenerateReqInput:
         b = self.is_batch
         return GenerateReqInput(
             text=self.text[i] if b and self.text is not None else (None if b else self.text),

@@ -107,8 +107,13 @@ class Req:
         """Sampling reads the output history (penalties, the min_new_tokens ban, the grammar), so the next step
         cannot be built while a token of this request is still pending."""
         p = self.sampling_params
-        return (p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
-                or len(self.output_ids) < p.min_new_tokens or self.grammar is not None)
+        return (
+            p.frequency_penalty != 0
+            or p.presence_penalty != 0
+            or p.repetition_penalty != 1
+            or len(self.output_ids) < p.min_new_tokens
+            or self.grammar is not None
+        )
 
     @property
     def finished(self) -> bool:
@@ -183,7 +188,7 @@ class ScheduleBatch:
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished]
 
-    def merge(self, other: "ScheduleBatch") -> None:
+    def merge(self, other: ScheduleBatch) -> None:
         self.reqs.extend(other.reqs)
 
 
@@ -204,8 +209,9 @@ class BatchBuilder:
             fb = self.prepare_for_extend(batch)
         else:
             fb = self.prepare_for_decode(batch)
-        fb.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, vocab_size, eos_token_ids, self.device,
-                                                       positions=[r.kv_len for r in batch.reqs])
+        fb.sampling_info = SamplingBatchInfo.from_reqs(
+            batch.reqs, vocab_size, eos_token_ids, self.device, positions=[r.kv_len for r in batch.reqs]
+        )
         slots = self.future_map.alloc(len(batch.reqs))
         for r, slot in zip(batch.reqs, slots):
             r.future_slot = slot
@@ -244,8 +250,16 @@ class BatchBuilder:
         extra = self._logprob_fields(reqs, prefix_lens, seq_lens)
         for r, s in zip(reqs, seq_lens):
             r.kv_len = s
-        return ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
-                                  prefix_lens, loc, self.device, **extra)
+        return ForwardBatch.build(
+            ForwardMode.EXTEND,
+            input_ids,
+            [r.req_pool_idx for r in reqs],
+            seq_lens,
+            prefix_lens,
+            loc,
+            self.device,
+            **extra,
+        )
 
     def _logprob_fields(self, reqs, prefix_lens, seq_lens) -> dict:
         if not any(r.return_logprob for r in reqs):
@@ -259,9 +273,12 @@ class BatchBuilder:
             starts.append(min(first_row, s) - p)
             ids = r.fill_ids
             next_tokens.extend(ids[j + 1] if j + 1 < len(ids) else 0 for j in range(min(first_row, s), s))
-        return dict(return_logprob=True, top_logprobs_nums=[r.top_logprobs_num for r in reqs],
-                    extend_logprob_start_lens_cpu=starts,
-                    extend_input_logprob_token_ids=torch.tensor(next_tokens, dtype=torch.int64).to(self.device))
+        return dict(
+            return_logprob=True,
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+            extend_logprob_start_lens_cpu=starts,
+            extend_input_logprob_token_ids=torch.tensor(next_tokens, dtype=torch.int64).to(self.device),
+        )
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:
         page = self.allocator.page_size
@@ -281,7 +298,14 @@ class BatchBuilder:
         input_ids = [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs]
         for r in reqs:
             r.kv_len += 1
-        return ForwardBatch.build(ForwardMode.DECODE, input_ids, [r.req_pool_idx for r in reqs],
-                                  seq_lens, prefix_lens, loc, self.device,
-                                  return_logprob=any(r.return_logprob for r in reqs),
-                                  top_logprobs_nums=[r.top_logprobs_num for r in reqs])
+        return ForwardBatch.build(
+            ForwardMode.DECODE,
+            input_ids,
+            [r.req_pool_idx for r in reqs],
+            seq_lens,
+            prefix_lens,
+            loc,
+            self.device,
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+        )

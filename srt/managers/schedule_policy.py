@@ -87,8 +87,11 @@ class InBatchPrefixes:
 
     def defer(self, req: Req) -> bool:
         ids = req.fill_ids
-        return (req.kv_len < IN_BATCH_PREFIX_TOKENS and len(ids) > IN_BATCH_PREFIX_TOKENS
-                and tuple(ids[:IN_BATCH_PREFIX_TOKENS]) in self.heads)
+        return (
+            req.kv_len < IN_BATCH_PREFIX_TOKENS
+            and len(ids) > IN_BATCH_PREFIX_TOKENS
+            and tuple(ids[:IN_BATCH_PREFIX_TOKENS]) in self.heads
+        )
 
     def add(self, req: Req) -> None:
         if len(req.fill_ids) > IN_BATCH_PREFIX_TOKENS:
@@ -104,8 +107,16 @@ class PrefillAdder:
     slots (--max-running-requests).
     """
 
-    def __init__(self, tree_cache, allocator, running: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None, rem_running_slots: int):
+    def __init__(
+        self,
+        tree_cache,
+        allocator,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        rem_running_slots: int,
+    ):
         self.tree_cache = tree_cache
         self.page_size = allocator.page_size
         self.free_tokens = allocator.available_size() + tree_cache.evictable_size()

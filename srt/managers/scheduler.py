@@ -76,12 +76,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size)
         self.allocator = runner.token_to_kv_pool_allocator
-        self.builder = BatchBuilder(runner.req_to_token_pool, self.allocator, self.tree_cache,
-                                    self.tp_worker.future_map, runner.device)
+        self.builder = BatchBuilder(
+            runner.req_to_token_pool, self.allocator, self.tree_cache, self.tp_worker.future_map, runner.device
+        )
         self.overlap = server_args.overlap_schedule_enabled(runner.device)
         if runner.device == "cpu" and not self.overlap and not server_args.disable_overlap_schedule:
-            logger.info("Overlap schedule off on CPU: the forward already uses every core, and a worker thread "
-                        "sharing them (and the GIL) makes decoding slower; --enable-overlap-schedule forces it")
+            logger.info(
+                "Overlap schedule off on CPU: the forward already uses every core, and a worker thread "
+                "sharing them (and the GIL) makes decoding slower; --enable-overlap-schedule forces it"
+            )
         self.worker_client = TpModelWorkerClient(self.tp_worker) if self.overlap else None
         self.pending: deque[tuple[ScheduleBatch, Future]] = deque()  # launched, results not processed
         self.last_prefill: ScheduleBatch | None = None
@@ -96,8 +99,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         self.checked_idle = False
         self.grammar_backend = None
         if server_args.grammar_backend == "xgrammar":
-            self.grammar_backend = XGrammarBackend(self.tokenizer, self.model_config.vocab_size,
-                                                   sorted(self.eos_token_ids))
+            self.grammar_backend = XGrammarBackend(
+                self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+            )
         self.grammar_queue: list[tuple[Req, Future, float]] = []  # (request, its compile, when it arrived)
         # the request's KV waits in the prefix cache across a jump: without a radix cache it would be recomputed
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
@@ -105,13 +109,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         self.init_guard()
         self.warmup()
         ctx = zmq.Context(2)
-        self.recv_from_tokenizer = zmq_socket(ctx, zmq.PULL, port_args.replica_input(dp_rank, server_args.dp_size),
-                                              bind=True)
+        self.recv_from_tokenizer = zmq_socket(
+            ctx, zmq.PULL, port_args.replica_input(dp_rank, server_args.dp_size), bind=True
+        )
         self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
         self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
         # With --dp-size, the controller routes by each replica's load: report it when it changes.
-        self.send_to_controller = (zmq_socket(ctx, zmq.PUSH, port_args.controller_input, bind=False)
-                                   if server_args.dp_size > 1 else None)
+        self.send_to_controller = (
+            zmq_socket(ctx, zmq.PUSH, port_args.controller_input, bind=False) if server_args.dp_size > 1 else None
+        )
         self.num_received = 0
         self.last_load: tuple | None = None
 
@@ -182,8 +188,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
 
     def has_runnable_work(self) -> bool:
         launched = self.last_prefill.reqs if self.last_prefill is not None else []
-        return bool(self.waiting_queue or self.chunked_req or self.pending
-                    or any(not r.finished for r in self.running_batch.reqs + launched))
+        return bool(
+            self.waiting_queue
+            or self.chunked_req
+            or self.pending
+            or any(not r.finished for r in self.running_batch.reqs + launched)
+        )
 
     def has_work(self) -> bool:
         return bool(self.grammar_queue) or self.has_runnable_work()
@@ -232,16 +242,28 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         self.num_received += 1
-        req = Req(recv.rid, recv.input_ids, recv.sampling_params, recv.return_logprob, recv.logprob_start_len,
-                  recv.top_logprobs_num, recv.stream, recv.priority, recv.extra_key, recv.created_time,
-                  timeout=recv.timeout)
+        req = Req(
+            recv.rid,
+            recv.input_ids,
+            recv.sampling_params,
+            recv.return_logprob,
+            recv.logprob_start_len,
+            recv.top_logprobs_num,
+            recv.stream,
+            recv.priority,
+            recv.extra_key,
+            recv.created_time,
+            timeout=recv.timeout,
+        )
         self.track_deadline(req)
         key = req.sampling_params.grammar_key
         if key is None:
             self.waiting_queue.append(req)
         elif self.grammar_backend is None:
-            self.fail_request(req, "structured output (json_schema / regex / ebnf) is disabled on this server "
-                                   "(--grammar-backend none)")
+            self.fail_request(
+                req,
+                "structured output (json_schema / regex / ebnf) is disabled on this server (--grammar-backend none)",
+            )
         else:  # the event loop polls the queue right after taking in new requests
             self.grammar_queue.append((req, self.grammar_backend.submit(key), time.monotonic()))
 
@@ -267,8 +289,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
                     req.grammar = self.grammar_backend.matcher(result)
                     self.waiting_queue.append(req)
             elif now - since > timeout:
-                self.fail_request(req, f"the grammar did not compile within {timeout:g} s "
-                                       f"(--grammar-compile-timeout)")
+                self.fail_request(req, f"the grammar did not compile within {timeout:g} s (--grammar-compile-timeout)")
             else:
                 still.append((req, fut, since))
         self.grammar_queue = still
@@ -295,8 +316,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         if self.last_prefill is not None:
             # Requests whose prompt is complete join the decode batch, even before their prefill
             # results are processed (their first token is then a future-map placeholder).
-            self.running_batch.reqs.extend(r for r in self.last_prefill.reqs
-                                           if not r.finished and r is not self.chunked_req)
+            self.running_batch.reqs.extend(
+                r for r in self.last_prefill.reqs if not r.finished and r is not self.chunked_req
+            )
             self.last_prefill = None
         if any(r.future_slot is not None and r.needs_fresh_history for r in self.running_batch.reqs):
             self.sync_pending()
@@ -320,9 +342,15 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
         self.policy.calc_priority(self.waiting_queue)
-        adder = PrefillAdder(self.tree_cache, self.allocator, self.running_batch.reqs, self.new_token_ratio,
-                             self.server_args.max_prefill_tokens, self.chunked_prefill_size,
-                             self.max_running_requests - running)
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.allocator,
+            self.running_batch.reqs,
+            self.new_token_ratio,
+            self.server_args.max_prefill_tokens,
+            self.chunked_prefill_size,
+            self.max_running_requests - running,
+        )
         if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req) is True:
             self.chunked_req = None  # its last chunk runs in this batch
         admitted = []
@@ -368,8 +396,10 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         # Retract the requests that generated the fewest tokens (cheapest to redo).
         batch.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         retracted = []
-        while batch.reqs and (self.allocator.available_size() + self.tree_cache.evictable_size()
-                              < self.builder.decode_slots_needed(batch.reqs)):
+        while batch.reqs and (
+            self.allocator.available_size() + self.tree_cache.evictable_size()
+            < self.builder.decode_slots_needed(batch.reqs)
+        ):
             req = batch.reqs.pop()
             self.park(req, retraction=True)
             retracted.append(req)
@@ -378,8 +408,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         decoded = sum(len(r.output_ids) for r in batch.reqs)
         budget = sum(min(r.max_new_tokens or CLIP_MAX_NEW_TOKENS, CLIP_MAX_NEW_TOKENS) for r in batch.reqs)
         self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(batch.reqs)) / max(budget, 1))
-        logger.warning("KV cache full: retracted %d request(s); new_token_ratio %.2f", len(retracted),
-                       self.new_token_ratio)
+        logger.warning(
+            "KV cache full: retracted %d request(s); new_token_ratio %.2f", len(retracted), self.new_token_ratio
+        )
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -449,8 +480,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
             return
         out = req.output_ids
         tail = out[-JUMP_FORWARD_CONTEXT_TOKENS:]  # earlier tokens belong to finished pre-tokens
-        ids = self.tokenizer.encode(self.tokenizer.decode(tail, clean_up_tokenization_spaces=False) + forced,
-                                    add_special_tokens=False)
+        ids = self.tokenizer.encode(
+            self.tokenizer.decode(tail, clean_up_tokenization_spaces=False) + forced, add_special_tokens=False
+        )
         if ids[: len(tail)] != tail:
             return
         # The last forced token is left to the model: it may merge with the free text after it
@@ -458,8 +490,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         extra = ids[len(tail) : -1]
         if len(extra) < JUMP_FORWARD_MIN_TOKENS:
             return
-        if (p.max_new_tokens is not None and len(out) + len(extra) >= p.max_new_tokens
-                or req.seq_len + len(extra) >= self.model_config.context_len):
+        if (
+            p.max_new_tokens is not None
+            and len(out) + len(extra) >= p.max_new_tokens
+            or req.seq_len + len(extra) >= self.model_config.context_len
+        ):
             return
         if set(extra) & (set(p.stop_token_ids or ()) | self.eos_token_ids):
             return  # a stop token inside the forced string: decode it normally
@@ -507,9 +542,11 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         slots = self.runner.req_to_token_pool
         problems = []
         if total != self.allocator.size:
-            problems.append(f"KV slots: free {self.allocator.available_size()} + evictable "
-                            f"{self.tree_cache.evictable_size()} + protected {self.tree_cache.protected_size()} "
-                            f"!= capacity {self.allocator.size}")
+            problems.append(
+                f"KV slots: free {self.allocator.available_size()} + evictable "
+                f"{self.tree_cache.evictable_size()} + protected {self.tree_cache.protected_size()} "
+                f"!= capacity {self.allocator.size}"
+            )
         if self.tree_cache.protected_size():
             problems.append(f"{self.tree_cache.protected_size()} cached tokens still locked while idle")
         if slots.available_size() != slots.size:
@@ -529,10 +566,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         return FlushCacheReqOutput(True)
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer,
-                          dp_rank: int = 0) -> None:
-    scheduler = start_child_process(pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank),
-                                    lambda: Scheduler(server_args, port_args, tp_rank, dp_rank), Scheduler.ready_info)
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer, dp_rank: int = 0
+) -> None:
+    scheduler = start_child_process(
+        pipe_writer,
+        server_args.log_level,
+        rank_log_prefix(server_args, tp_rank, dp_rank),
+        lambda: Scheduler(server_args, port_args, tp_rank, dp_rank),
+        Scheduler.ready_info,
+    )
     try:
         scheduler.event_loop()
     except Exception as e:

@@ -75,8 +75,12 @@ class SchedulerGuardMixin:
             time.sleep(min(timeout / 4, 5.0))
             stalled = time.monotonic() - self.last_progress
             if stalled > timeout and self.has_work():
-                logger.error("watchdog: the scheduler made no progress for %.0f s with work pending "
-                             "(--watchdog-timeout %g); dumping stacks and exiting", stalled, timeout)
+                logger.error(
+                    "watchdog: the scheduler made no progress for %.0f s with work pending "
+                    "(--watchdog-timeout %g); dumping stacks and exiting",
+                    stalled,
+                    timeout,
+                )
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 os._exit(3)

@@ -130,8 +130,9 @@ class SchedulerOutputMixin:
             out.rids.append(r.rid)
             out.finished_reasons.append(r.finished_reason)
             out.new_output_ids.append(new_ids)
-            out.decode_settings.append((p.skip_special_tokens, p.spaces_between_special_tokens, tuple(p.stop_strs),
-                                        p.no_stop_trim))
+            out.decode_settings.append(
+                (p.skip_special_tokens, p.spaces_between_special_tokens, tuple(p.stop_strs), p.no_stop_trim)
+            )
             out.prompt_tokens.append(len(r.origin_input_ids))
             out.completion_tokens.append(len(r.output_ids))
             out.cached_tokens.append(r.cached_tokens)
@@ -157,9 +158,17 @@ class SchedulerOutputMixin:
         cached = sum(r.kv_len for r in can_run)
         self.total_prompt_tokens += new_tokens + cached
         self.total_cached_tokens += cached
-        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                    "#running-req: %d, #queue-req: %d, cache hit rate: %.1f%%", len(can_run), new_tokens, cached,
-                    self.token_usage(), running_before, len(self.waiting_queue), 100 * self.cache_hit_rate())
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d, cache hit rate: %.1f%%",
+            len(can_run),
+            new_tokens,
+            cached,
+            self.token_usage(),
+            running_before,
+            len(self.waiting_queue),
+            100 * self.cache_hit_rate(),
+        )
 
     def cache_hit_rate(self) -> float:
         return self.total_cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
@@ -176,9 +185,16 @@ class SchedulerOutputMixin:
         used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
         idle = self.forward_idle_fraction(self.interval_busy_s, self.interval_wait_s)
         self.interval_busy_s = self.interval_wait_s = 0.0
-        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                    "#queue-req: %d, forward idle: %.1f%%", len(self.running_batch.reqs), used, self.token_usage(),
-                    throughput, len(self.waiting_queue), 100 * idle)
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d, forward idle: %.1f%%",
+            len(self.running_batch.reqs),
+            used,
+            self.token_usage(),
+            throughput,
+            len(self.waiting_queue),
+            100 * idle,
+        )
 
     def internal_state(self) -> dict:
         return {

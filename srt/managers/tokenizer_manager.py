@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -113,14 +113,18 @@ class TokenizerManager:
         if args.max_queued_requests is not None:
             limit = self.scheduler_info["max_running_requests"] * args.dp_size + args.max_queued_requests
             if len(self.rid_to_state) + requests > limit:
-                raise Overloaded(f"the server is at capacity: {len(self.rid_to_state)} requests in flight, limit "
-                                 f"{limit} (--max-running-requests + --max-queued-requests); retry later")
+                raise Overloaded(
+                    f"the server is at capacity: {len(self.rid_to_state)} requests in flight, limit "
+                    f"{limit} (--max-running-requests + --max-queued-requests); retry later"
+                )
         if args.max_queued_tokens is not None:
             limit = self.max_total_num_tokens * args.dp_size + args.max_queued_tokens
             if self.inflight_prompt_tokens + prompt_tokens > limit:
-                raise Overloaded(f"the server is at capacity: {self.inflight_prompt_tokens} prompt tokens in flight, "
-                                 f"this request adds {prompt_tokens}, limit {limit} (KV pool + --max-queued-tokens); "
-                                 f"retry later")
+                raise Overloaded(
+                    f"the server is at capacity: {self.inflight_prompt_tokens} prompt tokens in flight, "
+                    f"this request adds {prompt_tokens}, limit {limit} (KV pool + --max-queued-tokens); "
+                    f"retry later"
+                )
 
     def _check_accepting(self) -> None:
         if self.dead_reason:
@@ -143,8 +147,10 @@ class TokenizerManager:
         params.verify(self.vocab_size)
         cap = self.server_args.max_new_tokens_cap
         if cap is not None and params.max_new_tokens is not None and params.max_new_tokens > cap:
-            raise InvalidRequest(f"sampling_params.max_new_tokens = {params.max_new_tokens} exceeds this server's "
-                                 f"cap of {cap} (--max-new-tokens-cap)")
+            raise InvalidRequest(
+                f"sampling_params.max_new_tokens = {params.max_new_tokens} exceeds this server's "
+                f"cap of {cap} (--max-new-tokens-cap)"
+            )
         n = len(ids)
         if n > self.max_req_input_len:
             raise InvalidRequest(f"the prompt has {n} tokens, more than the maximum of {self.max_req_input_len}")
@@ -153,12 +159,16 @@ class TokenizerManager:
             if cap is not None:
                 params.max_new_tokens = min(params.max_new_tokens, cap)
         if n + params.max_new_tokens > self.context_len:
-            raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                                 f"{n + params.max_new_tokens} exceeds the context length ({self.context_len})")
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{n + params.max_new_tokens} exceeds the context length ({self.context_len})"
+            )
         if n + params.max_new_tokens > self.max_total_num_tokens:
-            raise InvalidRequest(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                                 f"{n + params.max_new_tokens} exceeds the KV cache capacity "
-                                 f"({self.max_total_num_tokens} tokens)")
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{n + params.max_new_tokens} exceeds the KV cache capacity "
+                f"({self.max_total_num_tokens} tokens)"
+            )
         start = obj.logprob_start_len if obj.logprob_start_len is not None else -1
         if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start <= n:
             raise InvalidRequest(f"logprob_start_len = {start!r} must be an integer in [-1, {n}] (prompt tokens)")
@@ -178,13 +188,27 @@ class TokenizerManager:
         if tenant is not None:  # namespaced by the server-side tenant: a client cannot reach another's cache
             extra_key = f"{tenant}\x00{extra_key or ''}"
         dp_rank = obj.data_parallel_rank
-        if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)
-                                    or not 0 <= dp_rank < self.server_args.dp_size):
-            raise InvalidRequest(f"data_parallel_rank = {dp_rank!r} must be an integer in "
-                                 f"[0, {self.server_args.dp_size}) (--dp-size)")
-        return TokenizedGenerateReqInput(rid, obj.text, ids, params, bool(obj.return_logprob), start, top,
-                                         obj.stream, obj.priority, extra_key, time.time(), self._timeout(obj.timeout),
-                                         dp_rank)
+        if dp_rank is not None and (
+            not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or not 0 <= dp_rank < self.server_args.dp_size
+        ):
+            raise InvalidRequest(
+                f"data_parallel_rank = {dp_rank!r} must be an integer in [0, {self.server_args.dp_size}) (--dp-size)"
+            )
+        return TokenizedGenerateReqInput(
+            rid,
+            obj.text,
+            ids,
+            params,
+            bool(obj.return_logprob),
+            start,
+            top,
+            obj.stream,
+            obj.priority,
+            extra_key,
+            time.time(),
+            self._timeout(obj.timeout),
+            dp_rank,
+        )
 
     def _timeout(self, given) -> float | None:
         default = self.server_args.request_timeout
@@ -249,10 +273,10 @@ class TokenizerManager:
 
     @staticmethod
     async def _last(gen) -> dict:
-        out = None
+        last = None
         async for out in gen:
-            pass
-        return out
+            last = out
+        return last
 
     async def _cache_prefixes(self, items, tokenized, request) -> None:
         """Prefill each prompt once (max_new_tokens 0) so the n samples share its cached KV."""

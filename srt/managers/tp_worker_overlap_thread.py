@@ -25,7 +25,7 @@ class TpModelWorkerClient:
         self.thread = threading.Thread(target=self._loop, name="forward-worker", daemon=True)
         self.thread.start()
 
-    def launch(self, fb: ForwardBatch, future_slots: list[int]) -> "Future[BatchResult]":
+    def launch(self, fb: ForwardBatch, future_slots: list[int]) -> Future[BatchResult]:
         fut: Future = Future()
         self.input_queue.put((fb, future_slots, fut))
         return fut

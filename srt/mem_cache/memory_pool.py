@@ -50,8 +50,9 @@ class MHATokenToKVPool:
     write their KV there, so no write ever needs a mask.
     """
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
-                 layer_num: int, device: str):
+    def __init__(
+        self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int, device: str
+    ):
         self.size, self.page_size, self.dtype = size, page_size, dtype
         self.head_num, self.head_dim, self.layer_num = head_num, head_dim, layer_num
         self.device = device

@@ -20,7 +20,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class TreeNode:
     _ids = itertools.count()
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: "TreeNode | None", extra_key: str | None):
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, extra_key: str | None):
         self.key = key
         self.value = value
         self.parent = parent
@@ -30,7 +30,7 @@ class TreeNode:
         self.last_access_time = 0
         self.id = next(TreeNode._ids)
 
-    def __lt__(self, other: "TreeNode") -> bool:
+    def __lt__(self, other: TreeNode) -> bool:
         return (self.last_access_time, self.id) < (other.last_access_time, other.id)
 
 
@@ -178,7 +178,9 @@ class RadixCache(BasePrefixCache):
                 assert node.parent is self.root or node.parent.lock_ref >= node.lock_ref
             else:
                 ev += len(node.key)
-        assert (ev, pr) == (self._evictable, self._protected), f"tree {ev}/{pr} != counters {self._evictable}/{self._protected}"
+        assert (ev, pr) == (self._evictable, self._protected), (
+            f"tree {ev}/{pr} != counters {self._evictable}/{self._protected}"
+        )
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -16,8 +16,27 @@ PREFIX = "sglang:"
 
 # Upper bounds in seconds (SGLang's ranges, trimmed).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 120.0)
-ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-               0.75, 1.0, 2.0)
+ITL_BUCKETS = (
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+)
 E2E_BUCKETS = (0.1, 0.2, 0.4, 0.8, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -93,8 +112,11 @@ class SchedulerMetrics:
         self.histograms["e2e_request_latency_seconds"].observe(max(time.time() - req.created_time, 0.0))
 
     def state(self) -> dict:
-        return {"counters": dict(self.counters), "gen_throughput": self.gen_throughput,
-                "histograms": {name: h.state() for name, h in self.histograms.items()}}
+        return {
+            "counters": dict(self.counters),
+            "gen_throughput": self.gen_throughput,
+            "histograms": {name: h.state() for name, h in self.histograms.items()},
+        }
 
 
 class _StateCollector:

@@ -84,10 +84,12 @@ class CompiledDecodeRunner:
         self.cache_labels: dict[int, str] = {}
         self.steps = 0  # decode steps run compiled
         self.freezing: bool | None = None
-        self.layers = sorted((m for m in model_runner.model.modules() if isinstance(m, RadixAttention)),
-                             key=lambda m: m.layer_id)
-        self._graph = torch.compile(self._decode_logits, dynamic=False, fullgraph=True,
-                                    mode="max-autotune-no-cudagraphs")
+        self.layers = sorted(
+            (m for m in model_runner.model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id
+        )
+        self._graph = torch.compile(
+            self._decode_logits, dynamic=False, fullgraph=True, mode="max-autotune-no-cudagraphs"
+        )
         self.thread = threading.Thread(target=self._compile_all, name="torch-compile", daemon=True)
         self.thread.start()
 
@@ -121,10 +123,15 @@ class CompiledDecodeRunner:
             return torch.cat([t, fill.to(t.dtype)])
 
         return dataclasses.replace(
-            fb, batch_size=size, input_ids=pad(fb.input_ids, zeros), positions=pad(fb.positions, zeros),
+            fb,
+            batch_size=size,
+            input_ids=pad(fb.input_ids, zeros),
+            positions=pad(fb.positions, zeros),
             req_pool_indices=pad(fb.req_pool_indices, fb.req_pool_indices[:1].expand(n)),
-            seq_lens=pad(fb.seq_lens, zeros + 1), seq_lens_cpu=fb.seq_lens_cpu + [1] * n,
-            out_cache_loc=pad(fb.out_cache_loc, zeros))
+            seq_lens=pad(fb.seq_lens, zeros + 1),
+            seq_lens_cpu=fb.seq_lens_cpu + [1] * n,
+            out_cache_loc=pad(fb.out_cache_loc, zeros),
+        )
 
     def _dummy_batch(self, size: int) -> ForwardBatch:
         """A batch that reads and writes only the padding sink, with its own backend instance (the
@@ -155,22 +162,40 @@ class CompiledDecodeRunner:
             except Exception as e:  # a compiler failure: keep serving eagerly, say so once
                 root = e.__cause__ or e
                 self.failed = f"{type(root).__name__}: {(str(root).splitlines() or [''])[0]}"
-                logger.warning("torch.compile of the decode step failed at batch %d (%s); decode stays eager",
-                               size, self.failed)
+                logger.warning(
+                    "torch.compile of the decode step failed at batch %d (%s); decode stays eager", size, self.failed
+                )
                 return
-            self.cache_labels[size] = ("compiled and autotuned" if _autotune_runs() > autotuned
-                                       else "kernels and autotuning from the on-disk cache")
+            self.cache_labels[size] = (
+                "compiled and autotuned"
+                if _autotune_runs() > autotuned
+                else "kernels and autotuning from the on-disk cache"
+            )
             self.compile_seconds[size] = time.perf_counter() - t  # last: marks the bucket ready
-            logger.info("torch.compile decode batch %d ready in %.1f s (%s)", size, self.compile_seconds[size],
-                        self.cache_labels[size])
-        logger.info("torch.compile: %d decode graphs (batch %s) ready in %.1f s", len(self.buckets),
-                    ",".join(map(str, self.buckets)), time.perf_counter() - start)
+            logger.info(
+                "torch.compile decode batch %d ready in %.1f s (%s)",
+                size,
+                self.compile_seconds[size],
+                self.cache_labels[size],
+            )
+        logger.info(
+            "torch.compile: %d decode graphs (batch %s) ready in %.1f s",
+            len(self.buckets),
+            ",".join(map(str, self.buckets)),
+            time.perf_counter() - start,
+        )
 
     def status(self) -> dict:
-        return {"buckets": self.buckets, "ready": sorted(self.compile_seconds), "failed": self.failed, "steps": self.steps,
-                "graphs": compiled_graph_count(), "freezing": self.freezing,
-                "compile_seconds": {str(k): round(v, 2) for k, v in self.compile_seconds.items()},
-                "cache": {str(k): v for k, v in self.cache_labels.items()}}
+        return {
+            "buckets": self.buckets,
+            "ready": sorted(self.compile_seconds),
+            "failed": self.failed,
+            "steps": self.steps,
+            "graphs": compiled_graph_count(),
+            "freezing": self.freezing,
+            "compile_seconds": {str(k): round(v, 2) for k, v in self.compile_seconds.items()},
+            "cache": {str(k): v for k, v in self.cache_labels.items()},
+        }
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every bucket is compiled (tests, benchmarks); False on timeout or failure."""

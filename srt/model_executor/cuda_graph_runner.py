@@ -69,8 +69,15 @@ def graph_unsupported_reason(device: str, server_args, backend) -> str | None:
     return None
 
 
-def graph_memory_estimate(max_bs: int, vocab_size: int, hidden_size: int, intermediate_size: int, num_heads: int,
-                          head_dim: int, dtype_bytes: int) -> int:
+def graph_memory_estimate(
+    max_bs: int,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+) -> int:
     """Bytes the decode graphs are expected to hold (see the module docstring)."""
     from kernels.triton_attention import MAX_KV_SPLITS
 
@@ -96,9 +103,10 @@ class DecodeInputs:
     out_cache_loc: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_bs: int, device) -> "DecodeInputs":
-        return cls(**{name: torch.full((max_bs,), fill, dtype=torch.int64, device=device)
-                      for name, fill in PADDING.items()})
+    def allocate(cls, max_bs: int, device) -> DecodeInputs:
+        return cls(
+            **{name: torch.full((max_bs,), fill, dtype=torch.int64, device=device) for name, fill in PADDING.items()}
+        )
 
     def load(self, fb: ForwardBatch, size: int) -> None:
         """Copy fb's rows into the first fb.batch_size entries and pad them to `size`."""
@@ -111,8 +119,16 @@ class DecodeInputs:
 
     def forward_batch(self, size: int) -> ForwardBatch:
         """A decode batch over the first `size` entries (host-side lengths are placeholders)."""
-        return ForwardBatch(ForwardMode.DECODE, size, self.input_ids[:size], self.positions[:size],
-                            self.req_pool_indices[:size], self.seq_lens[:size], [1] * size, self.out_cache_loc[:size])
+        return ForwardBatch(
+            ForwardMode.DECODE,
+            size,
+            self.input_ids[:size],
+            self.positions[:size],
+            self.req_pool_indices[:size],
+            self.seq_lens[:size],
+            [1] * size,
+            self.out_cache_loc[:size],
+        )
 
 
 class CudaGraphRunner:
@@ -167,12 +183,20 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %.2f GiB (%.2f GiB reserved)",
-                    len(self.sizes), ",".join(map(str, self.sizes)), self.capture_seconds, self.memory_bytes / 2**30,
-                    self.reserved_bytes / 2**30)
+        logger.info(
+            "CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %.2f GiB (%.2f GiB reserved)",
+            len(self.sizes),
+            ",".join(map(str, self.sizes)),
+            self.capture_seconds,
+            self.memory_bytes / 2**30,
+            self.reserved_bytes / 2**30,
+        )
         if self.memory_bytes > self.reserved_bytes:
-            logger.warning("CUDA graphs took %.2f GiB more than reserved; lower --mem-fraction-static if "
-                           "prefills run out of memory", (self.memory_bytes - self.reserved_bytes) / 2**30)
+            logger.warning(
+                "CUDA graphs took %.2f GiB more than reserved; lower --mem-fraction-static if "
+                "prefills run out of memory",
+                (self.memory_bytes - self.reserved_bytes) / 2**30,
+            )
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
@@ -188,6 +212,12 @@ class CudaGraphRunner:
         return LogitsProcessorOutput(next_token_logits=self.logits[: fb.batch_size])
 
     def status(self) -> dict:
-        return {"enabled": True, "reason": None, "batch_sizes": self.sizes,
-                "capture_seconds": round(self.capture_seconds, 2), "memory_bytes": self.memory_bytes,
-                "reserved_bytes": self.reserved_bytes, "replays": self.replays}
+        return {
+            "enabled": True,
+            "reason": None,
+            "batch_sizes": self.sizes,
+            "capture_seconds": round(self.capture_seconds, 2),
+            "memory_bytes": self.memory_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "replays": self.replays,
+        }

@@ -59,8 +59,17 @@ class ForwardBatch:
     attn_backend: AttentionBackend | None = None
 
     @classmethod
-    def build(cls, mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int], seq_lens: list[int],
-              prefix_lens: list[int], out_cache_loc: torch.Tensor, device, **extra) -> "ForwardBatch":
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int],
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        prefix_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        device,
+        **extra,
+    ) -> ForwardBatch:
         """Tensors for a batch where request i extends from prefix_lens[i] to seq_lens[i]
         (a decode request is an extend of one token)."""
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
@@ -84,7 +93,11 @@ class ForwardBatch:
             starts = [0]
             for n in extend_lens[:-1]:
                 starts.append(starts[-1] + n)
-            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, fb.extend_start_loc_cpu = extend_lens, list(prefix_lens), starts
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, fb.extend_start_loc_cpu = (
+                extend_lens,
+                list(prefix_lens),
+                starts,
+            )
             fb.extend_seq_lens = torch.tensor(extend_lens, dtype=torch.int64).to(device, non_blocking=True)
             fb.extend_prefix_lens = torch.tensor(prefix_lens, dtype=torch.int64).to(device, non_blocking=True)
             fb.extend_start_loc = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)

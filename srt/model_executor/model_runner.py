@@ -7,9 +7,9 @@ import logging
 import psutil
 import torch
 
+from kernels import cpu as cpu_kernels
 from srt.configs.model_config import ModelConfig
 from srt.distributed.parallel_state import all_reduce_min_int, init_distributed, init_tp_group
-from kernels import cpu as cpu_kernels
 from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
@@ -37,8 +37,18 @@ def memory_info(device: str) -> tuple[int, int]:
     return available_memory_bytes(device), psutil.virtual_memory().total
 
 
-def kv_pool_tokens(device: str, fraction: float, per_token_bytes: int, page_size: int, *, free_before: int,
-                   free_after: int, total: int, weight_bytes: int, reserved_bytes: int = 0) -> int:
+def kv_pool_tokens(
+    device: str,
+    fraction: float,
+    per_token_bytes: int,
+    page_size: int,
+    *,
+    free_before: int,
+    free_after: int,
+    total: int,
+    weight_bytes: int,
+    reserved_bytes: int = 0,
+) -> int:
     """KV pool size in tokens (whole pages) under --mem-fraction-static `fraction`.
 
     CUDA (as SGLang): the static share `fraction * total` of the device, less everything in use
@@ -55,8 +65,14 @@ def kv_pool_tokens(device: str, fraction: float, per_token_bytes: int, page_size
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0,
-                 compile_buckets: list[int] | None = None, dp_rank: int = 0):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        server_args: ServerArgs,
+        tp_rank: int = 0,
+        compile_buckets: list[int] | None = None,
+        dp_rank: int = 0,
+    ):
         self.model_config = model_config
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
@@ -68,12 +84,20 @@ class ModelRunner:
             # replica d's ranks on this node use GPUs d * ranks_per_node ...
             gpu = dp_rank * ranks_per_node + tp_rank % ranks_per_node
             if gpu >= torch.cuda.device_count():
-                raise RuntimeError(f"--dp-size {server_args.dp_size} x {ranks_per_node} tensor-parallel ranks per node "
-                                   f"need {server_args.dp_size * ranks_per_node} GPUs; {torch.cuda.device_count()} visible")
+                raise RuntimeError(
+                    f"--dp-size {server_args.dp_size} x {ranks_per_node} tensor-parallel ranks per node "
+                    f"need {server_args.dp_size * ranks_per_node} GPUs; {torch.cuda.device_count()} visible"
+                )
             torch.cuda.set_device(gpu)
         if self.tp_size > 1:
-            init_distributed(tp_rank, self.tp_size, server_args.dist_init_addr, self.device, server_args.dist_timeout,
-                             single_host=server_args.nnodes == 1)
+            init_distributed(
+                tp_rank,
+                self.tp_size,
+                server_args.dist_init_addr,
+                self.device,
+                server_args.dist_timeout,
+                single_host=server_args.nnodes == 1,
+            )
         init_tp_group(tp_rank, self.tp_size)
         if self.device == "cpu":
             set_torch_threads(share=ranks_per_node * server_args.dp_size)  # every rank of every replica computes
@@ -85,10 +109,13 @@ class ModelRunner:
             packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
         if self.device == "cpu" and (ops := cpu_kernels.load()) is not None:
-            logger.info("Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops))
+            logger.info(
+                "Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops)
+            )
         if self.device == "cuda" and (ops := gpu_ops.load()) is not None:
-            logger.info("Fused %s kernels for %d norm/activation modules", ops.name,
-                        enable_fused_gpu_ops(self.model, ops))
+            logger.info(
+                "Fused %s kernels for %d norm/activation modules", ops.name, enable_fused_gpu_ops(self.model, ops)
+            )
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
         self.init_memory_pool(available_before)
@@ -105,8 +132,9 @@ class ModelRunner:
             self.compiled_decode = CompiledDecodeRunner(self, server_args.torch_compile_max_bs, compile_buckets)
         self.cuda_graph_runner = None
         if self.cuda_graph_off_reason is None:
-            self.cuda_graph_runner = CudaGraphRunner(self, server_args.cuda_graph_max_bs,
-                                                     self.cuda_graph_reserved_bytes)
+            self.cuda_graph_runner = CudaGraphRunner(
+                self, server_args.cuda_graph_max_bs, self.cuda_graph_reserved_bytes
+            )
         elif self.device == "cuda":
             logger.info("CUDA graphs off: %s", self.cuda_graph_off_reason)
 
@@ -119,9 +147,14 @@ class ModelRunner:
         if self.cuda_graph_off_reason is None:
             hf = cfg.hf_config
             self.cuda_graph_reserved_bytes = graph_memory_estimate(
-                min(args.cuda_graph_max_bs, max_running_cap), cfg.vocab_size, cfg.hidden_size,
-                getattr(hf, "intermediate_size", 4 * cfg.hidden_size), cfg.num_attention_heads // self.tp_size,
-                cfg.head_dim, self.dtype.itemsize)
+                min(args.cuda_graph_max_bs, max_running_cap),
+                cfg.vocab_size,
+                cfg.hidden_size,
+                getattr(hf, "intermediate_size", 4 * cfg.hidden_size),
+                cfg.num_attention_heads // self.tp_size,
+                cfg.head_dim,
+                self.dtype.itemsize,
+            )
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
         else:
@@ -129,9 +162,17 @@ class ModelRunner:
             free_after, device_total = memory_info(self.device)
             # The request table is a real allocation on GPU; on CPU its pages are touched lazily.
             table_bytes = max_running_cap * (cfg.context_len + self.page_size) * 4 if self.device == "cuda" else 0
-            total = kv_pool_tokens(self.device, fraction, per_token, self.page_size, free_before=available_before,
-                                   free_after=free_after, total=device_total, weight_bytes=self.weight_bytes,
-                                   reserved_bytes=self.cuda_graph_reserved_bytes + table_bytes)
+            total = kv_pool_tokens(
+                self.device,
+                fraction,
+                per_token,
+                self.page_size,
+                free_before=available_before,
+                free_after=free_after,
+                total=device_total,
+                weight_bytes=self.weight_bytes,
+                reserved_bytes=self.cuda_graph_reserved_bytes + table_bytes,
+            )
             if total < self.page_size:
                 raise RuntimeError(
                     f"not enough memory for a KV cache: {available_before / 2**30:.1f} GiB available before loading, "
@@ -148,11 +189,18 @@ class ModelRunner:
         self.max_total_num_tokens = total
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running, cfg.context_len + self.page_size, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(total, self.page_size, self.dtype, kv_heads, cfg.head_dim,
-                                                 cfg.num_hidden_layers, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            total, self.page_size, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.device
+        )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, self.page_size)
-        logger.info("KV cache: %d tokens (%.2f GiB, %s), %d request slots, page size %d", total,
-                    total * per_token / 2**30, str(self.dtype).removeprefix("torch."), max_running, self.page_size)
+        logger.info(
+            "KV cache: %d tokens (%.2f GiB, %s), %d request slots, page size %d",
+            total,
+            total * per_token / 2**30,
+            str(self.dtype).removeprefix("torch."),
+            max_running,
+            self.page_size,
+        )
 
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         forward_batch.req_to_token_pool = self.req_to_token_pool
@@ -168,8 +216,9 @@ class ModelRunner:
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
-        return self.sampler(logits_output, forward_batch.sampling_info, forward_batch.return_logprob,
-                            forward_batch.top_logprobs_nums)
+        return self.sampler(
+            logits_output, forward_batch.sampling_info, forward_batch.return_logprob, forward_batch.top_logprobs_nums
+        )
 
     def cuda_graph_status(self) -> dict:
         """/server_info's `cuda_graph`: captured batch sizes, capture time and memory, replays."""

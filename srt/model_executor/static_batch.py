@@ -42,8 +42,13 @@ class StaticBatchGenerator:
         # Wall time of the last generate(): prefill (through its first token) and the decode steps.
         self.last_timings: dict[str, float] = {}
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 chunk_size: int | None = None, return_logprob: bool = False) -> list[StaticReq]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        chunk_size: int | None = None,
+        return_logprob: bool = False,
+    ) -> list[StaticReq]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         reqs = [StaticReq(list(p), sp) for p, sp in zip(prompts, params)]
@@ -57,8 +62,11 @@ class StaticBatchGenerator:
                 self._decode(running, return_logprob)
                 running = [r for r in running if r.finish_reason is None]
                 steps += 1
-            self.last_timings = {"prefill_s": prefilled - start, "decode_s": time.perf_counter() - prefilled,
-                                 "decode_steps": steps}
+            self.last_timings = {
+                "prefill_s": prefilled - start,
+                "decode_s": time.perf_counter() - prefilled,
+                "decode_steps": steps,
+            }
         finally:
             self.free(reqs)
         return reqs
@@ -76,7 +84,9 @@ class StaticBatchGenerator:
     def _alloc_slots(self, reqs: list[StaticReq]) -> None:
         slots = self.runner.req_to_token_pool.alloc(len(reqs))
         if slots is None:
-            raise RuntimeError(f"batch of {len(reqs)} exceeds {self.runner.req_to_token_pool.available_size()} request slots")
+            raise RuntimeError(
+                f"batch of {len(reqs)} exceeds {self.runner.req_to_token_pool.available_size()} request slots"
+            )
         for r, s in zip(reqs, slots):
             r.req_pool_idx = s
 
@@ -111,18 +121,35 @@ class StaticBatchGenerator:
         if return_logprob:
             # Row j reads the logprob of the prompt token after it; the final row has none (its
             # next token is sampled), so any id will do there and the value is dropped.
-            nxt = [t for r, p, e in zip(reqs, prefix_lens, ends) for t in (r.origin_input_ids[p + 1 : e + 1] + [0])[: e - p]]
-            extra = dict(return_logprob=True, top_logprobs_nums=[0] * len(reqs),
-                         extend_logprob_start_lens_cpu=[0] * len(reqs),
-                         extend_input_logprob_token_ids=torch.tensor(nxt, dtype=torch.int64).to(self.runner.device))
-        return ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], ends, prefix_lens,
-                                  loc, self.runner.device, **extra)
+            nxt = [
+                t
+                for r, p, e in zip(reqs, prefix_lens, ends)
+                for t in (r.origin_input_ids[p + 1 : e + 1] + [0])[: e - p]
+            ]
+            extra = dict(
+                return_logprob=True,
+                top_logprobs_nums=[0] * len(reqs),
+                extend_logprob_start_lens_cpu=[0] * len(reqs),
+                extend_input_logprob_token_ids=torch.tensor(nxt, dtype=torch.int64).to(self.runner.device),
+            )
+        return ForwardBatch.build(
+            ForwardMode.EXTEND,
+            input_ids,
+            [r.req_pool_idx for r in reqs],
+            ends,
+            prefix_lens,
+            loc,
+            self.runner.device,
+            **extra,
+        )
 
     def _prefill(self, reqs: list[StaticReq], chunk_size: int | None, return_logprob: bool) -> None:
         pending = list(reqs)
         while pending:
-            ends = [len(r.origin_input_ids) if not chunk_size else min(len(r.origin_input_ids), r.prefix_len + chunk_size)
-                    for r in pending]
+            ends = [
+                len(r.origin_input_ids) if not chunk_size else min(len(r.origin_input_ids), r.prefix_len + chunk_size)
+                for r in pending
+            ]
             fb = self._extend_batch(pending, ends, return_logprob)
             out = self.runner.forward(fb)
             done = [i for i, (r, e) in enumerate(zip(pending, ends)) if e == len(r.origin_input_ids)]
@@ -147,9 +174,17 @@ class StaticBatchGenerator:
         table[idx, torch.tensor(seq_lens) - 1] = loc.to(torch.int32)
         for r in reqs:
             r.prefix_len = r.seq_len
-        fb = ForwardBatch.build(ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], idx.tolist(), seq_lens,
-                                [s - 1 for s in seq_lens], loc, self.runner.device,
-                                return_logprob=return_logprob, top_logprobs_nums=[0] * len(reqs))
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE,
+            [r.output_ids[-1] for r in reqs],
+            idx.tolist(),
+            seq_lens,
+            [s - 1 for s in seq_lens],
+            loc,
+            self.runner.device,
+            return_logprob=return_logprob,
+            top_logprobs_nums=[0] * len(reqs),
+        )
         self._sample_and_check(reqs, self.runner.forward(fb).next_token_logits, return_logprob)
 
     def _sample_and_check(self, reqs: list[StaticReq], logits: torch.Tensor, return_logprob: bool) -> None:

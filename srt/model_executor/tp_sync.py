@@ -8,9 +8,9 @@ forward, meeting rank 0 in the model's all-reduces and all-gathers. The KV slots
 are therefore valid on every rank, and nothing that depends on time or randomness ever runs twice.
 
 Messages are pickled with tensors as raw bytes, and travel through shared memory when every rank is
-on this host (gloo otherwise). While idle, rank 0 sends a keep-alive now and then, so a follower waiting for work can tell a quiet
-server from a dead one (the collective's timeout). A rank that dies breaks the group: the others'
-next collective fails and they exit non-zero.
+on this host (gloo otherwise). While idle, rank 0 sends a keep-alive now and then, so a follower
+waiting for work can tell a quiet server from a dead one (the collective's timeout). A rank that
+dies breaks the group: the others' next collective fails and they exit non-zero.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def run_tp_follower_process(server_args, tp_rank: int, pipe_writer, dp_rank: int
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
         return ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
 
-    runner = start_child_process(pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank),
-                                 build)
+    runner = start_child_process(
+        pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank), build
+    )
     try:
         serve_forwards(runner)
     except Exception as e:  # rank 0 (or another rank) went away, or a forward failed

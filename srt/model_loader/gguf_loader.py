@@ -199,8 +199,11 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = True) -> N
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
         _write_folder(reader, meta, gguf_path, tmp, progress)
-        marker = {"source": os.path.abspath(gguf_path), "converter_version": CONVERTER_VERSION,
-                  "seconds": round(time.monotonic() - start, 3)}
+        marker = {
+            "source": os.path.abspath(gguf_path),
+            "converter_version": CONVERTER_VERSION,
+            "seconds": round(time.monotonic() - start, 3),
+        }
         with open(os.path.join(tmp, MARKER_FILE), "w", encoding="utf-8") as f:
             json.dump(marker, f, indent=2)
         if os.path.exists(out_dir):

@@ -33,10 +33,12 @@ def _pre_tokenizer(meta: dict[str, Any]) -> pre_tokenizers.PreTokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre == "smollm":
         # SmolLM's merges were learned on text split into single digits first.
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre not in ("gpt2", "default"):
         logger.warning("GGUF pre-tokenizer %r is not known; using GPT-2 byte-level splitting", pre)
     add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))

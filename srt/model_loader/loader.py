@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -69,8 +69,9 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: floa
             p.fill_(1.0)
 
 
-def load_model(model_config: ModelConfig, dtype: torch.dtype, device: str,
-               load_format: str = "auto") -> torch.nn.Module:
+def load_model(
+    model_config: ModelConfig, dtype: torch.dtype, device: str, load_format: str = "auto"
+) -> torch.nn.Module:
     """The model on `device` in `dtype`: weights from the folder's safetensors (`auto`), or random
     ones (`dummy`: only config.json is read; for benchmarks of models not at hand)."""
     cls = get_model_class(model_config.architecture)
@@ -90,6 +91,12 @@ def load_model(model_config: ModelConfig, dtype: torch.dtype, device: str,
         except KeyError as e:
             raise ModelLoadError(f"weights in {model_config.path} do not match {cls.__name__}: {e}") from e
     model.eval()
-    logger.info("Loaded %s (%s, %s%s) in %.1f s", cls.__name__, str(dtype).removeprefix("torch."), device,
-                ", dummy weights" if load_format == "dummy" else "", time.perf_counter() - start)
+    logger.info(
+        "Loaded %s (%s, %s%s) in %.1f s",
+        cls.__name__,
+        str(dtype).removeprefix("torch."),
+        device,
+        ", dummy weights" if load_format == "dummy" else "",
+        time.perf_counter() - start,
+    )
     return model

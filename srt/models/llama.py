@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -34,13 +34,18 @@ class LlamaAttention(nn.Module):
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.total_num_heads,
-                                          self.total_num_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=qkv_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         heads = self.qkv_proj.heads
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, config.hidden_size, bias=o_bias,
-                                        shard=(heads.q_start * self.head_dim, self.q_size))
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            shard=(heads.q_start * self.head_dim, self.q_size),
+        )
         theta, scaling = rope_parameters(config)
         rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling)
@@ -113,8 +118,11 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_bias(config)
         self.model = LlamaModel(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (self.model.embed_tokens if self.tie_word_embeddings
-                        else ParallelLMHead(config.vocab_size, config.hidden_size))
+        self.lm_head = (
+            self.model.embed_tokens
+            if self.tie_word_embeddings
+            else ParallelLMHead(config.vocab_size, config.hidden_size)
+        )
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @classmethod

@@ -25,8 +25,16 @@ def _counts(histories: list[list[int]], vocab_size: int, device) -> torch.Tensor
 class Penalties:
     """Penalty tensors for the rows of a batch that use any penalty."""
 
-    def __init__(self, rows: list[int], frequency: list[float], presence: list[float], repetition: list[float],
-                 input_ids: list[list[int]], output_ids: list[list[int]], device):
+    def __init__(
+        self,
+        rows: list[int],
+        frequency: list[float],
+        presence: list[float],
+        repetition: list[float],
+        input_ids: list[list[int]],
+        output_ids: list[list[int]],
+        device,
+    ):
         self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
         self.frequency = torch.tensor(frequency, dtype=torch.float32, device=device).unsqueeze(1)
         self.presence = torch.tensor(presence, dtype=torch.float32, device=device).unsqueeze(1)
@@ -35,18 +43,26 @@ class Penalties:
         self.input_ids, self.output_ids = input_ids, output_ids
 
     @classmethod
-    def from_reqs(cls, reqs, device) -> "Penalties | None":
+    def from_reqs(cls, reqs, device) -> Penalties | None:
         rows = [
-            i for i, r in enumerate(reqs)
-            if r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty
+            i
+            for i, r in enumerate(reqs)
+            if r.sampling_params.frequency_penalty
+            or r.sampling_params.presence_penalty
             or r.sampling_params.repetition_penalty != 1.0
         ]
         if not rows:
             return None
         ps = [reqs[i].sampling_params for i in rows]
-        return cls(rows, [p.frequency_penalty for p in ps], [p.presence_penalty for p in ps],
-                   [p.repetition_penalty for p in ps], [reqs[i].origin_input_ids for i in rows],
-                   [reqs[i].output_ids for i in rows], device)
+        return cls(
+            rows,
+            [p.frequency_penalty for p in ps],
+            [p.presence_penalty for p in ps],
+            [p.repetition_penalty for p in ps],
+            [reqs[i].origin_input_ids for i in rows],
+            [reqs[i].output_ids for i in rows],
+            device,
+        )
 
     def apply(self, logits: torch.Tensor) -> None:
         vocab = logits.shape[1]

@@ -31,16 +31,18 @@ class SamplingBatchInfo:
     vocab_mask_rows: list[int] | None = None  # the constrained rows (the others are left alone)
 
     @classmethod
-    def from_reqs(cls, reqs, vocab_size: int, eos_token_ids: set[int], device,
-                  positions: list[int] | None = None) -> "SamplingBatchInfo":
+    def from_reqs(
+        cls, reqs, vocab_size: int, eos_token_ids: set[int], device, positions: list[int] | None = None
+    ) -> SamplingBatchInfo:
         """positions: the sequence position of each row's sampled token (seeds hash it); by
         default the request's current length."""
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k for p in ps]
         info = cls(
-            temperatures=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)],
-                                      dtype=torch.float32, device=device).unsqueeze(1),
+            temperatures=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, ps)], dtype=torch.float32, device=device
+            ).unsqueeze(1),
             top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
             min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
@@ -66,8 +68,9 @@ class SamplingBatchInfo:
                     block.append((i, sorted(banned)))
         info.min_tokens_block = block or None
         if any(p.sampling_seed is not None for p in ps):
-            info.seeds = torch.tensor([-1 if p.sampling_seed is None else p.sampling_seed for p in ps],
-                                      dtype=torch.int64, device=device)
+            info.seeds = torch.tensor(
+                [-1 if p.sampling_seed is None else p.sampling_seed for p in ps], dtype=torch.int64, device=device
+            )
             if positions is None:
                 positions = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
             info.seed_positions = torch.tensor(positions, dtype=torch.int64, device=device)
@@ -80,8 +83,12 @@ class SamplingBatchInfo:
 
     @property
     def has_logit_processors(self) -> bool:
-        return (self.penalties is not None or self.logit_bias is not None or self.min_tokens_block is not None
-                or self.vocab_mask is not None)
+        return (
+            self.penalties is not None
+            or self.logit_bias is not None
+            or self.min_tokens_block is not None
+            or self.vocab_mask is not None
+        )
 
     def apply_logit_processors(self, logits: torch.Tensor) -> None:
         """Penalties, logit bias, the min_new_tokens ban and grammar masks, in place on [B, V] float32 logits."""

@@ -64,7 +64,7 @@ class SamplingParams:
     stop_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SamplingParams":
+    def from_dict(cls, d: dict | None) -> SamplingParams:
         """Known keys are taken; unknown keys are ignored (routers and clients add their own)."""
         d = d or {}
         if not isinstance(d, dict):
@@ -77,39 +77,71 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def verify(self, vocab_size: int) -> None:
-        _check(self.max_new_tokens is None or (_is_int(self.max_new_tokens) and self.max_new_tokens >= 0),
-               "max_new_tokens", self.max_new_tokens, "an integer >= 0")
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-               "a finite number >= 0 (0 means greedy)")
+        _check(
+            self.max_new_tokens is None or (_is_int(self.max_new_tokens) and self.max_new_tokens >= 0),
+            "max_new_tokens",
+            self.max_new_tokens,
+            "an integer >= 0",
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "a finite number >= 0 (0 means greedy)",
+        )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", self.top_k,
-               "-1 (disabled) or an integer >= 1")
+        _check(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            self.top_k,
+            "-1 (disabled) or an integer >= 1",
+        )
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             _check(_is_number(v) and -2 <= v <= 2, name, v, "in [-2, 2]")
-        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-               "repetition_penalty", self.repetition_penalty, "in (0, 2]")
-        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
-               self.min_new_tokens, "an integer >= 0")
+        _check(
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "in (0, 2]",
+        )
+        _check(
+            _is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
+            "min_new_tokens",
+            self.min_new_tokens,
+            "an integer >= 0",
+        )
         if self.max_new_tokens is not None:
-            _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens,
-                   f"<= max_new_tokens ({self.max_new_tokens})")
+            _check(
+                self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens",
+                self.min_new_tokens,
+                f"<= max_new_tokens ({self.max_new_tokens})",
+            )
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             v = getattr(self, name)
             _check(isinstance(v, bool), name, v, "a boolean")
         self._verify_stop()
         if self.stop_token_ids is not None:
-            _check(isinstance(self.stop_token_ids, list) and all(_is_int(t) and 0 <= t < vocab_size
-                                                                 for t in self.stop_token_ids),
-                   "stop_token_ids", self.stop_token_ids, f"a list of token ids in [0, {vocab_size})")
+            _check(
+                isinstance(self.stop_token_ids, list)
+                and all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
+                "stop_token_ids",
+                self.stop_token_ids,
+                f"a list of token ids in [0, {vocab_size})",
+            )
         if self.logit_bias is not None:
             self._verify_logit_bias(vocab_size)
         self._verify_grammar()
         if self.sampling_seed is not None:
-            _check(_is_int(self.sampling_seed) and 0 <= self.sampling_seed < 2**63, "sampling_seed",
-                   self.sampling_seed, "an integer in [0, 2**63)")
+            _check(
+                _is_int(self.sampling_seed) and 0 <= self.sampling_seed < 2**63,
+                "sampling_seed",
+                self.sampling_seed,
+                "an integer in [0, 2**63)",
+            )
 
     @property
     def grammar_key(self) -> tuple[str, str] | None:
@@ -120,8 +152,9 @@ class SamplingParams:
         """Cheap checks here; the compile itself happens in the scheduler (srt/constrained)."""
         given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
         if len(given) > 1:
-            raise InvalidSamplingParams(f"sampling_params: give at most one of json_schema, regex, ebnf (got "
-                                        f"{', '.join(given)})")
+            raise InvalidSamplingParams(
+                f"sampling_params: give at most one of json_schema, regex, ebnf (got {', '.join(given)})"
+            )
         for kind in given:
             text = getattr(self, kind)
             _check(isinstance(text, str) and text != "", kind, text, "a non-empty string")
@@ -139,10 +172,18 @@ class SamplingParams:
             return
         if isinstance(stop, str):
             stop = [stop]
-        _check(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop), "stop", self.stop,
-               "a non-empty string or a list of non-empty strings")
-        _check(len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop), "stop", self.stop,
-               f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
+        _check(
+            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+            "stop",
+            self.stop,
+            "a non-empty string or a list of non-empty strings",
+        )
+        _check(
+            len(stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stop),
+            "stop",
+            self.stop,
+            f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each",
+        )
         self.stop_strs = list(stop)
 
     def _verify_logit_bias(self, vocab_size: int) -> None:

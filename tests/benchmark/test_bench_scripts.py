@@ -20,8 +20,9 @@ def server(server_factory, tiny_chat_model):
 
 
 def run(script: str, *args: str, timeout: float = 600) -> str:
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -31,7 +32,8 @@ def check_record(rec: dict, num_prompts: int, output_len: int | None = None) -> 
     assert rec["failed"] == 0, rec["errors"]
     assert rec["duration_s"] > 0 and rec["request_throughput"] > 0 and rec["output_throughput"] > 0
     assert rec["total_token_throughput"] == pytest.approx(
-        (rec["total_input_tokens"] + rec["total_output_tokens"]) / rec["duration_s"])
+        (rec["total_input_tokens"] + rec["total_output_tokens"]) / rec["duration_s"]
+    )
     if output_len is not None:
         assert rec["total_output_tokens"] == num_prompts * output_len  # ignore_eos: exactly as asked
     for key in ("ttft_ms", "e2e_latency_ms", "itl_ms", "tpot_ms"):
@@ -45,9 +47,28 @@ def check_record(rec: dict, num_prompts: int, output_len: int | None = None) -> 
 @pytest.mark.parametrize("backend", ["sglang", "openai", "openai-chat"])
 def test_bench_serving_random(server, tmp_path, backend):
     out = tmp_path / "runs.jsonl"
-    stdout = run("bench_serving.py", "--backend", backend, "--base-url", server.url, "--num-prompts", "12",
-                 "--random-input-len", "48", "--random-output-len", "10", "--random-range-ratio", "1.0",
-                 "--max-concurrency", "4", "--output-file", str(out), "--disable-tqdm", "--seed", "3")
+    stdout = run(
+        "bench_serving.py",
+        "--backend",
+        backend,
+        "--base-url",
+        server.url,
+        "--num-prompts",
+        "12",
+        "--random-input-len",
+        "48",
+        "--random-output-len",
+        "10",
+        "--random-range-ratio",
+        "1.0",
+        "--max-concurrency",
+        "4",
+        "--output-file",
+        str(out),
+        "--disable-tqdm",
+        "--seed",
+        "3",
+    )
     assert "Output token throughput (tok/s)" in stdout and "Time to first token p99 (ms)" in stdout
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["backend"] == backend and rec["max_concurrency"] == 4
@@ -57,10 +78,33 @@ def test_bench_serving_random(server, tmp_path, backend):
 
 def test_bench_serving_shared_prefix_reports_cache_hits(server, tmp_path):
     out = tmp_path / "gsp.jsonl"
-    run("bench_serving.py", "--base-url", server.url, "--dataset-name", "generated-shared-prefix",
-        "--gsp-num-groups", "2", "--gsp-prompts-per-group", "6", "--gsp-system-prompt-len", "200",
-        "--gsp-question-len", "20", "--gsp-output-len", "6", "--request-rate", "50", "--flush-cache",
-        "--output-file", str(out), "--disable-tqdm", "--slo-ttft-ms", "100000", "--slo-itl-ms", "100000")
+    run(
+        "bench_serving.py",
+        "--base-url",
+        server.url,
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "6",
+        "--gsp-system-prompt-len",
+        "200",
+        "--gsp-question-len",
+        "20",
+        "--gsp-output-len",
+        "6",
+        "--request-rate",
+        "50",
+        "--flush-cache",
+        "--output-file",
+        str(out),
+        "--disable-tqdm",
+        "--slo-ttft-ms",
+        "100000",
+        "--slo-itl-ms",
+        "100000",
+    )
     rec = json.loads(out.read_text())
     check_record(rec, 12, 6)
     assert rec["cache_hit_rate"] > 0.5  # 200 of ~222 prompt tokens are shared within each group
@@ -73,16 +117,45 @@ def test_bench_serving_sharegpt_file(server, tmp_path):
     convs = json.loads(data.read_text())
     assert len(convs) == 200 and convs[0]["conversations"][0]["from"] == "human"
     out = tmp_path / "sg.jsonl"
-    run("bench_serving.py", "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(data),
-        "--num-prompts", "10", "--sharegpt-output-len", "8", "--output-file", str(out), "--disable-tqdm")
+    run(
+        "bench_serving.py",
+        "--base-url",
+        server.url,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(data),
+        "--num-prompts",
+        "10",
+        "--sharegpt-output-len",
+        "8",
+        "--output-file",
+        str(out),
+        "--disable-tqdm",
+    )
     check_record(json.loads(out.read_text()), 10, 8)
 
 
 def test_frontier_plots_and_tabulates(server, tmp_path):
     png, rows = tmp_path / "frontier.png", tmp_path / "frontier.jsonl"
-    stdout = run("frontier.py", "--target", f"tiny=sglang@{server.url}", "--concurrency", "1", "3",
-                 "--min-prompts", "3", "--random-input-len", "32", "--random-output-len", "6", "--out", str(png),
-                 "--output-file", str(rows))
+    stdout = run(
+        "frontier.py",
+        "--target",
+        f"tiny=sglang@{server.url}",
+        "--concurrency",
+        "1",
+        "3",
+        "--min-prompts",
+        "3",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "6",
+        "--out",
+        str(png),
+        "--output-file",
+        str(rows),
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| tiny | 1 |" in stdout and "| tiny | 3 |" in stdout
     levels = [json.loads(line) for line in rows.read_text().splitlines()]
@@ -93,9 +166,27 @@ def test_frontier_plots_and_tabulates(server, tmp_path):
 
 def test_offline_throughput_with_hf_peer(tiny_chat_model, tmp_path):
     out = tmp_path / "offline.jsonl"
-    stdout = run("bench_offline_throughput.py", "--model-path", tiny_chat_model, "--dtype", "float32",
-                 "--num-prompts", "8", "--random-input-len", "24", "--random-output-len", "8", "--peer", "hf",
-                 "--hf-batch-size", "4", "--max-total-tokens", "4096", "--output-file", str(out))
+    stdout = run(
+        "bench_offline_throughput.py",
+        "--model-path",
+        tiny_chat_model,
+        "--dtype",
+        "float32",
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "8",
+        "--peer",
+        "hf",
+        "--hf-batch-size",
+        "4",
+        "--max-total-tokens",
+        "4096",
+        "--output-file",
+        str(out),
+    )
     assert "ratio radixserve / hf (output tok/s):" in stdout
     results = json.loads(out.read_text())["results"]
     assert [r["engine"] for r in results] == ["radixserve", "hf"]
@@ -105,10 +196,25 @@ def test_offline_throughput_with_hf_peer(tiny_chat_model, tmp_path):
 
 def test_bench_parallel_routing_compares_policies(tiny_chat_model, tmp_path):
     out = tmp_path / "parallel.jsonl"
-    stdout = run("bench_parallel.py", "--experiment", "routing", "--server-args",
-                 f"--model-path {tiny_chat_model} --dtype float32 --max-total-tokens 8192",
-                 "--gsp-num-groups", "2", "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "96",
-                 "--gsp-question-len", "8", "--output-len", "4", "--output-file", str(out))
+    stdout = run(
+        "bench_parallel.py",
+        "--experiment",
+        "routing",
+        "--server-args",
+        f"--model-path {tiny_chat_model} --dtype float32 --max-total-tokens 8192",
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "4",
+        "--gsp-system-prompt-len",
+        "96",
+        "--gsp-question-len",
+        "8",
+        "--output-len",
+        "4",
+        "--output-file",
+        str(out),
+    )
     assert "dp 2 round_robin" in stdout and "dp 2 cache_aware" in stdout
     rr, ca = [json.loads(line) for line in out.read_text().splitlines()]
     for rec in (rr, ca):

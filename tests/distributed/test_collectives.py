@@ -47,8 +47,9 @@ def _worker(rank: int, world: int, addr: str, use_shm: bool, out_dir: str) -> No
 def _run(world: int, use_shm: bool, tmp_path) -> list[list[torch.Tensor]]:
     d = tmp_path / ("shm" if use_shm else "gloo")
     d.mkdir()
-    mp.start_processes(_worker, args=(world, f"127.0.0.1:{_free_port()}", use_shm, str(d)), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(world, f"127.0.0.1:{_free_port()}", use_shm, str(d)), nprocs=world, start_method="spawn"
+    )
     return [torch.load(d / f"rank{r}.pt") for r in range(world)]
 
 

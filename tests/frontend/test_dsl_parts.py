@@ -11,13 +11,17 @@ import frontend as sgl
 from frontend.chat_template import ChatTemplate
 from frontend.ir import INT_REGEX, Concat, Gen, RoleBegin, RoleEnd, Select, Text
 
-LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-          "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-NO_SYSTEM = ("{% for message in messages %}{% if message['role'] == 'system' %}"
-             "{{ raise_exception('System role not supported') }}{% endif %}"
-             "{{ '<start_of_turn>' + message['role'] + '\\n' + message['content'] + '<end_of_turn>\\n' }}"
-             "{% endfor %}")
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+NO_SYSTEM = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ '<start_of_turn>' + message['role'] + '\\n' + message['content'] + '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+)
 
 
 def test_expressions_compose():
@@ -32,13 +36,16 @@ def test_expressions_compose():
     assert isinstance(role.parts[0], RoleBegin) and isinstance(role.parts[-1], RoleEnd)
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: sgl.gen("x", dtype=list),
-    lambda: sgl.gen("x", regex="a", json_schema="{}"),
-    lambda: sgl.select("x", choices=[]),
-    lambda: sgl.select("x", choices=["a", ""]),
-    lambda: sgl.select("x", choices=["a", "b"], temperature=0.5),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: sgl.gen("x", dtype=list),
+        lambda: sgl.gen("x", regex="a", json_schema="{}"),
+        lambda: sgl.select("x", choices=[]),
+        lambda: sgl.select("x", choices=["a", ""]),
+        lambda: sgl.select("x", choices=["a", "b"], temperature=0.5),
+    ],
+)
 def test_bad_expressions_are_rejected(bad):
     with pytest.raises(ValueError):
         bad()
@@ -65,8 +72,7 @@ def test_chatml_template_with_default_system_prompt(default_model_path):
     assert t.preamble("user").startswith("<|im_start|>system\n")  # SmolLM2's default system prompt
     # Concatenated affixes reproduce HF's rendering of a whole conversation.
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-    ours = t.preamble("user") + "".join(t.affixes(m["role"])[0] + m["content"] + t.affixes(m["role"])[1]
-                                         for m in conv)
+    ours = t.preamble("user") + "".join(t.affixes(m["role"])[0] + m["content"] + t.affixes(m["role"])[1] for m in conv)
     assert ours == tok.apply_chat_template(conv, tokenize=False)
 
 

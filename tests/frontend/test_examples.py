@@ -20,8 +20,9 @@ def server(server_factory):
 
 
 def run_example(name: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

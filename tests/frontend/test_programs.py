@@ -80,12 +80,17 @@ def test_roles_and_messages(backend):
 @sgl.function
 def classify(s, text, method):
     s += sgl.user(f"Is this review positive or negative? {text}")
-    s += sgl.assistant("The review is " + sgl.select("label", choices=["positive", "negative", "mixed feelings"],
-                                                      choices_method=method))
+    s += sgl.assistant(
+        "The review is "
+        + sgl.select("label", choices=["positive", "negative", "mixed feelings"], choices_method=method)
+    )
 
 
-@pytest.mark.parametrize("method", [sgl.token_length_normalized, sgl.greedy_token_selection,
-                                    sgl.unconditional_likelihood_normalized], ids=str)
+@pytest.mark.parametrize(
+    "method",
+    [sgl.token_length_normalized, sgl.greedy_token_selection, sgl.unconditional_likelihood_normalized],
+    ids=str,
+)
 def test_select(backend, method):
     state = classify.run(text="I loved every minute of it.", method=method, backend=backend)
     label = state["label"]
@@ -108,7 +113,7 @@ def typed(s):
     s += "Q: How many legs does a cat have?\nA: " + sgl.gen_int("legs", max_tokens=6)
     s += "\nQ: What is half of five?\nA: " + sgl.gen("half", dtype=float, max_tokens=8)
     s += "\nQ: Is water wet? (True/False)\nA: " + sgl.gen("wet", dtype=bool, max_tokens=4)
-    s += '\nQ: Name a fruit in quotes.\nA: ' + sgl.gen_string("fruit", max_tokens=12)
+    s += "\nQ: Name a fruit in quotes.\nA: " + sgl.gen_string("fruit", max_tokens=12)
 
 
 def test_typed_gens(backend):
@@ -120,9 +125,15 @@ def test_typed_gens(backend):
     assert fruit.startswith('"') and fruit.endswith('"') and isinstance(json.loads(fruit), str)
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @sgl.function
@@ -154,15 +165,18 @@ def chained(s):
 
 def test_chained_gens_and_var_scope(backend):
     state = chained.run(temperature=0, backend=backend)
-    assert state.text() == ("A list of animals:\n1." + state["first"] + "\n2." + state["second"] + " and then"
-                            + state["third"])
+    assert state.text() == (
+        "A list of animals:\n1." + state["first"] + "\n2." + state["second"] + " and then" + state["third"]
+    )
     assert state["both"] == " and then" + state["third"]
 
 
 @sgl.function
 def branches(s, topic):
-    s += ("You are writing a study guide. Each section should be short, factual and clear, written for "
-          "a student who is new to the subject. ") * 2
+    s += (
+        "You are writing a study guide. Each section should be short, factual and clear, written for "
+        "a student who is new to the subject. "
+    ) * 2
     s += f"Topic: {topic}.\n"
     forks = s.fork(4)
     forks += [f"Section {i + 1}:" for i in range(4)]

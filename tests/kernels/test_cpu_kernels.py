@@ -45,8 +45,9 @@ def test_decode_matches_reference(dtype, page, group, splits):
     q = torch.randn(len(seq_lens), kv_heads * group, D).to(dtype)
     out = torch.empty_like(q)
     OPS.decode_attention(q, k, v, table, rows, torch.tensor(seq_lens), out, D**-0.5, splits)
-    ref = reference.paged_decode_attention(q.float(), k.float(), v.float(), table, rows, torch.tensor(seq_lens),
-                                           D**-0.5)
+    ref = reference.paged_decode_attention(
+        q.float(), k.float(), v.float(), table, rows, torch.tensor(seq_lens), D**-0.5
+    )
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -64,8 +65,9 @@ def test_extend_matches_reference(dtype, page, group):
     starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))])
     out = torch.empty_like(q)
     OPS.extend_attention(q, k, v, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, D**-0.5)
-    ref = reference.paged_extend_attention(q.float(), k.float(), v.float(), table, rows, torch.tensor(seq),
-                                           torch.tensor(prefix), D**-0.5)
+    ref = reference.paged_extend_attention(
+        q.float(), k.float(), v.float(), table, rows, torch.tensor(seq), torch.tensor(prefix), D**-0.5
+    )
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 

@@ -24,15 +24,20 @@ def test_paged_attention_reference_equals_dense_causal_sdpa():
     table = torch.zeros(1, 64, dtype=torch.int32)
     table[0, :n] = slots
     dense = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1),
-        is_causal=True).transpose(0, 1)
+        q.transpose(0, 1),
+        k.repeat_interleave(3, 1).transpose(0, 1),
+        v.repeat_interleave(3, 1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
     # the whole sequence as one extend with no prefix
-    ext = reference.paged_extend_attention(q, k_buf, v_buf, table, torch.tensor([0]), torch.tensor([n]),
-                                           torch.tensor([0]), d**-0.5)
+    ext = reference.paged_extend_attention(
+        q, k_buf, v_buf, table, torch.tensor([0]), torch.tensor([n]), torch.tensor([0]), d**-0.5
+    )
     torch.testing.assert_close(ext, dense, atol=1e-5, rtol=1e-5)
     # the last 10 tokens as an extend over a 27-token prefix
-    tail = reference.paged_extend_attention(q[27:], k_buf, v_buf, table, torch.tensor([0]), torch.tensor([n]),
-                                            torch.tensor([27]), d**-0.5)
+    tail = reference.paged_extend_attention(
+        q[27:], k_buf, v_buf, table, torch.tensor([0]), torch.tensor([n]), torch.tensor([27]), d**-0.5
+    )
     torch.testing.assert_close(tail, dense[27:], atol=1e-5, rtol=1e-5)
     # decode of the last token
     dec = reference.paged_decode_attention(q[-1:], k_buf, v_buf, table, torch.tensor([0]), torch.tensor([n]), d**-0.5)
@@ -71,8 +76,12 @@ def test_rotary_layer_matches_reference(neox, rotary_dim):
     k = torch.randn(5, head_dim)
     rq, rk = rope(pos, q, k)
     inv = default_inv_freq(10000.0, rotary_dim)
-    torch.testing.assert_close(rq, reference.rotary_embedding(pos, q, head_dim, rotary_dim, inv, neox), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rk, reference.rotary_embedding(pos, k, head_dim, rotary_dim, inv, neox), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        rq, reference.rotary_embedding(pos, q, head_dim, rotary_dim, inv, neox), atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        rk, reference.rotary_embedding(pos, k, head_dim, rotary_dim, inv, neox), atol=1e-5, rtol=1e-5
+    )
     # rotation preserves the norm of each rotated pair and leaves the tail untouched
     qh, rqh = q.view(5, heads, head_dim), rq.view(5, heads, head_dim)
     torch.testing.assert_close(rqh.norm(dim=-1), qh.norm(dim=-1), atol=1e-4, rtol=1e-4)

@@ -19,8 +19,11 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from kernels import reference  # noqa: E402
-from kernels.triton_attention import (choose_num_kv_splits, decode_attention_fwd,  # noqa: E402
-                                      extend_attention_fwd)
+from kernels.triton_attention import (  # noqa: E402
+    choose_num_kv_splits,
+    decode_attention_fwd,
+    extend_attention_fwd,
+)
 from kernels.triton_ops import rms_norm, silu_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,11 +76,13 @@ def run_extend(dtype, page, heads, kv_heads, prefix, ext, head_dim=64, seed=0, p
     starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=DEVICE)
     lens, prefix_lens = torch.tensor(seq, device=DEVICE), torch.tensor(prefix, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    extend_attention_fwd(q, k, v, out, table, rows, lens, prefix_lens, starts, head_dim**-0.5,
-                         max(ext) if pass_max_extend_len else None)
+    extend_attention_fwd(
+        q, k, v, out, table, rows, lens, prefix_lens, starts, head_dim**-0.5, max(ext) if pass_max_extend_len else None
+    )
     assert out[-1].isnan().all(), "the row after the last request's tokens must stay untouched"
-    ref = reference.paged_extend_attention(q[:-1].float(), k.float(), v.float(), table, rows, lens, prefix_lens,
-                                           head_dim**-0.5)
+    ref = reference.paged_extend_attention(
+        q[:-1].float(), k.float(), v.float(), table, rows, lens, prefix_lens, head_dim**-0.5
+    )
     return out[:-1], ref
 
 
@@ -172,8 +177,7 @@ def test_value_head_dim_differs_from_key_head_dim():
     prefix = torch.tensor([60, 0], device=DEVICE)
     starts = torch.tensor([0, 10], device=DEVICE)
     q = torch.randn(15, 4, 64, device=DEVICE)
-    out = extend_attention_fwd(q, k, v, torch.empty(15, 4, 24, device=DEVICE), table, rows, lens, prefix, starts,
-                               0.125)
+    out = extend_attention_fwd(q, k, v, torch.empty(15, 4, 24, device=DEVICE), table, rows, lens, prefix, starts, 0.125)
     ref = reference.paged_extend_attention(q, k, v_padded, table, rows, lens, prefix, 0.125)[..., :24]
     torch.testing.assert_close(out, ref, **tol(torch.float32))
 
@@ -231,15 +235,17 @@ def test_silu_and_mul_matches_reference(dtype):
 
 
 def test_modules_import_without_triton():
-    code = ("import sys, torch; sys.modules['triton'] = None\n"
-            "from kernels import triton_attention, triton_ops\n"
-            "assert triton_attention.choose_num_kv_splits(1, 4096, 132) == 16\n"
-            "try:\n"
-            "    triton_ops.silu_and_mul(torch.zeros(2, 4))\n"
-            "except ImportError as e:\n"
-            "    assert 'pip install triton' in str(e), e\n"
-            "else:\n"
-            "    raise AssertionError('no ImportError')\n")
+    code = (
+        "import sys, torch; sys.modules['triton'] = None\n"
+        "from kernels import triton_attention, triton_ops\n"
+        "assert triton_attention.choose_num_kv_splits(1, 4096, 132) == 16\n"
+        "try:\n"
+        "    triton_ops.silu_and_mul(torch.zeros(2, 4))\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install triton' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
@@ -264,8 +270,9 @@ def test_gpu_real_shapes_bf16(page):
             decode_attention_fwd(q[:batch], k, v, out, table, rows[:batch], lens[:batch], head_dim**-0.5)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        ref = reference.paged_decode_attention(q[:batch].float(), k.float(), v.float(), table, rows[:batch],
-                                               lens[:batch], head_dim**-0.5)
+        ref = reference.paged_decode_attention(
+            q[:batch].float(), k.float(), v.float(), table, rows[:batch], lens[:batch], head_dim**-0.5
+        )
         torch.testing.assert_close(out.float(), ref, **tol(torch.bfloat16))
 
     prefix = [0, 0, 1000, 2048, 17, 3000, 64, 511]
@@ -281,8 +288,9 @@ def test_gpu_real_shapes_bf16(page):
         extend_attention_fwd(q, k, v, out, table, rows, lens, prefix_lens, starts, head_dim**-0.5, max(ext))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    ref = reference.paged_extend_attention(q.float(), k.float(), v.float(), table, rows, lens, prefix_lens,
-                                           head_dim**-0.5)
+    ref = reference.paged_extend_attention(
+        q.float(), k.float(), v.float(), table, rows, lens, prefix_lens, head_dim**-0.5
+    )
     torch.testing.assert_close(out.float(), ref, **tol(torch.bfloat16))
 
     x, res = (torch.randn(4096, 4096, device="cuda").to(torch.bfloat16) for _ in range(2))

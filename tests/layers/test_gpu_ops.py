@@ -41,6 +41,7 @@ def providers():
     out = [gpu_ops.SglKernelOps(fake_sgl_kernel())]
     try:
         import triton  # noqa: F401
+
         from kernels import triton_ops
 
         out.append(gpu_ops.TritonOps(triton_ops))

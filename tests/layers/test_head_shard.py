@@ -9,8 +9,10 @@ def shards(heads, kv, tp):
     return [head_shard(heads, kv, tp, r) for r in range(tp)]
 
 
-@pytest.mark.parametrize("heads,kv,tp", [(4, 2, 2), (9, 3, 2), (9, 3, 3), (8, 8, 4), (32, 8, 8), (8, 2, 4),
-                                         (8, 1, 8), (6, 3, 4 // 2), (14, 2, 4)])
+@pytest.mark.parametrize(
+    "heads,kv,tp",
+    [(4, 2, 2), (9, 3, 2), (9, 3, 3), (8, 8, 4), (32, 8, 8), (8, 2, 4), (8, 1, 8), (6, 3, 4 // 2), (14, 2, 4)],
+)
 def test_every_query_head_once_with_its_kv_head(heads, kv, tp):
     group = heads // kv
     seen = []

@@ -74,10 +74,19 @@ def test_matches_reference(page, group, mode, dtype):
     k_buf, v_buf = pool.get_kv_buffer(0)
     qh = q.view(t, heads, HEAD_DIM).float()
     if mode == "decode":
-        ref = reference.paged_decode_attention(qh, k_buf.float(), v_buf.float(), table, torch.tensor(slots),
-                                               torch.tensor(seq), HEAD_DIM**-0.5)
+        ref = reference.paged_decode_attention(
+            qh, k_buf.float(), v_buf.float(), table, torch.tensor(slots), torch.tensor(seq), HEAD_DIM**-0.5
+        )
     else:
-        ref = reference.paged_extend_attention(qh, k_buf.float(), v_buf.float(), table, torch.tensor(slots),
-                                               torch.tensor(seq), torch.tensor(prefix), HEAD_DIM**-0.5)
+        ref = reference.paged_extend_attention(
+            qh,
+            k_buf.float(),
+            v_buf.float(),
+            table,
+            torch.tensor(slots),
+            torch.tensor(seq),
+            torch.tensor(prefix),
+            HEAD_DIM**-0.5,
+        )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float().view(t, heads, HEAD_DIM), ref, atol=tol, rtol=tol)

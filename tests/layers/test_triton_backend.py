@@ -72,12 +72,22 @@ def test_tiny_model_matches_torch_native(tiny_model_factory, runner_factory, pag
 
 
 SHAPES = {"small": (8, 2, 16, 1), "llama-8b": (32, 8, 128, 16)}  # heads, KV heads, head dim, page size
-MODES = {"decode": ([1, 300, 45, 1000], [1, 1, 1, 1]), "extend": ([0, 17, 64, 0], [33, 5, 40, 1]),
-         "mixed": ([0, 30, 500, 0], [12, 1, 1, 9])}  # (cached prefix, new tokens) per request
+MODES = {
+    "decode": ([1, 300, 45, 1000], [1, 1, 1, 1]),
+    "extend": ([0, 17, 64, 0], [33, 5, 40, 1]),
+    "mixed": ([0, 30, 500, 0], [12, 1, 1, 9]),
+}  # (cached prefix, new tokens) per request
 
 
-@pytest.mark.parametrize("shape", ["small", pytest.param("llama-8b", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "small",
+        pytest.param(
+            "llama-8b", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_torch_native_over_a_paged_pool(shape, mode, dtype):

@@ -30,7 +30,9 @@ def test_stop_holdback():
     assert stop_holdback("xx<|", ("<|im", "|>")) == 2
 
 
-@pytest.mark.parametrize("text", ["héllo wörld ✓", "日本語のテキスト", "emoji 🤖🚀 and more 🎉", "mixed ascii and ünïcödé 𝔘"])
+@pytest.mark.parametrize(
+    "text", ["héllo wörld ✓", "日本語のテキスト", "emoji 🤖🚀 and more 🎉", "mixed ascii and ünïcödé 𝔘"]
+)
 def test_streaming_concat_equals_full_decode_with_multibyte(tok, text):
     ids = tok.encode(text)
     for chunk in (1, 2, 3):

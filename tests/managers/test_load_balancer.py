@@ -56,7 +56,10 @@ def test_cache_aware_ignores_a_short_match():
 
 def test_approx_cache_evicts_least_recently_used():
     cache = ApproxPrefixCache(capacity_blocks=4)
-    a, b = prefix_block_hashes(PREFIX[:3 * BLOCK_TOKENS], None), prefix_block_hashes(list(range(3 * BLOCK_TOKENS)), None)
+    a, b = (
+        prefix_block_hashes(PREFIX[: 3 * BLOCK_TOKENS], None),
+        prefix_block_hashes(list(range(3 * BLOCK_TOKENS)), None),
+    )
     cache.insert(a)
     cache.insert(b)
     assert cache.match(b) == 3 and cache.match(a) == 0  # a's oldest blocks went first

@@ -51,9 +51,13 @@ def test_dfs_weight_groups_requests_sharing_a_prefix():
     cache, alloc = make_cache()
     cache_tokens(cache, alloc, [1] * 4 + list(range(10, 20)))
     cache_tokens(cache, alloc, [2] * 4 + list(range(30, 40)))
-    q = [req("x1", [1] * 4 + list(range(10, 20)) + [5]), req("y1", [2] * 4 + list(range(30, 40)) + [5]),
-         req("x2", [1] * 4 + list(range(10, 20)) + [6]), req("y2", [2] * 4 + [0]),
-         req("x3", [1] * 4 + list(range(10, 15)) + [9])]
+    q = [
+        req("x1", [1] * 4 + list(range(10, 20)) + [5]),
+        req("y1", [2] * 4 + list(range(30, 40)) + [5]),
+        req("x2", [1] * 4 + list(range(10, 20)) + [6]),
+        req("y2", [2] * 4 + [0]),
+        req("x3", [1] * 4 + list(range(10, 15)) + [9]),
+    ]
     SchedulePolicy("dfs-weight", cache, True).calc_priority(q)
     order = [r.rid for r in q]
     assert sorted(order) == ["x1", "x2", "x3", "y1", "y2"]
@@ -66,8 +70,12 @@ def test_lof_priority_random():
     q = [req("s", [1], max_new=2), req("l", [1], max_new=50), req("m", [1], max_new=10)]
     SchedulePolicy("lof", cache, True).calc_priority(q)
     assert [r.rid for r in q] == ["l", "m", "s"]
-    q = [req("low", [1], priority=1, created=0), req("high", [1], priority=9, created=2),
-         req("none", [1], created=1), req("high-early", [1], priority=9, created=1)]
+    q = [
+        req("low", [1], priority=1, created=0),
+        req("high", [1], priority=9, created=2),
+        req("none", [1], created=1),
+        req("high-early", [1], priority=9, created=1),
+    ]
     SchedulePolicy("priority", cache, True).calc_priority(q)
     assert [r.rid for r in q] == ["high-early", "high", "low", "none"]
     q = [req(str(i), [1]) for i in range(30)]

@@ -124,7 +124,9 @@ class Sim:
 
     def assert_stamps(self, slots: torch.Tensor, tokens, extra_key) -> None:
         for i, s in enumerate(slots.tolist()):
-            assert self.stamp.get(s) == (extra_key, tuple(tokens[: i + 1])), f"slot {s} at position {i} holds the wrong KV"
+            assert self.stamp.get(s) == (extra_key, tuple(tokens[: i + 1])), (
+                f"slot {s} at position {i} holds the wrong KV"
+            )
 
     def owned(self, req: Req) -> int:
         """Slots (whole pages) a running request owns: positions [len(prefix_indices), kv_len)."""
@@ -163,7 +165,7 @@ class Sim:
             row = self.req_pool.req_to_token[r.req_pool_idx, : r.kv_len].long()
             assert torch.equal(row[: len(r.prefix_indices)], r.prefix_indices)
             assert set(r.prefix_indices.tolist()) <= tree_set
-            own = row[len(r.prefix_indices):].tolist()
+            own = row[len(r.prefix_indices) :].tolist()
             assert not tree_set & set(own), "a request's own slot is also in the tree"
             self.assert_stamps(row, r.tokens, r.extra_key)
             if r.prefix_indices.numel():
@@ -667,7 +669,7 @@ def test_randomized_protocol_keeps_accounting(page, seed):
         if sim.alloc.available_size() < n + page:
             c.evict(n + page - sim.alloc.available_size())
 
-    for step in range(500):
+    for _ in range(500):
         op = rng.random()
         if op < 0.30 and len(sim.running) < 6:
             ids = list(rng.choice(prompts))

@@ -12,9 +12,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read at the kernels' first launch
 
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from srt.model_executor.cuda_graph_runner import (PADDING, CudaGraphRunner, DecodeInputs,  # noqa: E402
-                                                  capture_batch_sizes, graph_memory_estimate,
-                                                  graph_unsupported_reason, padded_batch_size)
+from srt.model_executor.cuda_graph_runner import (
+    PADDING,
+    CudaGraphRunner,
+    DecodeInputs,  # noqa: E402
+    capture_batch_sizes,
+    graph_memory_estimate,
+    graph_unsupported_reason,
+    padded_batch_size,
+)
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from srt.model_executor.static_batch import StaticBatchGenerator  # noqa: E402
 from srt.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -110,8 +116,14 @@ def test_padded_replay_matches_eager(tiny_model_factory, runner_factory):
 
 # -- on a GPU ---------------------------------------------------------------------------------------
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-             "Explain what a CPU does.", "Hi!", "Why is the sky blue? Answer briefly."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does.",
+    "Hi!",
+    "Why is the sky blue? Answer briefly.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +141,10 @@ def gpu_model():
         except ModelLoadError as e:
             pytest.skip(f"no test model: {e}")
     tok = get_tokenizer(path)
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
     return path, [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
@@ -153,9 +167,11 @@ def assert_greedy_agree(results: dict[str, list[list[int]]], dtype: str) -> None
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_backends_and_graphs_agree_on_gpu(gpu_model, runner_factory, dtype):
     path, prompts = gpu_model
-    variants = {"torch_native": dict(attention_backend="torch_native"),
-                "triton": dict(attention_backend="triton", disable_cuda_graph=True),
-                "triton+graphs": dict(attention_backend="triton", cuda_graph_max_bs=8)}
+    variants = {
+        "torch_native": dict(attention_backend="torch_native"),
+        "triton": dict(attention_backend="triton", disable_cuda_graph=True),
+        "triton+graphs": dict(attention_backend="triton", cuda_graph_max_bs=8),
+    }
     results = {}
     for name, args in variants.items():
         runner = runner_factory(path, dtype=dtype, max_total_tokens=16384, **args)
@@ -180,8 +196,14 @@ def test_engine_with_cuda_graphs_matches_eager(gpu_model, dtype):
     params = {"temperature": 0, "max_new_tokens": 24}
     results = {}
     for name, extra in {"eager": dict(disable_cuda_graph=True), "graphs": dict(cuda_graph_max_bs=16)}.items():
-        with Engine(model_path=path, dtype=dtype, max_total_tokens=16384, attention_backend="triton",
-                    grammar_backend="none", **extra) as engine:
+        with Engine(
+            model_path=path,
+            dtype=dtype,
+            max_total_tokens=16384,
+            attention_backend="triton",
+            grammar_backend="none",
+            **extra,
+        ) as engine:
             results[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
             state = engine.get_server_info()["internal_states"][0]
             if "cuda_graph" in state:

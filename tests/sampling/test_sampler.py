@@ -94,13 +94,14 @@ def test_seed_reproducible_and_batch_independent():
     n2 = seeded_exponential(torch.tensor([2]), torch.tensor([5]), V)
     n3 = seeded_exponential(torch.tensor([1]), torch.tensor([6]), V)
     assert not torch.equal(n1, n2) and not torch.equal(n1, n3)
-    assert (n1 > 0).all() and abs(float(seeded_exponential(torch.tensor([7]), torch.tensor([0]), 100000).mean()) - 1) < 0.02
+    assert (n1 > 0).all() and abs(
+        float(seeded_exponential(torch.tensor([7]), torch.tensor([0]), 100000).mean()) - 1
+    ) < 0.02
 
 
 def test_frequency_presence_penalties():
     logits = torch.zeros(1, V)
-    info = info_for(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25),
-                    outputs=[[7, 7, 9]])
+    info = info_for(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25), outputs=[[7, 7, 9]])
     info.apply_logit_processors(logits)
     assert logits[0, 7] == pytest.approx(-(0.5 * 2 + 0.25))
     assert logits[0, 9] == pytest.approx(-(0.5 + 0.25))
@@ -120,8 +121,9 @@ def test_repetition_penalty_covers_prompt_and_output():
 def test_penalty_changes_greedy_choice_only_for_its_row():
     logits = torch.zeros(2, V)
     logits[:, 7] = 1.0
-    info = info_for(SamplingParams(temperature=0, frequency_penalty=2.0), SamplingParams(temperature=0),
-                    outputs=[[7], [7]])
+    info = info_for(
+        SamplingParams(temperature=0, frequency_penalty=2.0), SamplingParams(temperature=0), outputs=[[7], [7]]
+    )
     out = sample(logits, info)
     assert out[0] != 7 and out[1] == 7
 
@@ -129,8 +131,11 @@ def test_penalty_changes_greedy_choice_only_for_its_row():
 def test_min_new_tokens_bans_eos_and_stop_ids():
     logits = torch.zeros(2, V)
     logits[:, 2] = 10.0  # EOS is the argmax
-    info = info_for(SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[5]),
-                    SamplingParams(temperature=0, min_new_tokens=2), outputs=[[1], [1, 1]])
+    info = info_for(
+        SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[5]),
+        SamplingParams(temperature=0, min_new_tokens=2),
+        outputs=[[1], [1, 1]],
+    )
     out = sample(logits, info)
     assert out[0] != 2 and out[1] == 2  # second request already has 2 tokens
     logits[0, 5] = 20.0

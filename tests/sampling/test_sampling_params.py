@@ -17,27 +17,30 @@ def test_unknown_keys_are_ignored_and_stop_normalized():
     assert p.is_greedy and p.stop_strs == ["END"]
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("temperature", -1, "temperature"),
-    ("temperature", math.nan, "temperature"),
-    ("temperature", math.inf, "temperature"),
-    ("top_p", 0, "(0, 1]"),
-    ("top_p", 1.5, "(0, 1]"),
-    ("top_k", 0, "-1 (disabled)"),
-    ("min_p", 2, "[0, 1]"),
-    ("max_new_tokens", -1, ">= 0"),
-    ("max_new_tokens", 1.5, "integer"),
-    ("frequency_penalty", 3, "[-2, 2]"),
-    ("repetition_penalty", 0, "(0, 2]"),
-    ("n", 0, "in [1, 128]"),
-    ("stop", [""], "non-empty"),
-    ("stop", 5, "non-empty"),
-    ("stop_token_ids", [100], "[0, 100)"),
-    ("logit_bias", {"abc": 1}, "token ids"),
-    ("logit_bias", {"5": 1000}, "[-100, 100]"),
-    ("ignore_eos", "yes", "boolean"),
-    ("sampling_seed", -3, "sampling_seed"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("temperature", -1, "temperature"),
+        ("temperature", math.nan, "temperature"),
+        ("temperature", math.inf, "temperature"),
+        ("top_p", 0, "(0, 1]"),
+        ("top_p", 1.5, "(0, 1]"),
+        ("top_k", 0, "-1 (disabled)"),
+        ("min_p", 2, "[0, 1]"),
+        ("max_new_tokens", -1, ">= 0"),
+        ("max_new_tokens", 1.5, "integer"),
+        ("frequency_penalty", 3, "[-2, 2]"),
+        ("repetition_penalty", 0, "(0, 2]"),
+        ("n", 0, "in [1, 128]"),
+        ("stop", [""], "non-empty"),
+        ("stop", 5, "non-empty"),
+        ("stop_token_ids", [100], "[0, 100)"),
+        ("logit_bias", {"abc": 1}, "token ids"),
+        ("logit_bias", {"5": 1000}, "[-100, 100]"),
+        ("ignore_eos", "yes", "boolean"),
+        ("sampling_seed", -3, "sampling_seed"),
+    ],
+)
 def test_invalid_values_name_field_value_and_limit(field, value, needle):
     p = SamplingParams.from_dict({field: value})
     with pytest.raises(InvalidSamplingParams) as e:

@@ -6,16 +6,24 @@ import pytest
 from kernels import cpu as cpu_kernels
 from srt.hf_transformers_utils import get_tokenizer
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-             "Explain what a CPU does.", "Hi!", "Why is the sky blue? Answer briefly."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does.",
+    "Hi!",
+    "Why is the sky blue? Answer briefly.",
+]
 PARAMS = {"temperature": 0, "max_new_tokens": 24}
 
 
 @pytest.fixture(scope="module")
 def prompts(default_model_path):
     tok = get_tokenizer(default_model_path)
-    out = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-           for q in QUESTIONS]
+    out = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
     ids = [tok.encode(t, add_special_tokens=False) for t in out]
     # a long prompt too, so both the SDPA (long extend) and kernel (short extend) paths run
     return ids + [ids[0][:-4] + ids[1] * 6 + ids[0][-4:]]

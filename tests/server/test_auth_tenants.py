@@ -12,8 +12,17 @@ ADMIN_PATHS = {"/flush_cache", "/server_info", "/get_server_info"}
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192",
-                          "--api-key", f"{USER_A},{USER_B}", "--admin-api-key", ADMIN, "--enable-metrics")
+    return server_factory(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        "--api-key",
+        f"{USER_A},{USER_B}",
+        "--admin-api-key",
+        ADMIN,
+        "--enable-metrics",
+    )
 
 
 def auth(key: str | None) -> dict:
@@ -49,10 +58,16 @@ def test_admin_routes_need_the_admin_key(server):
         assert r.status_code == 401 and "admin" in r.json()["error"]["message"]
     r = requests.post(server.url + "/abort_request", headers=auth(USER_A), json={"abort_all": True}, timeout=30)
     assert r.status_code == 401
-    assert requests.post(server.url + "/abort_request", headers=auth(ADMIN), json={"abort_all": True},
-                         timeout=30).status_code == 200
-    assert requests.post(server.url + "/abort_request", headers=auth(USER_A), json={"rid": "nope"},
-                         timeout=30).status_code == 200
+    assert (
+        requests.post(
+            server.url + "/abort_request", headers=auth(ADMIN), json={"abort_all": True}, timeout=30
+        ).status_code
+        == 200
+    )
+    assert (
+        requests.post(server.url + "/abort_request", headers=auth(USER_A), json={"rid": "nope"}, timeout=30).status_code
+        == 200
+    )
     info = requests.get(server.url + "/server_info", headers=auth(ADMIN), timeout=30).json()
     assert info["api_key"] == "<redacted>" and info["admin_api_key"] == "<redacted>"
 
@@ -62,8 +77,12 @@ def test_tenants_never_share_cached_kv(server):
     prompt = list(range(300, 420))
 
     def cached(key: str, extra: dict | None = None) -> int:
-        r = requests.post(server.url + "/generate", headers=auth(key), timeout=60, json={
-            "input_ids": prompt, "sampling_params": {"max_new_tokens": 2}, **(extra or {})})
+        r = requests.post(
+            server.url + "/generate",
+            headers=auth(key),
+            timeout=60,
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}, **(extra or {})},
+        )
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]["cached_tokens"]
 
@@ -82,8 +101,12 @@ def test_tenant_header(server_factory, tiny_chat_model):
     prompt = list(range(500, 580))
 
     def cached(tenant: str) -> int:
-        r = requests.post(s.url + "/generate", headers={"X-Tenant": tenant}, timeout=60,
-                          json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})
+        r = requests.post(
+            s.url + "/generate",
+            headers={"X-Tenant": tenant},
+            timeout=60,
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}},
+        )
         return r.json()["meta_info"]["cached_tokens"]
 
     assert [cached("acme"), cached("acme"), cached("globex"), cached("globex")] == [0, 79, 0, 79]

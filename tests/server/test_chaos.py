@@ -14,8 +14,16 @@ import requests
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "16000", "--page-size", "4",
-                          "--max-running-requests", "24")
+    return server_factory(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "16000",
+        "--page-size",
+        "4",
+        "--max-running-requests",
+        "24",
+    )
 
 
 def test_fifty_streaming_clients_killed_at_random_points(server):
@@ -26,15 +34,20 @@ def test_fifty_streaming_clients_killed_at_random_points(server):
     errors: list[str] = []
 
     def client(i: int, read_chunks: int, max_new: int, raw: bool) -> None:
-        body = {"input_ids": [rng.randrange(100, 500) for _ in range(rng.randint(5, 120))], "stream": not raw,
-                "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0.8}}
+        body = {
+            "input_ids": [rng.randrange(100, 500) for _ in range(rng.randint(5, 120))],
+            "stream": not raw,
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0.8},
+        }
         try:
             if raw:  # a non-streaming client that sends its request and drops the connection
                 host, port = server.url.removeprefix("http://").split(":")
                 payload = json.dumps(body).encode()
                 with socket.create_connection((host, int(port)), timeout=30) as s:
-                    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                              b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+                    s.sendall(
+                        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+                    )
                     threading.Event().wait(rng.random() * 0.5)
                 return
             with requests.post(server.url + "/generate", json=body, stream=True, timeout=120) as r:

@@ -7,11 +7,19 @@ from transformers import AutoModelForCausalLM
 
 from srt.hf_transformers_utils import get_tokenizer
 
-SYSTEM = ("You are a meticulous assistant. Answer briefly and precisely. Think about units, names and dates, "
-          "and never invent facts. If a question is ambiguous, say which reading you chose, and keep every "
-          "answer to a single short sentence unless the user explicitly asks for more detail.")
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 3?",
-             "Write one word that rhymes with cat.", "Who wrote Hamlet?", "What is the boiling point of water?"]
+SYSTEM = (
+    "You are a meticulous assistant. Answer briefly and precisely. Think about units, names and dates, "
+    "and never invent facts. If a question is ambiguous, say which reading you chose, and keep every "
+    "answer to a single short sentence unless the user explicitly asks for more detail."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 3?",
+    "Write one word that rhymes with cat.",
+    "Who wrote Hamlet?",
+    "What is the boiling point of water?",
+]
 NEW_TOKENS = 16
 PARAMS = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
 
@@ -39,9 +47,14 @@ def hf_reference(default_model_path, prompts):
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-            outs.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+            outs.append(ids[0, len(p) :].tolist())
     return outs
 
 
@@ -108,6 +121,8 @@ def test_engine_equals_http(baseline, default_model_path, prompts):
     assert ids_of(via_engine) == ids_of(via_http)
     assert [o["text"] for o in via_engine] == [o["text"] for o in via_http]
     assert streamed[-1]["output_ids"] == via_http[0]["output_ids"] and len(streamed) > 1
-    assert text_single["output_ids"] == baseline.generate(text="The capital of France is",
-                                                          sampling_params=PARAMS)["output_ids"]
+    assert (
+        text_single["output_ids"]
+        == baseline.generate(text="The capital of France is", sampling_params=PARAMS)["output_ids"]
+    )
     assert info["max_total_num_tokens"] == 16384 and info["internal_states"][0]["idle"]

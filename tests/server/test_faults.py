@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import requests
 from conftest import ServerProcess
 
 
 def start(tmp_path, tiny_chat_model, env: dict, *args: str) -> ServerProcess:
-    return ServerProcess(["--model-path", tiny_chat_model, "--max-total-tokens", "8192", *args],
-                         str(tmp_path / "server.log"), env=env)
+    return ServerProcess(
+        ["--model-path", tiny_chat_model, "--max-total-tokens", "8192", *args], str(tmp_path / "server.log"), env=env
+    )
 
 
 def test_forward_crash_fails_every_request_and_exits_nonzero(tmp_path, tiny_chat_model):
@@ -24,13 +24,24 @@ def test_forward_crash_fails_every_request_and_exits_nonzero(tmp_path, tiny_chat
         results = {}
 
         def plain(i: int) -> None:
-            r = requests.post(server.url + "/generate", timeout=60, json={
-                "input_ids": [3, 4, 5, i], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}})
+            r = requests.post(
+                server.url + "/generate",
+                timeout=60,
+                json={"input_ids": [3, 4, 5, i], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}},
+            )
             results[f"plain{i}"] = (r.status_code, r.text)
 
         def streamed(i: int) -> None:
-            r = requests.post(server.url + "/generate", timeout=60, stream=True, json={
-                "input_ids": [7, 8, i], "stream": True, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}})
+            r = requests.post(
+                server.url + "/generate",
+                timeout=60,
+                stream=True,
+                json={
+                    "input_ids": [7, 8, i],
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+                },
+            )
             events = [line for line in r.iter_lines() if line.startswith(b"data: ")]
             results[f"stream{i}"] = (r.status_code, events)
 
@@ -61,8 +72,11 @@ def test_watchdog_turns_a_hang_into_an_exit(tmp_path, tiny_chat_model):
 
         def one() -> None:
             try:
-                r = requests.post(server.url + "/generate", timeout=60, json={
-                    "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})
+                r = requests.post(
+                    server.url + "/generate",
+                    timeout=60,
+                    json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}},
+                )
                 got["status"] = r.status_code
             except requests.RequestException as e:
                 got["error"] = str(e)

@@ -10,14 +10,42 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-SAMPLING_KEYS = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                 "presence_penalty", "repetition_penalty", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
-                 "skip_special_tokens", "n", "logit_bias", "sampling_seed", "regex", "json_schema", "ebnf",
-                 "no_stop_trim", "spaces_between_special_tokens"]
-scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
-           | st.text(max_size=12) | st.sampled_from([0, 1, 2, -1, 0.5, 1e9, "", "a", "\ud800"]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=8)
+SAMPLING_KEYS = [
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "n",
+    "logit_bias",
+    "sampling_seed",
+    "regex",
+    "json_schema",
+    "ebnf",
+    "no_stop_trim",
+    "spaces_between_special_tokens",
+]
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from([0, 1, 2, -1, 0.5, 1e9, "", "a", "\ud800"])
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=8,
+)
 
 
 def body_of(keys: list[str], extra: dict) -> st.SearchStrategy:
@@ -25,19 +53,70 @@ def body_of(keys: list[str], extra: dict) -> st.SearchStrategy:
 
 
 sampling = st.fixed_dictionaries({}, optional={k: values for k in SAMPLING_KEYS})
-generate_bodies = body_of(["text", "input_ids", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                           "return_text_in_logprobs", "stream", "priority", "extra_key", "timeout"], {}) \
-    .flatmap(lambda d: sampling.map(lambda sp: {**d, "sampling_params": sp}) | st.just(d))
-completion_bodies = body_of(["prompt", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "logprobs",
-                             "echo", "seed", "logit_bias", "response_format", "stream_options", "suffix",
-                             "best_of", "min_tokens", "timeout", "regex"], {"model": "default"})
-chat_bodies = body_of(["max_tokens", "max_completion_tokens", "temperature", "n", "stop", "stream", "logprobs",
-                       "top_logprobs", "tools", "chat_template_kwargs", "continue_final_message", "response_format",
-                       "seed"], {"model": "default"}) \
-    .flatmap(lambda d: st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant",
-                                                                                    "tool", "x", 3]),
-                                                         "content": values}), max_size=3)
-             .map(lambda m: {**d, "messages": m}))
+generate_bodies = body_of(
+    [
+        "text",
+        "input_ids",
+        "rid",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+        "stream",
+        "priority",
+        "extra_key",
+        "timeout",
+    ],
+    {},
+).flatmap(lambda d: sampling.map(lambda sp: {**d, "sampling_params": sp}) | st.just(d))
+completion_bodies = body_of(
+    [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "stream",
+        "logprobs",
+        "echo",
+        "seed",
+        "logit_bias",
+        "response_format",
+        "stream_options",
+        "suffix",
+        "best_of",
+        "min_tokens",
+        "timeout",
+        "regex",
+    ],
+    {"model": "default"},
+)
+chat_bodies = body_of(
+    [
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "n",
+        "stop",
+        "stream",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "chat_template_kwargs",
+        "continue_final_message",
+        "response_format",
+        "seed",
+    ],
+    {"model": "default"},
+).flatmap(
+    lambda d: st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "tool", "x", 3]), "content": values}
+        ),
+        max_size=3,
+    ).map(lambda m: {**d, "messages": m})
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +132,11 @@ def post(server, path: str, body) -> requests.Response:
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
-@pytest.mark.parametrize("path, bodies", [("/generate", generate_bodies), ("/v1/completions", completion_bodies),
-                                          ("/v1/chat/completions", chat_bodies)], ids=["generate", "completions",
-                                                                                      "chat"])
+@pytest.mark.parametrize(
+    "path, bodies",
+    [("/generate", generate_bodies), ("/v1/completions", completion_bodies), ("/v1/chat/completions", chat_bodies)],
+    ids=["generate", "completions", "chat"],
+)
 def test_no_5xx(server, path, bodies):
     @FUZZ
     @given(bodies)

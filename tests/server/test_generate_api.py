@@ -12,7 +12,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "12000", "--chunked-prefill-size", "512")
+    return server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "12000", "--chunked-prefill-size", "512"
+    )
 
 
 def sse_chunks(resp) -> list:
@@ -21,7 +23,7 @@ def sse_chunks(resp) -> list:
         if not line:
             continue
         assert line.startswith(b"data: "), line
-        payload = line[len(b"data: "):]
+        payload = line[len(b"data: ") :]
         out.append(None if payload == b"[DONE]" else json.loads(payload))
     return out
 
@@ -36,8 +38,10 @@ def test_single(server):
 
 
 def test_batch_and_per_item_params(server):
-    out = server.generate(text=["a b c", "one two three four"],
-                          sampling_params=[{"temperature": 0, "max_new_tokens": 3}, {"temperature": 0, "max_new_tokens": 5}])
+    out = server.generate(
+        text=["a b c", "one two three four"],
+        sampling_params=[{"temperature": 0, "max_new_tokens": 3}, {"temperature": 0, "max_new_tokens": 5}],
+    )
     assert isinstance(out, list) and len(out) == 2
     assert [o["meta_info"]["completion_tokens"] for o in out] == [3, 5]
     single = server.generate(text="one two three four", sampling_params={"temperature": 0, "max_new_tokens": 5})
@@ -55,14 +59,19 @@ def test_n_samples_share_the_prompt_prefix(server):
     assert isinstance(out, list) and len(out) == 3
     assert all(o["meta_info"]["cached_tokens"] == len(prompt) - 1 for o in out)
     assert len({tuple(o["output_ids"]) for o in out}) > 1  # independent samples
-    batch = server.generate(input_ids=[prompt, prompt[:50]], sampling_params={"temperature": 0, "max_new_tokens": 2, "n": 2})
+    batch = server.generate(
+        input_ids=[prompt, prompt[:50]], sampling_params={"temperature": 0, "max_new_tokens": 2, "n": 2}
+    )
     assert len(batch) == 4 and [o["meta_info"]["prompt_tokens"] for o in batch] == [200, 200, 50, 50]
 
 
 def test_streaming_is_cumulative_and_ends_with_done(server):
-    with requests.post(server.url + "/generate", json={"text": "Stream this", "stream": True,
-                                                       "sampling_params": {**GREEDY, "max_new_tokens": 10}},
-                       stream=True, timeout=60) as r:
+    with requests.post(
+        server.url + "/generate",
+        json={"text": "Stream this", "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 10}},
+        stream=True,
+        timeout=60,
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         chunks = sse_chunks(r)
     assert chunks[-1] is None and len(chunks) >= 3
@@ -78,8 +87,14 @@ def test_streaming_is_cumulative_and_ends_with_done(server):
 @pytest.mark.parametrize("start", [0, 3, 9])
 def test_logprob_shapes(server, start):
     prompt = list(range(40, 50))
-    out = server.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=start,
-                          top_logprobs_num=3, return_text_in_logprobs=True)
+    out = server.generate(
+        input_ids=prompt,
+        sampling_params=GREEDY,
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=3,
+        return_text_in_logprobs=True,
+    )
     meta = out["meta_info"]
     inp, outp = meta["input_token_logprobs"], meta["output_token_logprobs"]
     assert meta["prompt_tokens"] == start + len(inp)
@@ -111,8 +126,11 @@ def test_cached_tokens_sequence(server):
     assert server.post("/flush_cache").status_code == 200
     seen = []
     for n in (50, 5000, 5000, 500, 5500):
-        seen.append(server.generate(input_ids=list(range(n)), sampling_params={"max_new_tokens": 1})
-                    ["meta_info"]["cached_tokens"])
+        seen.append(
+            server.generate(input_ids=list(range(n)), sampling_params={"max_new_tokens": 1})["meta_info"][
+                "cached_tokens"
+            ]
+        )
     assert seen == [0, 50, 4999, 499, 5000]
 
 
@@ -132,8 +150,13 @@ def test_a_running_requests_prompt_is_cached_while_it_decodes(server):
     assert server.post("/flush_cache").status_code == 200
     prompt = list(range(2000, 2300))
     long_one = {}
-    t = threading.Thread(target=lambda: long_one.update(server.generate(
-        input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 400, "ignore_eos": True})))
+    t = threading.Thread(
+        target=lambda: long_one.update(
+            server.generate(
+                input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+            )
+        )
+    )
     t.start()
     deadline = time.monotonic() + 60
     while server.state()["num_running_reqs"] == 0 and time.monotonic() < deadline:
@@ -149,20 +172,23 @@ def test_unknown_fields_ignored(server):
     assert out["meta_info"]["completion_tokens"] == 8
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"sampling_params": GREEDY}, "exactly one of `text` or `input_ids`"),
-    ({"text": "x", "input_ids": [1]}, "exactly one of"),
-    ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
-    ({"text": "x", "sampling_params": {"top_p": 2}}, "top_p"),
-    ({"text": "x", "sampling_params": {"max_new_tokens": 9000}}, "exceeds the context length (8192)"),
-    ({"input_ids": [1, 49152]}, "input_ids[1] = 49152 is out of range"),
-    ({"input_ids": list(range(8192))}, "more than the maximum"),
-    ({"text": "x", "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
-    ({"text": "x", "logprob_start_len": 99}, "logprob_start_len"),
-    ({"text": ["a", "b"], "sampling_params": [GREEDY]}, "list of 1 but the request has 2"),
-    ({"text": 5}, "`text` must be"),
-    ({"text": "x", "stream": "yes"}, "stream"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"sampling_params": GREEDY}, "exactly one of `text` or `input_ids`"),
+        ({"text": "x", "input_ids": [1]}, "exactly one of"),
+        ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "x", "sampling_params": {"top_p": 2}}, "top_p"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": 9000}}, "exceeds the context length (8192)"),
+        ({"input_ids": [1, 49152]}, "input_ids[1] = 49152 is out of range"),
+        ({"input_ids": list(range(8192))}, "more than the maximum"),
+        ({"text": "x", "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
+        ({"text": "x", "logprob_start_len": 99}, "logprob_start_len"),
+        ({"text": ["a", "b"], "sampling_params": [GREEDY]}, "list of 1 but the request has 2"),
+        ({"text": 5}, "`text` must be"),
+        ({"text": "x", "stream": "yes"}, "stream"),
+    ],
+)
 def test_bad_input_is_400_naming_the_field(server, body, needle):
     r = server.post("/generate", body)
     assert r.status_code == 400, r.text
@@ -179,8 +205,12 @@ def test_abort_all_and_pool_returns_to_baseline(server):
     results = []
 
     def long_request():
-        results.append(server.generate(input_ids=list(range(1000, 1010)),
-                                       sampling_params={"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}))
+        results.append(
+            server.generate(
+                input_ids=list(range(1000, 1010)),
+                sampling_params={"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0},
+            )
+        )
 
     threads = [threading.Thread(target=long_request) for _ in range(3)]
     for t in threads:
@@ -198,8 +228,13 @@ def test_abort_all_and_pool_returns_to_baseline(server):
 
 def test_abort_by_rid(server):
     out = []
-    t = threading.Thread(target=lambda: out.append(server.generate(
-        rid="my-request-1", input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3000, "ignore_eos": True})))
+    t = threading.Thread(
+        target=lambda: out.append(
+            server.generate(
+                rid="my-request-1", input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}
+            )
+        )
+    )
     t.start()
     time.sleep(1.0)
     server.post("/abort_request", {"rid": "my-request-1"})
@@ -210,9 +245,12 @@ def test_abort_by_rid(server):
 
 def test_client_killed_mid_stream_frees_its_kv(server):
     base = server.wait_idle()
-    r = requests.post(server.url + "/generate", json={"input_ids": [9, 8, 7], "stream": True,
-                                                      "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}},
-                      stream=True, timeout=60)
+    r = requests.post(
+        server.url + "/generate",
+        json={"input_ids": [9, 8, 7], "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}},
+        stream=True,
+        timeout=60,
+    )
     lines = r.iter_lines()
     got = 0
     for line in lines:

@@ -33,16 +33,18 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(server_factory, tiny_
     result = {}
 
     def long_request():
-        result["out"] = server.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1500,
-                                                                              "ignore_eos": True, "temperature": 0})
+        result["out"] = server.generate(
+            input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        )
 
     t = threading.Thread(target=long_request)
     t.start()
     time.sleep(1.0)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    r = requests.post(server.url + "/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 2}},
-                      timeout=10)
+    r = requests.post(
+        server.url + "/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 2}}, timeout=10
+    )
     assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     assert requests.get(server.url + "/health", timeout=10).status_code == 503
     t.join(120)
@@ -55,8 +57,9 @@ def test_shutdown_timeout_aborts_what_is_left_then_exits_zero(server_factory, ti
     result = {}
 
     def endless():
-        result["out"] = server.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 7000,
-                                                                              "ignore_eos": True})
+        result["out"] = server.generate(
+            input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 7000, "ignore_eos": True}
+        )
 
     t = threading.Thread(target=endless)
     t.start()
@@ -75,7 +78,11 @@ def test_bad_model_path_fails_fast_with_a_clear_message(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "srt.launch_server", "--model-path", str(tmp_path / "nope")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", "--model-path", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "model path not found" in r.stderr + r.stdout

@@ -44,8 +44,9 @@ def test_completion_matches_native_generate(client, server):
 
 
 def test_completion_token_prompts_batch_and_n(client):
-    out = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10, 11]], max_tokens=4,
-                                    temperature=0.9, n=2, seed=3)
+    out = client.completions.create(
+        model=MODEL, prompt=[[5, 6, 7, 8], [9, 10, 11]], max_tokens=4, temperature=0.9, n=2, seed=3
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.usage.completion_tokens == 16
     assert out.usage.prompt_tokens == 7  # each prompt once, not once per sample
@@ -89,8 +90,16 @@ def test_chat(client):
 def test_chat_stream_with_usage_matches_non_stream(client):
     messages = [{"role": "user", "content": "Count to five."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -102,8 +111,17 @@ def test_chat_stream_with_usage_matches_non_stream(client):
 
 
 def test_completion_stream_n2(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=2, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="abc",
+            max_tokens=5,
+            n=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = {0: "", 1: ""}
     for c in chunks:
         for ch in c.choices:
@@ -113,8 +131,14 @@ def test_completion_stream_n2(client):
 
 
 def test_chat_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                         temperature=0, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == 5
     for item in content:
@@ -124,18 +148,24 @@ def test_chat_logprobs(client):
 
 
 def test_unknown_fields_are_ignored(server):
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
-                                                         "some_router_field": {"a": 1}}, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "some_router_field": {"a": 1}},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": 5}, "temperature"),
-    ({"n": 0}, "n"),
-    ({"top_p": 0}, "top_p"),
-    ({"logprobs": 50}, "logprobs"),
-    ({"max_tokens": -1}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"top_p": 0}, "top_p"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"max_tokens": -1}, "max_tokens"),
+    ],
+)
 def test_bad_values_are_400_naming_the_field(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", **kwargs)
@@ -154,8 +184,11 @@ def test_error_statuses_and_shapes(client, server):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}])
+        client.chat.completions.create(
+            model=MODEL,
+            max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+        )
     assert "text only" in e.value.message
 
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30)
@@ -163,8 +196,9 @@ def test_error_statuses_and_shapes(client, server):
     r = httpx.get(server.url + "/v1/no/such/route", timeout=30)
     assert r.status_code == 404 and "message" in r.json()["error"]
     big = json.dumps({"model": MODEL, "prompt": "x" * (65 * 2**20)})
-    r = httpx.post(server.url + "/v1/completions", content=big, timeout=120,
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/completions", content=big, timeout=120, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     assert server.wait_idle()["integrity_ok"]
 
@@ -183,6 +217,10 @@ def test_api_key(server_factory, tiny_chat_model):
     for path in ("/generate", "/flush_cache", "/v1/chat/completions"):
         assert httpx.post(s.url + path, json={}, timeout=10).status_code == 401
     assert httpx.get(s.url + "/server_info", timeout=10).status_code == 401
-    ok = httpx.post(s.url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}},
-                    headers={"Authorization": "Bearer sk-test"}, timeout=60)
+    ok = httpx.post(
+        s.url + "/generate",
+        json={"text": "x", "sampling_params": {"max_new_tokens": 1}},
+        headers={"Authorization": "Bearer sk-test"},
+        timeout=60,
+    )
     assert ok.status_code == 200

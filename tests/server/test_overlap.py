@@ -50,8 +50,13 @@ def greedy(n, **extra):
 
 def test_mixed_lengths(servers):
     rng = random.Random(0)
-    bodies = [{"input_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 40))],
-               "sampling_params": greedy(rng.randrange(1, 30))} for _ in range(40)]
+    bodies = [
+        {
+            "input_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 40))],
+            "sampling_params": greedy(rng.randrange(1, 30)),
+        }
+        for _ in range(40)
+    ]
     on, off = run_both(servers, bodies)
     assert flat(on) == flat(off)
     assert [o["meta_info"]["completion_tokens"] for o in on] == [b["sampling_params"]["max_new_tokens"] for b in bodies]
@@ -59,8 +64,13 @@ def test_mixed_lengths(servers):
 
 def test_chunked_prefill(servers):
     rng = random.Random(1)
-    bodies = [{"input_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(100, 300))],
-               "sampling_params": greedy(12)} for _ in range(6)]
+    bodies = [
+        {
+            "input_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(100, 300))],
+            "sampling_params": greedy(12),
+        }
+        for _ in range(6)
+    ]
     on, off = run_both(servers, bodies)
     assert flat(on) == flat(off)
 
@@ -69,8 +79,13 @@ def test_retraction_under_a_tiny_pool(servers):
     rng = random.Random(2)
     roots = [[rng.randrange(100, 40000) for _ in range(30)] for _ in range(4)]
     # long outputs growing together overrun what admission expected (new_token_ratio < 1)
-    bodies = [{"input_ids": rng.choice(roots) + [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 20))],
-               "sampling_params": greedy(rng.randrange(140, 160))} for _ in range(40)]
+    bodies = [
+        {
+            "input_ids": rng.choice(roots) + [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 20))],
+            "sampling_params": greedy(rng.randrange(140, 160)),
+        }
+        for _ in range(40)
+    ]
     before = [s.state()["total_retractions"] for s in servers]
     on, off = run_both(servers, bodies)
     assert flat(on) == flat(off)
@@ -96,11 +111,17 @@ def test_stop_strings_and_stop_tokens(servers):
 
 
 def test_n_samples_with_seeds_and_penalties(servers):
-    bodies = [{"input_ids": list(range(500, 540)), "sampling_params": {"temperature": 0.9, "max_new_tokens": 16,
-                                                                       "n": 3, "sampling_seed": 7}},
-              {"input_ids": list(range(600, 620)), "sampling_params": greedy(16, frequency_penalty=1.5,
-                                                                             presence_penalty=0.5, min_new_tokens=4)},
-              {"input_ids": list(range(700, 710)), "sampling_params": greedy(16, repetition_penalty=1.3)}]
+    bodies = [
+        {
+            "input_ids": list(range(500, 540)),
+            "sampling_params": {"temperature": 0.9, "max_new_tokens": 16, "n": 3, "sampling_seed": 7},
+        },
+        {
+            "input_ids": list(range(600, 620)),
+            "sampling_params": greedy(16, frequency_penalty=1.5, presence_penalty=0.5, min_new_tokens=4),
+        },
+        {"input_ids": list(range(700, 710)), "sampling_params": greedy(16, repetition_penalty=1.3)},
+    ]
     on, off = run_both(servers, bodies)
     assert flat(on) == flat(off)
     samples = [o["output_ids"] for o in on[0]]
@@ -109,10 +130,13 @@ def test_n_samples_with_seeds_and_penalties(servers):
 
 def test_aborts_leave_the_pool_whole(servers):
     for s in servers:
-        async def go():
+
+        async def go(s=s):
             async with httpx.AsyncClient(base_url=s.url, timeout=600) as client:
-                long = [client.post("/generate", json={"input_ids": [i, i + 1], "sampling_params": greedy(1000)})
-                        for i in range(10, 16)]
+                long = [
+                    client.post("/generate", json={"input_ids": [i, i + 1], "sampling_params": greedy(1000)})
+                    for i in range(10, 16)
+                ]
                 tasks = [asyncio.ensure_future(x) for x in long]
                 await asyncio.sleep(1.0)
                 await client.post("/abort_request", json={"abort_all": True})

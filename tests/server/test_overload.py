@@ -14,9 +14,20 @@ LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192",
-                          "--max-running-requests", "1", "--max-queued-requests", "1",
-                          "--max-new-tokens-cap", "600", "--request-timeout", "120")
+    return server_factory(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--max-new-tokens-cap",
+        "600",
+        "--request-timeout",
+        "120",
+    )
 
 
 def test_admission_is_bounded_and_rejections_are_fast(server):
@@ -25,8 +36,9 @@ def test_admission_is_bounded_and_rejections_are_fast(server):
     start = time.monotonic()
 
     def one(i: int) -> None:
-        r = requests.post(server.url + "/generate", json={"input_ids": [5, 6, 7, i], "sampling_params": LONG},
-                          timeout=120)
+        r = requests.post(
+            server.url + "/generate", json={"input_ids": [5, 6, 7, i], "sampling_params": LONG}, timeout=120
+        )
         with lock:
             results.append((r.status_code, time.monotonic() - start, {**r.headers, "body": r.text}))
 
@@ -48,8 +60,14 @@ def test_admission_is_bounded_and_rejections_are_fast(server):
 
 def test_openai_route_is_bounded_too(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    hold = [threading.Thread(target=lambda: requests.post(server.url + "/generate", json={
-        "input_ids": [9, 9, 9], "sampling_params": LONG}, timeout=120)) for _ in range(2)]
+    hold = [
+        threading.Thread(
+            target=lambda: requests.post(
+                server.url + "/generate", json={"input_ids": [9, 9, 9], "sampling_params": LONG}, timeout=120
+            )
+        )
+        for _ in range(2)
+    ]
     for t in hold:
         t.start()
     deadline = time.monotonic() + 30
@@ -67,9 +85,11 @@ def test_request_timeout_aborts_running_and_queued_requests(server):
     out = {}
 
     def run(name: str, timeout: float) -> None:
-        out[name] = requests.post(server.url + "/generate", json={
-            "input_ids": [1, 2, 3], "sampling_params": {**LONG, "max_new_tokens": 600}, "timeout": timeout},
-            timeout=120).json()
+        out[name] = requests.post(
+            server.url + "/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {**LONG, "max_new_tokens": 600}, "timeout": timeout},
+            timeout=120,
+        ).json()
 
     running = threading.Thread(target=run, args=("running", 0.5))
     running.start()
@@ -86,14 +106,17 @@ def test_request_timeout_aborts_running_and_queued_requests(server):
     assert state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"text": "x", "timeout": -1}, "timeout = -1"),
-    ({"text": "x", "timeout": "soon"}, "timeout = 'soon'"),
-    ({"text": "x", "sampling_params": {"max_new_tokens": 601}}, "cap of 600"),
-    ({"text": "x", "sampling_params": {"n": 129}}, "n = 129"),
-    ({"text": "x", "sampling_params": {"stop": ["a"] * 65}}, "at most 64 strings"),
-    ({"text": ["x"] * 2049}, "limit of 2048"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"text": "x", "timeout": -1}, "timeout = -1"),
+        ({"text": "x", "timeout": "soon"}, "timeout = 'soon'"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": 601}}, "cap of 600"),
+        ({"text": "x", "sampling_params": {"n": 129}}, "n = 129"),
+        ({"text": "x", "sampling_params": {"stop": ["a"] * 65}}, "at most 64 strings"),
+        ({"text": ["x"] * 2049}, "limit of 2048"),
+    ],
+)
 def test_limits_are_400s_naming_the_field(server, body, needle):
     r = server.post("/generate", body)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

@@ -11,15 +11,19 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import requests
-
 from conftest import ROOT, ServerProcess, free_port
 
 PARAMS = {"temperature": 0, "max_new_tokens": 12}
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time",
-           "The quick brown fox", "1, 2, 3, 4,"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "List three colors:",
+    "Once upon a time",
+    "The quick brown fox",
+    "1, 2, 3, 4,",
+]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two "nodes" on 2 cores: no oversubscription
 
 
@@ -38,8 +42,9 @@ def ids(outs):
 
 
 def test_tp2_matches_tp1_and_rank_death_stops_the_server(server_factory, tiny_chat_model, reference):
-    server = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--tp-size", "2",
-                            "--chunked-prefill-size", "16")
+    server = server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--tp-size", "2", "--chunked-prefill-size", "16"
+    )
     long_prompt = " ".join(PROMPTS) * 3  # > 16 tokens: chunked
     assert ids(server.generate(text=PROMPTS, sampling_params=PARAMS)) == reference
     first = server.generate(text=long_prompt, sampling_params=PARAMS)
@@ -52,8 +57,12 @@ def test_tp2_matches_tp1_and_rank_death_stops_the_server(server_factory, tiny_ch
 
     # A request in flight when rank 1 dies gets an answer (an error), and the server exits non-zero.
     pool = cf.ThreadPoolExecutor(1)
-    pending = pool.submit(requests.post, server.url + "/generate", timeout=60,
-                          json={"text": "Hello", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+    pending = pool.submit(
+        requests.post,
+        server.url + "/generate",
+        timeout=60,
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}},
+    )
     time.sleep(1.0)
     os.kill(info["process_pids"]["tp1"], signal.SIGKILL)
     start = time.monotonic()
@@ -66,12 +75,27 @@ def test_tp2_matches_tp1_and_rank_death_stops_the_server(server_factory, tiny_ch
 
 def test_two_nodes_over_loopback_match_tp1(tmp_path, tiny_chat_model, reference):
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--tp-size", "2", "--nnodes", "2",
-              "--dist-init-addr", addr]
+    common = [
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        addr,
+    ]
     log1 = open(tmp_path / "node1.log", "w")
-    node1 = subprocess.Popen([sys.executable, "-m", "srt.launch_server", "--dtype", "float32", *common,
-                              "--node-rank", "1"], stdout=log1, stderr=subprocess.STDOUT, cwd=ROOT,
-                             start_new_session=True, env={**os.environ, **ONE_THREAD})
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "srt.launch_server", "--dtype", "float32", *common, "--node-rank", "1"],
+        stdout=log1,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,
+        env={**os.environ, **ONE_THREAD},
+    )
     node0 = None
     try:
         node0 = ServerProcess([*common, "--node-rank", "0"], str(tmp_path / "node0.log"), env=ONE_THREAD)
@@ -90,15 +114,29 @@ def test_two_nodes_over_loopback_match_tp1(tmp_path, tiny_chat_model, reference)
 
 
 def test_node_rank_without_address_is_rejected():
-    out = subprocess.run([sys.executable, "-m", "srt.launch_server", "--tp-size", "2", "--nnodes", "2",
-                          "--node-rank", "1"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--dist-init-addr" in out.stderr
 
 
 @pytest.fixture(scope="module")
 def dp2(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--dp-size", "2",
-                          "--load-balance-method", "cache_aware", "--enable-metrics")
+    return server_factory(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        "--dp-size",
+        "2",
+        "--load-balance-method",
+        "cache_aware",
+        "--enable-metrics",
+    )
 
 
 def replica_states(server) -> list[dict]:
@@ -120,8 +158,9 @@ def test_dp2_spreads_concurrent_requests(dp2, reference):
 
 def test_dp2_cache_aware_routes_shared_prefix_to_the_replica_holding_it(dp2):
     system = "You are a careful assistant who answers questions about the history of science. " * 6
-    outs = [dp2.generate(text=system + f"Question {i}: who was", sampling_params={"max_new_tokens": 2})
-            for i in range(6)]
+    outs = [
+        dp2.generate(text=system + f"Question {i}: who was", sampling_params={"max_new_tokens": 2}) for i in range(6)
+    ]
     cached = [o["meta_info"]["cached_tokens"] for o in outs]
     assert cached[0] == 0 and all(c >= 64 for c in cached[1:]), cached
 

@@ -20,8 +20,12 @@ def tree_prompts(n: int, seed: int = 0) -> list[dict]:
         # every tenth request generates long; long ones growing together overrun what admission
         # expected (it assumes only new_token_ratio < 1 of the remaining tokens), which forces retractions
         new_tokens = rng.randrange(150, 200) if i % 10 == 0 else rng.randrange(8, 48)
-        out.append({"input_ids": rng.choice(nodes) + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 6))],
-                    "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
+        out.append(
+            {
+                "input_ids": rng.choice(nodes) + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 6))],
+                "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+            }
+        )
     return out
 
 
@@ -42,7 +46,9 @@ def test_tiny_pool_retracts_but_outputs_match(server_factory, tiny_chat_model, b
     roomy = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "60000")
     expect = asyncio.run(run_all(roomy.url, bodies))
     roomy.stop()
-    tight = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "1200", "--chunked-prefill-size", "128")
+    tight = server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "1200", "--chunked-prefill-size", "128"
+    )
     got = asyncio.run(run_all(tight.url, bodies))
     assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expect]
     assert all(g["meta_info"]["finish_reason"]["type"] == "length" for g in got)

@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 import requests
-
 from conftest import free_port
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e '.[dev]')")
@@ -26,9 +25,17 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 # What sglang-router 0.3.2 and smg 1.13 add to the bodies they forward (seen on the wire), plus the
 # data-parallel and prefill/decode fields they add in --dp-aware and --pd-disaggregation modes.
 ROUTER_FIELDS = {
-    "model": None, "log_metrics": True, "return_hidden_states": False, "background": False, "no_logs": False,
-    "return_bytes": False, "return_entropy": False, "data_parallel_rank": 0,
-    "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345,
+    "model": None,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+    "data_parallel_rank": 0,
+    "bootstrap_host": "127.0.0.1",
+    "bootstrap_port": 8998,
+    "bootstrap_room": 12345,
 }
 OPENAI_ROUTER_FIELDS = {**ROUTER_FIELDS, "model": MODEL, "separate_reasoning": True, "stream_reasoning": True}
 
@@ -41,9 +48,25 @@ class Router:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-               "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -131,8 +154,9 @@ def test_native_generate_through_the_router(router, workers):
     assert len(chunks) > 1 and chunks[-1]["text"] == direct["text"]  # cumulative text
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
-    batch = requests.post(router.url + "/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": GREEDY},
-                          timeout=60)
+    batch = requests.post(
+        router.url + "/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": GREEDY}, timeout=60
+    )
     assert batch.status_code == 200 and len(batch.json()) == 2
 
 
@@ -146,8 +170,7 @@ def test_openai_routes_through_the_router(client, workers):
     out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert out.choices[0].text == direct["text"] and out.usage.completion_tokens == 8
 
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
-                                       stream=True)
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == direct["text"]
 
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -157,8 +180,16 @@ def test_openai_routes_through_the_router(client, workers):
     assert chat.choices[0].message.content == direct_chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "length"
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
@@ -202,8 +233,11 @@ def test_get_load_shape(workers):
     w.wait_idle()
     idle = requests.get(w.url + "/get_load", timeout=10).json()
     assert idle == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
-    body = {"text": "Tell me a long story", "stream": True,
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "text": "Tell me a long story",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0},
+    }
     with httpx.stream("POST", w.url + "/generate", json=body, timeout=60) as resp:
         lines = resp.iter_lines()  # keep a reference: a collected iterator closes the stream
         next(lines)  # running now, for seconds; closing the stream aborts it
@@ -220,8 +254,15 @@ def test_v1_loads_shape_and_bad_input(workers):
     assert set(out) == {"timestamp", "version", "loads"} and len(out["loads"]) == 1
     load = out["loads"][0]
     assert load["dp_rank"] == 0 and load["max_total_num_tokens"] == 8192 and "queues" not in load
-    for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "token_usage", "gen_throughput",
-                "cache_hit_rate", "max_running_requests"):
+    for key in (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_used_tokens",
+        "token_usage",
+        "gen_throughput",
+        "cache_hit_rate",
+        "max_running_requests",
+    ):
         assert key in load
     # what smg asks for
     full = requests.get(url, params={"include": "core,disagg,queues,memory"}, timeout=10).json()["loads"][0]
@@ -229,8 +270,12 @@ def test_v1_loads_shape_and_bad_input(workers):
     assert requests.get(url, params={"dp_rank": 0}, timeout=10).json()["loads"][0]["dp_rank"] == 0
     prom = requests.get(url, params={"format": "prometheus"}, timeout=10)
     assert prom.status_code == 200 and 'sglang_max_total_num_tokens{dp_rank="0"} 8192' in prom.text
-    for params, field in (({"include": "core,bogus"}, "include"), ({"dp_rank": 1}, "dp_rank"),
-                          ({"dp_rank": "x"}, "dp_rank"), ({"format": "xml"}, "format")):
+    for params, field in (
+        ({"include": "core,bogus"}, "include"),
+        ({"dp_rank": 1}, "dp_rank"),
+        ({"dp_rank": "x"}, "dp_rank"),
+        ({"format": "xml"}, "format"),
+    ):
         r = requests.get(url, params=params, timeout=10)
         assert r.status_code == 400 and f"`{field}`" in r.json()["error"]["message"], (params, r.text)
 

@@ -21,8 +21,17 @@ SECONDS = float(os.environ.get("RADIXSERVE_SOAK_SECONDS", "300"))
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--max-running-requests", "32",
-                          "--max-queued-requests", "64", "--enable-metrics")
+    return server_factory(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        "--max-running-requests",
+        "32",
+        "--max-queued-requests",
+        "64",
+        "--enable-metrics",
+    )
 
 
 def rss_mb(pid: int) -> float:
@@ -43,42 +52,79 @@ def rss_by_process(pid: int) -> dict[str, float]:
 
 def worker(server, rng: random.Random, stop: float, counts: dict, lock: threading.Lock) -> None:
     while time.monotonic() < stop:
-        kind = rng.choice(["native", "stream_abort", "openai", "chat_stream", "deadline", "abort_rid", "json",
-                           "bad"])
+        kind = rng.choice(["native", "stream_abort", "openai", "chat_stream", "deadline", "abort_rid", "json", "bad"])
         ids = [rng.randrange(100, 4000) for _ in range(rng.randint(4, 300))]
         sp = {"max_new_tokens": rng.randint(1, 120), "temperature": rng.choice([0, 0.7]), "ignore_eos": True}
         try:
             if kind == "native":
                 r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=120)
             elif kind == "stream_abort":
-                with requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": sp,
-                                                                   "stream": True}, stream=True, timeout=120) as r:
+                with requests.post(
+                    server.url + "/generate",
+                    json={"input_ids": ids, "sampling_params": sp, "stream": True},
+                    stream=True,
+                    timeout=120,
+                ) as r:
                     for n, _ in enumerate(r.iter_lines()):
                         if n > rng.randint(0, 20):
                             break
             elif kind == "openai":
-                r = requests.post(server.url + "/v1/completions", timeout=120, json={
-                    "model": "default", "prompt": ids, "max_tokens": sp["max_new_tokens"], "n": rng.randint(1, 3)})
+                r = requests.post(
+                    server.url + "/v1/completions",
+                    timeout=120,
+                    json={
+                        "model": "default",
+                        "prompt": ids,
+                        "max_tokens": sp["max_new_tokens"],
+                        "n": rng.randint(1, 3),
+                    },
+                )
             elif kind == "chat_stream":
-                r = requests.post(server.url + "/v1/chat/completions", timeout=120, json={
-                    "model": "default", "messages": [{"role": "user", "content": "hi " * rng.randint(1, 50)}],
-                    "max_tokens": sp["max_new_tokens"], "stream": True, "stream_options": {"include_usage": True}})
+                r = requests.post(
+                    server.url + "/v1/chat/completions",
+                    timeout=120,
+                    json={
+                        "model": "default",
+                        "messages": [{"role": "user", "content": "hi " * rng.randint(1, 50)}],
+                        "max_tokens": sp["max_new_tokens"],
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    },
+                )
             elif kind == "deadline":
-                r = requests.post(server.url + "/generate", timeout=120, json={
-                    "input_ids": ids, "sampling_params": {**sp, "max_new_tokens": 400}, "timeout": rng.random()})
+                r = requests.post(
+                    server.url + "/generate",
+                    timeout=120,
+                    json={"input_ids": ids, "sampling_params": {**sp, "max_new_tokens": 400}, "timeout": rng.random()},
+                )
             elif kind == "abort_rid":
                 rid = f"soak-{rng.random()}"
-                t = threading.Thread(target=requests.post, args=(server.url + "/generate",), kwargs={
-                    "json": {"input_ids": ids, "rid": rid, "sampling_params": {**sp, "max_new_tokens": 300}},
-                    "timeout": 120})
+                t = threading.Thread(
+                    target=requests.post,
+                    args=(server.url + "/generate",),
+                    kwargs={
+                        "json": {"input_ids": ids, "rid": rid, "sampling_params": {**sp, "max_new_tokens": 300}},
+                        "timeout": 120,
+                    },
+                )
                 t.start()
                 time.sleep(rng.random() * 0.3)
                 requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=30)
                 t.join()
             elif kind == "json":
-                r = requests.post(server.url + "/generate", timeout=120, json={"input_ids": ids, "sampling_params": {
-                    **sp, "max_new_tokens": 40, "json_schema": '{"type": "object", "properties": {"a": '
-                                                               '{"type": "integer"}}, "required": ["a"]}'}})
+                r = requests.post(
+                    server.url + "/generate",
+                    timeout=120,
+                    json={
+                        "input_ids": ids,
+                        "sampling_params": {
+                            **sp,
+                            "max_new_tokens": 40,
+                            "json_schema": '{"type": "object", "properties": {"a": '
+                            '{"type": "integer"}}, "required": ["a"]}',
+                        },
+                    },
+                )
             else:
                 r = requests.post(server.url + "/generate", json={"input_ids": [-1], "sampling_params": sp}, timeout=30)
             with lock:
@@ -109,16 +155,21 @@ def test_soak(server):
     state = server.wait_idle(timeout=120)
     rss_end = rss_mb(server.proc.pid)
     metrics = requests.get(server.url + "/metrics", timeout=30).text
-    finished = next(float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith("sglang:num_requests_total"))
-    print(f"\nsoak {SECONDS:.0f} s: {sum(v for k, v in counts.items() if k != 'errors' and k != 'client_errors')} "
-          f"client operations {dict((k, v) for k, v in counts.items() if k != 'errors')}, {finished:.0f} requests "
-          f"finished server-side, peak token usage {peak_usage:.2f}; RSS {rss_start:.0f} MB at start, "
-          f"{rss_warm:.0f} MB after warm-up, {rss_end:.0f} MB at the end; KV free+evictable "
-          f"{state['kv_available'] + state['kv_evictable']} / {state['kv_capacity']}")
+    finished = next(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("sglang:num_requests_total")
+    )
+    print(
+        f"\nsoak {SECONDS:.0f} s: {sum(v for k, v in counts.items() if k != 'errors' and k != 'client_errors')} "
+        f"client operations {dict((k, v) for k, v in counts.items() if k != 'errors')}, {finished:.0f} requests "
+        f"finished server-side, peak token usage {peak_usage:.2f}; RSS {rss_start:.0f} MB at start, "
+        f"{rss_warm:.0f} MB after warm-up, {rss_end:.0f} MB at the end; KV free+evictable "
+        f"{state['kv_available'] + state['kv_evictable']} / {state['kv_capacity']}"
+    )
     per_process_end = rss_by_process(server.proc.pid)
-    print("RSS per process, after warm-up -> end (MB): " + ", ".join(
-        f"{k} {per_process_warm.get(k, 0):.0f} -> {v:.0f}" for k, v in per_process_end.items()))
+    print(
+        "RSS per process, after warm-up -> end (MB): "
+        + ", ".join(f"{k} {per_process_warm.get(k, 0):.0f} -> {v:.0f}" for k, v in per_process_end.items())
+    )
     assert not counts.get("client_errors"), counts.get("errors", [])[:3]
     assert state["integrity_ok"] and state["idle"]
     assert state["kv_available"] + state["kv_evictable"] == state["kv_capacity"] == baseline["kv_capacity"]

@@ -19,10 +19,10 @@ def stream_text(server, body) -> tuple[str, list[str], dict]:
         texts, last = [], None
         for line in r.iter_lines():
             if line and line != b"data: [DONE]":
-                last = json.loads(line[len(b"data: "):])
+                last = json.loads(line[len(b"data: ") :])
                 texts.append(last["text"])
     # cumulative chunks -> deltas: each chunk extends the previous one
-    deltas = [texts[0]] + [b[len(a):] for a, b in zip(texts, texts[1:])]
+    deltas = [texts[0]] + [b[len(a) :] for a, b in zip(texts, texts[1:])]
     for a, b in zip(texts, texts[1:]):
         assert b.startswith(a), (a, b)
     return "".join(deltas), deltas, last
@@ -34,8 +34,11 @@ def prompts_with_multibyte_output(server, want: int = 4) -> list[dict]:
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     prompts = [[100 + seed, 200 + seed, 300 + seed] for seed in range(64)]
     outs = server.generate(input_ids=prompts, sampling_params=params)
-    found = [{"input_ids": p, "sampling_params": params} for p, o in zip(prompts, outs)
-             if any(ord(c) > 127 for c in o["text"]) and "\ufffd" not in o["text"]]
+    found = [
+        {"input_ids": p, "sampling_params": params}
+        for p, o in zip(prompts, outs)
+        if any(ord(c) > 127 for c in o["text"]) and "\ufffd" not in o["text"]
+    ]
     assert len(found) >= want, "too few prompts produced multi-byte output"
     return found[:want]
 
@@ -84,14 +87,21 @@ def test_stop_strings_straddling_tokens(server, tiny_chat_model):
 
 
 def test_stop_token_ids_and_eos(server):
-    out = server.generate(input_ids=[11, 12, 13], sampling_params={"temperature": 0, "max_new_tokens": 20,
-                                                                   "ignore_eos": True})
+    out = server.generate(
+        input_ids=[11, 12, 13], sampling_params={"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+    )
     stop_id = out["output_ids"][4]
     first = out["output_ids"].index(stop_id)
-    got = server.generate(input_ids=[11, 12, 13], sampling_params={"temperature": 0, "max_new_tokens": 20,
-                                                                   "stop_token_ids": [stop_id]})
+    got = server.generate(
+        input_ids=[11, 12, 13], sampling_params={"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_id]}
+    )
     assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert got["output_ids"] == out["output_ids"][: first + 1]
-    streamed, _, _ = stream_text(server, {"input_ids": [11, 12, 13], "sampling_params": {
-        "temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_id]}})
+    streamed, _, _ = stream_text(
+        server,
+        {
+            "input_ids": [11, 12, 13],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_id]},
+        },
+    )
     assert streamed == got["text"]

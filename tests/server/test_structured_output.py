@@ -14,61 +14,146 @@ from srt.hf_transformers_utils import get_tokenizer
 
 S = {"type": "string", "maxLength": 16}
 SCHEMAS = [
-    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "person": {"type": "object", "properties": {"first": S, "last": S}, "required": ["first", "last"],
-                   "additionalProperties": False},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3}},
-     "required": ["person", "tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                      "shade": {"type": "string", "enum": ["light", "dark"]}},
-     "required": ["color", "shade"], "additionalProperties": False},
-    {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                                      "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
-     "required": ["zip", "code"], "additionalProperties": False},
-    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
-                                      "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-                                      "rating": {"type": "number", "minimum": 0, "maximum": 10}},
-     "required": ["title"], "additionalProperties": False},
-    {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -99,
-                                                                       "maximum": 99},
-                                                                 "y": {"type": "integer", "minimum": -99,
-                                                                       "maximum": 99}},
-                                "required": ["x", "y"], "additionalProperties": False},
-     "minItems": 1, "maxItems": 4},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"],
-                                                                          "maxLength": 20}},
-     "required": ["ok", "note"], "additionalProperties": False},
-    {"type": "object", "properties": {"version": {"const": "v1"}, "count": {"type": "integer", "minimum": 1,
-                                                                           "maximum": 9}},
-     "required": ["version", "count"], "additionalProperties": False},
-    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
-                                                          {"type": "string", "maxLength": 8}]}},
-     "required": ["value"], "additionalProperties": False},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
-        "type": "object", "properties": {"c": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                                           "maximum": 50}, "maxItems": 3}},
-        "required": ["c"], "additionalProperties": False}}, "required": ["b"], "additionalProperties": False}},
-     "required": ["a"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {"first": S, "last": S},
+                "required": ["first", "last"],
+                "additionalProperties": False,
+            },
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["person", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "shade": {"type": "string", "enum": ["light", "dark"]},
+        },
+        "required": ["color", "shade"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        },
+        "required": ["zip", "code"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 30},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+            "rating": {"type": "number", "minimum": 0, "maximum": 10},
+        },
+        "required": ["title"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "x": {"type": "integer", "minimum": -99, "maximum": 99},
+                "y": {"type": "integer", "minimum": -99, "maximum": 99},
+            },
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        },
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 20}},
+        "required": ["ok", "note"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"version": {"const": "v1"}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["version", "count"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999}, {"type": "string", "maxLength": 8}]}
+        },
+        "required": ["value"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {
+                            "c": {
+                                "type": "array",
+                                "items": {"type": "integer", "minimum": 0, "maximum": 50},
+                                "maxItems": 3,
+                            }
+                        },
+                        "required": ["c"],
+                        "additionalProperties": False,
+                    }
+                },
+                "required": ["b"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
 ]
-TASKS = ["Describe a person as JSON.", "Give me some data about a movie.", "Output JSON for a color.",
-         "Return a JSON answer.", "Make up an example record."]
+TASKS = [
+    "Describe a person as JSON.",
+    "Give me some data about a movie.",
+    "Output JSON for a color.",
+    "Return a JSON answer.",
+    "Make up an example record.",
+]
 REGEX = r"(Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day, [0-9]{1,2} (January|February|March) 20[0-9]{2}"
 EBNF = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | "maybe"'
-LONG_KEYS = {"type": "object", "properties": {
-    "customer_full_legal_name_as_registered": {"type": "string", "maxLength": 12},
-    "customer_primary_contact_email_address": {"type": "string", "maxLength": 12},
-    "customer_account_creation_year_number": {"type": "integer", "minimum": 1990, "maximum": 2030}},
-    "required": ["customer_full_legal_name_as_registered", "customer_primary_contact_email_address",
-                 "customer_account_creation_year_number"], "additionalProperties": False}
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "customer_full_legal_name_as_registered": {"type": "string", "maxLength": 12},
+        "customer_primary_contact_email_address": {"type": "string", "maxLength": 12},
+        "customer_account_creation_year_number": {"type": "integer", "minimum": 1990, "maximum": 2030},
+    },
+    "required": [
+        "customer_full_legal_name_as_registered",
+        "customer_primary_contact_email_address",
+        "customer_account_creation_year_number",
+    ],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
 def chat(default_model_path):
     tok = get_tokenizer(default_model_path)
-    return lambda q: tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=False)
+    return lambda q: tok.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +162,9 @@ def server(server_factory):
 
 
 def gen(server, text, max_new_tokens=160, **constraint):
-    return server.generate(text=text, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens,
-                                                       **constraint})
+    return server.generate(
+        text=text, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens, **constraint}
+    )
 
 
 def test_fifty_json_schema_generations_validate(server, chat):
@@ -89,8 +175,12 @@ def test_fifty_json_schema_generations_validate(server, chat):
         schema, task, via_openai = job
         if via_openai:
             out = client.chat.completions.create(
-                model="default", messages=[{"role": "user", "content": task}], temperature=0, max_tokens=160,
-                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+                model="default",
+                messages=[{"role": "user", "content": task}],
+                temperature=0,
+                max_tokens=160,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            )
             return out.choices[0].message.content, out.choices[0].finish_reason
         out = gen(server, chat(task), json_schema=json.dumps(schema))
         return out["text"], out["meta_info"]["finish_reason"]["type"]
@@ -105,8 +195,9 @@ def test_fifty_json_schema_generations_validate(server, chat):
 def test_json_object_response_format(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
     messages = [{"role": "user", "content": 'Reply with the JSON object {"answer": "yes"} and nothing else.'}]
-    out = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=160,
-                                         response_format={"type": "json_object"})
+    out = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=160, response_format={"type": "json_object"}
+    )
     assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
@@ -134,13 +225,16 @@ def test_mixed_concurrent_load(server, chat):
     assert server.wait_idle()["integrity_ok"]
 
 
-@pytest.mark.parametrize("constraint, words", [
-    ({"json_schema": '{"type": "object", "properties": {"a": {"type": "strin"}}}'}, "json_schema"),
-    ({"json_schema": "{not json"}, "not valid JSON"),
-    ({"regex": "(unclosed"}, "regex"),
-    ({"ebnf": "root ::= missing_rule"}, "ebnf"),
-    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "at most one"),
-])
+@pytest.mark.parametrize(
+    "constraint, words",
+    [
+        ({"json_schema": '{"type": "object", "properties": {"a": {"type": "strin"}}}'}, "json_schema"),
+        ({"json_schema": "{not json"}, "not valid JSON"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"ebnf": "root ::= missing_rule"}, "ebnf"),
+        ({"regex": "a+", "ebnf": 'root ::= "a"'}, "at most one"),
+    ],
+)
 def test_bad_grammars_are_400_and_the_server_keeps_serving(server, chat, constraint, words):
     r = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, **constraint}})
     assert r.status_code == 400, r.text
@@ -151,8 +245,14 @@ def test_bad_grammars_are_400_and_the_server_keeps_serving(server, chat, constra
 
 
 def test_cached_grammar_is_reused(server, chat):
-    schema = json.dumps({"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}},
-                         "required": ["k"], "additionalProperties": False})
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["k"],
+            "additionalProperties": False,
+        }
+    )
     a = gen(server, chat("A digit?"), 20, json_schema=schema)["text"]
     b = gen(server, chat("A digit?"), 20, json_schema=schema)["text"]
     assert a == b and json.loads(a)["k"] in range(10)
@@ -162,11 +262,17 @@ def test_jump_forward_same_text_fewer_forward_passes(server, server_factory, cha
     # The example shows the keys, so the model's own greedy tokens for them are the canonical ones
     # jump-forward appends. (A weak model forced away from what it wanted to write may spell a key
     # in odd sub-tokens instead; then jump-forward's canonical tokens change what follows.)
-    example = json.dumps({"customer_full_legal_name_as_registered": "Ann Lee",
-                          "customer_primary_contact_email_address": "ann@x.io",
-                          "customer_account_creation_year_number": 2001})
-    prompts = [chat(f"Here is a customer record: {example}\nWrite another customer record in the same JSON format."),
-               chat(f"Example: {example}\nNow a record for a customer called Bob.")]
+    example = json.dumps(
+        {
+            "customer_full_legal_name_as_registered": "Ann Lee",
+            "customer_primary_contact_email_address": "ann@x.io",
+            "customer_account_creation_year_number": 2001,
+        }
+    )
+    prompts = [
+        chat(f"Here is a customer record: {example}\nWrite another customer record in the same JSON format."),
+        chat(f"Example: {example}\nNow a record for a customer called Bob."),
+    ]
 
     def run(s):
         before = s.wait_idle()

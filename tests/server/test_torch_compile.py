@@ -49,8 +49,7 @@ def eager_outputs(server_factory, model):
     return out
 
 
-def test_compiled_server_serves_while_compiling_and_matches_eager(server_factory, model, inductor_env,
-                                                                   eager_outputs):
+def test_compiled_server_serves_while_compiling_and_matches_eager(server_factory, model, inductor_env, eager_outputs):
     server = server_factory("--model-path", model, *COMPILE, env=inductor_env)
     # answered before (or while) the graphs compile: the server serves eagerly meanwhile
     first = server.generate(text=PROMPTS[3], sampling_params=PARAMS)["output_ids"]
@@ -80,7 +79,11 @@ def test_bad_compile_flag_is_rejected(model):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "srt.launch_server", "--model-path", model,
-                           "--torch-compile-max-bs", "0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", "--model-path", model, "--torch-compile-max-bs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "--torch-compile-max-bs must be in [1, 1024], got 0" in proc.stderr + proc.stdout

@@ -81,22 +81,33 @@ class _SamplingFields(_Body):
             "max_new_tokens": max_new_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p, "n": self.n,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty, "min_new_tokens": self.min_tokens,
-            "stop": self.stop or None, "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "n": self.n,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens,
+            "stop": self.stop or None,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
-            "no_stop_trim": self.no_stop_trim, "logit_bias": self.logit_bias, "sampling_seed": self.seed,
-            "regex": self.regex, "json_schema": self.json_schema, "ebnf": self.ebnf,
+            "no_stop_trim": self.no_stop_trim,
+            "logit_bias": self.logit_bias,
+            "sampling_seed": self.seed,
+            "regex": self.regex,
+            "json_schema": self.json_schema,
+            "ebnf": self.ebnf,
         }
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             params["json_schema"] = '{"type": "object"}'
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise ValueError("response_format.json_schema.schema is required when response_format.type is "
-                                 "'json_schema'")
+                raise ValueError(
+                    "response_format.json_schema.schema is required when response_format.type is 'json_schema'"
+                )
             params["json_schema"] = json.dumps(fmt.json_schema.schema_)
         return {k: v for k, v in params.items() if v is not None}
 

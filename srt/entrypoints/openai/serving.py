@@ -23,8 +23,14 @@ from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
 from srt.sampling.sampling_params import InvalidSamplingParams
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
 
 
 class OpenAIError(Exception):
@@ -34,8 +40,14 @@ class OpenAIError(Exception):
 
 
 def openai_error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code or status}}
+    body = {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code or status,
+        }
+    }
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
@@ -73,8 +85,7 @@ def _finish_fields(reason: dict | None) -> dict:
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager, served_model_name: str, model_path: str,
-                 chat_template: str | None = None):
+    def __init__(self, tm: TokenizerManager, served_model_name: str, model_path: str, chat_template: str | None = None):
         self.tm = tm
         self.model_name = served_model_name
         self.aliases = {served_model_name, model_path, model_path.rstrip("/").rsplit("/", 1)[-1], "default"}
@@ -87,8 +98,14 @@ class OpenAIServing:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixserve",
-                "root": self.model_name, "max_model_len": self.tm.context_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "radixserve",
+            "root": self.model_name,
+            "max_model_len": self.tm.context_len,
+        }
 
     async def completions(self, body: Any, request: Request) -> Response:
         return await self._serve(body, request, CompletionRequest, self._completion_input, _CompletionResponder)
@@ -106,8 +123,12 @@ class OpenAIServing:
         except ValidationError as e:
             raise OpenAIError(400, format_validation_error(e)) from None
         if req.model and req.model not in self.aliases:
-            raise OpenAIError(404, f"The model `{req.model}` does not exist; this server serves "
-                                   f"`{self.model_name}`", "model", "model_not_found")
+            raise OpenAIError(
+                404,
+                f"The model `{req.model}` does not exist; this server serves `{self.model_name}`",
+                "model",
+                "model_not_found",
+            )
         return req
 
     def _sampling(self, req, max_new_tokens: int | None) -> dict:
@@ -120,24 +141,34 @@ class OpenAIServing:
         if req.suffix:
             raise OpenAIError(400, "`suffix` is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
-            raise OpenAIError(400, f"`best_of` = {req.best_of} is not supported unless it equals n ({req.n})",
-                              "best_of")
+            raise OpenAIError(
+                400, f"`best_of` = {req.best_of} is not supported unless it equals n ({req.n})", "best_of"
+            )
         p = req.prompt
         text = p if isinstance(p, str) or (isinstance(p, list) and isinstance(p[0], str)) else None
         ids = None if text is not None else p
         want_lp = req.logprobs is not None
         return GenerateReqInput(
-            text=text, input_ids=ids, sampling_params=self._sampling(req, req.max_tokens), rid=req.rid,
-            return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
-            logprob_start_len=0 if (want_lp and req.echo) else -1, return_text_in_logprobs=True,
-            stream=req.stream, timeout=req.timeout)
+            text=text,
+            input_ids=ids,
+            sampling_params=self._sampling(req, req.max_tokens),
+            rid=req.rid,
+            return_logprob=want_lp,
+            top_logprobs_num=req.logprobs or 0,
+            logprob_start_len=0 if (want_lp and req.echo) else -1,
+            return_text_in_logprobs=True,
+            stream=req.stream,
+            timeout=req.timeout,
+        )
 
     def _chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
         tok = self.tm.tokenizer
         template = self.chat_template or getattr(tok, "chat_template", None)
         if not template:
-            raise OpenAIError(400, "this model has no chat template; start the server with --chat-template FILE "
-                                   "or use /v1/completions")
+            raise OpenAIError(
+                400,
+                "this model has no chat template; start the server with --chat-template FILE or use /v1/completions",
+            )
         messages = []
         for i, m in enumerate(req.messages):
             try:
@@ -150,17 +181,28 @@ class OpenAIServing:
             messages.append(msg)
         try:
             prompt = tok.apply_chat_template(
-                messages, tools=req.tools, tokenize=False, chat_template=self.chat_template,
+                messages,
+                tools=req.tools,
+                tokenize=False,
+                chat_template=self.chat_template,
                 add_generation_prompt=not req.continue_final_message,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )
         except Exception as e:  # a template's own raise_exception (e.g. roles must alternate) or a bad kwarg
             raise OpenAIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = tok.encode(prompt, add_special_tokens=False)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return GenerateReqInput(
-            input_ids=ids, sampling_params=self._sampling(req, max_new), rid=req.rid,
-            return_logprob=req.logprobs, top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-            return_text_in_logprobs=True, stream=req.stream, timeout=req.timeout)
+            input_ids=ids,
+            sampling_params=self._sampling(req, max_new),
+            rid=req.rid,
+            return_logprob=req.logprobs,
+            top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+            return_text_in_logprobs=True,
+            stream=req.stream,
+            timeout=req.timeout,
+        )
 
     async def _serve(self, body: Any, request: Request, cls, to_input, responder_cls) -> Response:
         try:
@@ -177,8 +219,10 @@ class OpenAIServing:
             return with_retry_after(openai_error_response(503, str(e)), e)
         responder = responder_cls(self, req)
         if not req.stream:
-            return Response(orjson.dumps(responder.body(first if isinstance(first, list) else [first])),
-                            media_type="application/json")
+            return Response(
+                orjson.dumps(responder.body(first if isinstance(first, list) else [first])),
+                media_type="application/json",
+            )
 
         async def events():
             try:
@@ -204,21 +248,29 @@ class OpenAIServing:
         prompt = sum(m["prompt_tokens"] for m in metas[::n])  # n samples share one prompt
         completion = sum(m["completion_tokens"] for m in metas)
         cached = sum(m["cached_tokens"] for m in metas[::n])
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     @staticmethod
     def completion_logprobs(meta: dict, echo: bool) -> dict:
         entries = (meta.get("input_token_logprobs") or [] if echo else []) + meta.get("output_token_logprobs", [])
-        tops = ((meta.get("input_top_logprobs") or [] if echo else []) + (meta.get("output_top_logprobs") or []))
+        tops = (meta.get("input_top_logprobs") or [] if echo else []) + (meta.get("output_top_logprobs") or [])
         tokens = [e[2] for e in entries]
         text_offset, pos = [], 0
         for t in tokens:
             text_offset.append(pos)
             pos += len(t or "")
         top = [None if t is None else {e[2]: e[0] for e in t} for t in tops] if tops else None
-        return {"tokens": tokens, "token_logprobs": [e[0] for e in entries], "top_logprobs": top,
-                "text_offset": text_offset}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[0] for e in entries],
+            "top_logprobs": top,
+            "text_offset": text_offset,
+        }
 
     @staticmethod
     def chat_logprobs(meta: dict, start: int = 0) -> dict:
@@ -227,9 +279,14 @@ class OpenAIServing:
         content = []
         for i, (lp, _tid, text) in enumerate(entries):
             top = tops[i] if i < len(tops) and tops[i] else []
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                             for v, _id, t in top]})
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for v, _id, t in top],
+                }
+            )
         return {"content": content}
 
 
@@ -248,24 +305,39 @@ class _Responder(abc.ABC):
         self.final: dict[int, dict] = {}
 
     def body(self, outs: list[dict]) -> dict:
-        choices = [{**self.final_choice(i, out), **_finish_fields(out["meta_info"]["finish_reason"])}
-                   for i, out in enumerate(outs)]
-        return {"id": self.id, "object": self.object_name, "created": self.created,
-                "model": self.serving.model_name, "choices": choices, "usage": self.serving.usage(outs, self.req.n)}
+        choices = [
+            {**self.final_choice(i, out), **_finish_fields(out["meta_info"]["finish_reason"])}
+            for i, out in enumerate(outs)
+        ]
+        return {
+            "id": self.id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.serving.model_name,
+            "choices": choices,
+            "usage": self.serving.usage(outs, self.req.n),
+        }
 
     def chunk(self, out: dict) -> bytes:
         i = out.get("index", 0)
         meta = out["meta_info"]
         first = i not in self.sent_text
-        delta_text = out["text"][self.sent_text.get(i, 0):]
+        delta_text = out["text"][self.sent_text.get(i, 0) :]
         self.sent_text[i] = len(out["text"])
-        choice = {**self.delta_choice(i, first, delta_text, meta, self.sent_lp.get(i, 0)),
-                  **_finish_fields(meta["finish_reason"])}
+        choice = {
+            **self.delta_choice(i, first, delta_text, meta, self.sent_lp.get(i, 0)),
+            **_finish_fields(meta["finish_reason"]),
+        }
         self.sent_lp[i] = len(meta.get("output_token_logprobs") or [])
         if meta["finish_reason"] is not None:
             self.final[i] = out
-        body = {"id": self.id, "object": self.chunk_object, "created": self.created,
-                "model": self.serving.model_name, "choices": [choice]}
+        body = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.serving.model_name,
+            "choices": [choice],
+        }
         if self.req.stream_options and self.req.stream_options.continuous_usage_stats:
             body["usage"] = self.serving.usage([out], 1)
         return _sse(body)
@@ -274,8 +346,16 @@ class _Responder(abc.ABC):
         if not (self.req.stream_options and self.req.stream_options.include_usage):
             return None
         outs = [self.final[i] for i in sorted(self.final)]
-        return _sse({"id": self.id, "object": self.chunk_object, "created": self.created,
-                     "model": self.serving.model_name, "choices": [], "usage": self.serving.usage(outs, self.req.n)})
+        return _sse(
+            {
+                "id": self.id,
+                "object": self.chunk_object,
+                "created": self.created,
+                "model": self.serving.model_name,
+                "choices": [],
+                "usage": self.serving.usage(outs, self.req.n),
+            }
+        )
 
     @abc.abstractmethod
     def final_choice(self, i: int, out: dict) -> dict:

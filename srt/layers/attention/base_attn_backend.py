@@ -46,9 +46,12 @@ class AttentionBackend(ABC):
     @staticmethod
     def save_kv(layer, forward_batch, k, v) -> None:
         """Write the new tokens' k/v ([T, kv_heads * head_dim]) at `out_cache_loc`."""
-        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
-                                                     k.view(-1, layer.tp_k_head_num, layer.head_dim),
-                                                     v.view(-1, layer.tp_v_head_num, layer.head_dim))
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.view(-1, layer.tp_k_head_num, layer.head_dim),
+            v.view(-1, layer.tp_v_head_num, layer.head_dim),
+        )
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():

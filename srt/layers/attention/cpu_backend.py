@@ -36,8 +36,12 @@ class CpuAttnBackend(AttentionBackend):
         self.kernel_rows = None
         if len(long) < len(lens):
             idx = torch.tensor([i for i, n in enumerate(lens) if n < SDPA_MIN_EXTEND], device=fb.seq_lens.device)
-            self.kernel_rows = (fb.req_pool_indices[idx], fb.seq_lens[idx], fb.extend_start_loc[idx],
-                                fb.extend_seq_lens[idx])
+            self.kernel_rows = (
+                fb.req_pool_indices[idx],
+                fb.seq_lens[idx],
+                fb.extend_start_loc[idx],
+                fb.extend_seq_lens[idx],
+            )
 
     def _prepare(self, q, k, v, layer, fb, save_kv_cache: bool):
         """Store the new K/V; returns the layer's pool buffers, q as [T, heads, dim] and an output."""
@@ -49,15 +53,25 @@ class CpuAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
-        self.ops.decode_attention(q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                                  fb.seq_lens, out, layer.scaling, self.num_splits)
+        self.ops.decode_attention(
+            q3,
+            k_buf,
+            v_buf,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            out,
+            layer.scaling,
+            self.num_splits,
+        )
         return out.view(q.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
         if self.kernel_rows is not None:
-            self.ops.extend_attention(q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, *self.kernel_rows, out,
-                                      layer.scaling)
+            self.ops.extend_attention(
+                q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, *self.kernel_rows, out, layer.scaling
+            )
         out = out.view(q.shape[0], -1)
         extend_with_sdpa(q, out, layer, fb, self.sdpa_reqs)
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from srt.layers.attention.registry import register_attention_backend
 from srt.layers.attention.base_attn_backend import AttentionBackend
+from srt.layers.attention.registry import register_attention_backend
 
 
 @dataclass
@@ -53,7 +53,7 @@ def extend_reqs_meta(fb, indices: list[int]) -> list[_ExtendReq]:
     for i in indices:
         n, seq, prefix = fb.extend_seq_lens_cpu[i], fb.seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
         slots = req_to_token[fb.req_pool_indices[i], :seq].long()
-        kv_index = (slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1))
+        kv_index = slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1)
         mask = None
         if prefix:
             q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
@@ -73,8 +73,9 @@ def extend_with_sdpa(q, out, layer, fb, reqs: list[_ExtendReq]) -> None:
         qr = q[r.q_start : r.q_start + n].view(1, n, -1, d).transpose(1, 2)
         kr = k_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
         vr = v_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
-        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None,
-                                           scale=layer.scaling, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None, scale=layer.scaling, enable_gqa=True
+        )
         out[r.q_start : r.q_start + n] = o.transpose(1, 2).reshape(n, -1)
 
 
@@ -90,15 +91,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.gather, self.extend_reqs = None, []
         if fb.forward_mode.is_decode():
             rows = torch.arange(fb.batch_size, device=fb.seq_lens.device)
-            self.gather = _gather_meta(req_to_token, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu),
-                                       kv_heads, rows)
+            self.gather = _gather_meta(
+                req_to_token, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu), kv_heads, rows
+            )
             return
         single = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
         if single:
             idx = torch.tensor(single, device=fb.seq_lens.device)
             rows = torch.tensor([fb.extend_start_loc_cpu[i] for i in single], device=fb.seq_lens.device)
-            self.gather = _gather_meta(req_to_token, fb.req_pool_indices[idx], fb.seq_lens[idx],
-                                       max(fb.seq_lens_cpu[i] for i in single), kv_heads, rows)
+            self.gather = _gather_meta(
+                req_to_token,
+                fb.req_pool_indices[idx],
+                fb.seq_lens[idx],
+                max(fb.seq_lens_cpu[i] for i in single),
+                kv_heads,
+                rows,
+            )
         self.extend_reqs = extend_reqs_meta(fb, [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1])
 
     def _gathered_attention(self, q, layer, fb, meta: _GatherMeta) -> torch.Tensor:

@@ -25,8 +25,10 @@ DEFAULT_NUM_SMS = 132  # H100 / H200; also under the interpreter, so CPU tests s
 def triton_unavailable_reason(device: str) -> str | None:
     """Why the triton backend cannot run on `device` ("cpu" or "cuda"), or None when it can."""
     if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("--attention-backend triton needs a CUDA device (on CPU it runs only under TRITON_INTERPRET=1, "
-                "for tests); use --attention-backend cpu or torch_native")
+        return (
+            "--attention-backend triton needs a CUDA device (on CPU it runs only under TRITON_INTERPRET=1, "
+            "for tests); use --attention-backend cpu or torch_native"
+        )
     if importlib.util.find_spec("triton") is None:
         return "--attention-backend triton needs the `triton` package (pip install triton)"
     return None
@@ -55,8 +57,11 @@ class TritonAttnBackend(AttentionBackend):
         except ImportError as e:
             raise RuntimeError(f"the Triton attention kernels cannot be imported: {e}") from e
         self.kernels = triton_attention
-        self.num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-                        if device == "cuda" else DEFAULT_NUM_SMS)
+        self.num_sms = (
+            torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            if device == "cuda"
+            else DEFAULT_NUM_SMS
+        )
         # A captured graph must serve every length up to the context length.
         self.graph_max_len = model_runner.model_config.context_len if model_runner is not None else 1 << 20
         self.num_kv_splits = 1
@@ -82,14 +87,32 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
-        self.kernels.decode_attention_fwd(q3, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token,
-                                          fb.req_pool_indices, fb.seq_lens, layer.scaling,
-                                          num_kv_splits=self.num_kv_splits)
+        self.kernels.decode_attention_fwd(
+            q3,
+            k_buf,
+            v_buf,
+            out,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            layer.scaling,
+            num_kv_splits=self.num_kv_splits,
+        )
         return out.view(q.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
-        self.kernels.extend_attention_fwd(q3, k_buf, v_buf, out, fb.req_to_token_pool.req_to_token,
-                                          fb.req_pool_indices, fb.seq_lens, fb.extend_prefix_lens,
-                                          fb.extend_start_loc, layer.scaling, max_extend_len=self.max_extend_len)
+        self.kernels.extend_attention_fwd(
+            q3,
+            k_buf,
+            v_buf,
+            out,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            fb.extend_prefix_lens,
+            fb.extend_start_loc,
+            layer.scaling,
+            max_extend_len=self.max_extend_len,
+        )
         return out.view(q.shape[0], -1)
