@@ -11,13 +11,19 @@ ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test stress soak install bench bench-runtime clean
+.PHONY: serve test lint stress soak install bench bench-runtime clean
 
 serve: $(STAMP)
 	$(PY) -m srt.launch_server --host $(HOST) --port $(PORT) $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# Lint first: a style or type error fails fast, before the 15-minute suite.
+test: lint
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
 
 stress: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
