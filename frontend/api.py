@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from frontend.backends.base import Backend
-from frontend.interpreter import ProgramError, ProgramState, StreamExecutor
+from frontend.interpreter import ProgramError, ProgramState, StateExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Program:
                 f"{self.func.__name__}{self.signature}: {e}; run() also takes stream, backend and the "
                 f"sampling defaults {', '.join(RUN_SAMPLING_KEYS)}"
             ) from None
-        executor = StreamExecutor(self._backend(backend), _defaults(sampling), stream)
+        executor = StateExecutor(self._backend(backend), _defaults(sampling), stream)
         state = ProgramState(executor)
         if stream:
             threading.Thread(target=self._run, args=(state, args, kwargs), name="frontend-program", daemon=True).start()
@@ -101,7 +101,7 @@ class Program:
         return state
 
     def _run(self, state: ProgramState, args: tuple, kwargs: dict) -> None:
-        executor = state.stream_executor
+        executor = state.executor
         try:
             state.ret_value = self.func(state, *args, **kwargs)
         except BaseException as e:

@@ -27,7 +27,10 @@ class ProgramError(RuntimeError):
         self.state = state
 
 
-class StreamExecutor:
+class StateExecutor:
+    """Runs one program state: its expressions in order, on its own thread, and holds what they
+    produced (text, variables, messages). `ProgramState` is the program's handle on it."""
+
     def __init__(self, backend: Backend, defaults: dict, stream: bool):
         self.backend = backend
         self.defaults = defaults
@@ -45,7 +48,7 @@ class StreamExecutor:
         self.pending = 0
         self.ended = False
         self.queue: queue.Queue = queue.Queue()
-        self.children: list[StreamExecutor] = []  # forks, ended with this state
+        self.children: list[StateExecutor] = []  # forks, ended with this state
         threading.Thread(target=self._worker, name="frontend-state", daemon=True).start()
 
     # -- the program side ----------------------------------------------------------------------
@@ -77,8 +80,8 @@ class StreamExecutor:
     def finished(self) -> bool:
         return self.ended and self.pending == 0
 
-    def fork_copy(self) -> StreamExecutor:
-        child = StreamExecutor(self.backend, self.defaults, self.stream)
+    def fork_copy(self) -> StateExecutor:
+        child = StateExecutor(self.backend, self.defaults, self.stream)
         child.text = self.text
         child.variables = dict(self.variables)
         child.meta_info = dict(self.meta_info)
@@ -184,12 +187,12 @@ class StreamExecutor:
 class ProgramState:
     """What a program function receives as `s`, and what `run` returns."""
 
-    def __init__(self, executor: StreamExecutor):
-        self.stream_executor = executor
+    def __init__(self, executor: StateExecutor):
+        self.executor = executor
         self.ret_value: Any = None
 
     def __iadd__(self, other) -> ProgramState:
-        self.stream_executor.submit(to_expr(other))
+        self.executor.submit(to_expr(other))
         return self
 
     def __getitem__(self, name: str) -> Any:
@@ -200,19 +203,19 @@ class ProgramState:
 
     def __contains__(self, name: str) -> bool:
         self.sync()
-        return name in self.stream_executor.variables
+        return name in self.executor.variables
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
 
     def sync(self) -> None:
-        self.stream_executor.sync()
+        self.executor.sync()
 
     def error(self) -> BaseException | None:
-        return self.stream_executor.error
+        return self.executor.error
 
     def get_var(self, name: str) -> Any:
-        ex = self.stream_executor
+        ex = self.executor
         ex.sync()
         if name in ex.variables:
             return ex.variables[name]
@@ -222,23 +225,23 @@ class ProgramState:
 
     def set_var(self, name: str, value: Any) -> None:
         self.sync()
-        self.stream_executor.variables[name] = value
+        self.executor.variables[name] = value
 
     def get_meta_info(self, name: str) -> Any:
         self.get_var(name)
-        return self.stream_executor.meta_info.get(name)
+        return self.executor.meta_info.get(name)
 
     def text(self) -> str:
         self.sync()
-        return self.stream_executor.text
+        return self.executor.text
 
     def messages(self) -> list[dict]:
         self.sync()
-        return copy.deepcopy(self.stream_executor.messages)
+        return copy.deepcopy(self.executor.messages)
 
     def variables(self) -> dict[str, Any]:
         self.sync()
-        return dict(self.stream_executor.variables)
+        return dict(self.executor.variables)
 
     # -- roles and scopes ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -275,7 +278,7 @@ class ProgramState:
         `max_new_tokens: 0` request), so every branch's requests hit the radix cache."""
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"fork size = {size!r} must be a positive integer")
-        ex = self.stream_executor
+        ex = self.executor
         ex.sync()
         if ex.error is not None:
             raise ex.error
@@ -287,7 +290,7 @@ class ProgramState:
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """The text as it is appended (only variable `var_name`'s when given), until the program
         ends; raises the program's error, if any, at the end."""
-        ex = self.stream_executor
+        ex = self.executor
         seen = 0
         while True:
             with ex.cond:
@@ -309,7 +312,7 @@ class ProgramStateGroup:
     def __init__(self, states: list[ProgramState], parent: ProgramState):
         self.states = states
         self.parent = parent
-        self._base = {id(s): len(s.stream_executor.text) for s in states}
+        self._base = {id(s): len(s.executor.text) for s in states}
 
     def __len__(self) -> int:
         return len(self.states)
@@ -340,18 +343,19 @@ class ProgramStateGroup:
             raise ValueError(f"join mode = {mode!r} must be 'gather_variable' or 'concate_and_append'")
         for s in self.states:
             s.sync()
-            if s.error() is not None:
-                raise s.error()
-        parent = self.parent.stream_executor
+            error = s.error()
+            if error is not None:
+                raise error
+        parent = self.parent.executor
         if mode == "concate_and_append":
-            self.parent += "".join(s.stream_executor.text[self._base[id(s)] :] for s in self.states)
+            self.parent += "".join(s.executor.text[self._base[id(s)] :] for s in self.states)
             return
         parent.sync()
         names = {
             n
             for s in self.states
-            for n, v in s.stream_executor.variables.items()
+            for n, v in s.executor.variables.items()
             if n not in parent.variables or parent.variables[n] is not v
         }
         for name in sorted(names):
-            parent.variables[name] = [s.stream_executor.variables.get(name) for s in self.states]
+            parent.variables[name] = [s.executor.variables.get(name) for s in self.states]

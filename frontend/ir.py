@@ -11,6 +11,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from frontend.choices import ChoicesMethod, token_length_normalized
+
 SAMPLING_KEYS = (
     "max_new_tokens",
     "stop",
@@ -215,8 +217,6 @@ def select(
         raise ValueError(f"select choices = {choices!r} must be a non-empty list of non-empty strings")
     if temperature != 0.0:
         raise ValueError(f"select temperature = {temperature!r}: only 0 (pick the best-scoring choice) is supported")
-    from frontend.choices import token_length_normalized
-
     return Select(name, list(choices), choices_method or token_length_normalized, temperature)
 
 
@@ -260,6 +260,3 @@ def assistant_begin() -> Expr:
 
 def assistant_end() -> Expr:
     return RoleEnd("assistant")
-
-
-ChoicesMethod = Callable[..., Any]

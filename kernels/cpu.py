@@ -8,6 +8,7 @@ for the host CPU (-march=native).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -25,9 +26,20 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17"]
 _state: dict = {}
 
 
-def _build_key() -> str:
-    from srt.utils import cpu_flags
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags (/proc/cpuinfo), empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
+
+def _build_key() -> str:
     h = hashlib.sha256((torch.__version__ + " ".join(CFLAGS)).encode())
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
@@ -36,14 +48,13 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir() -> str:
-    from srt.model_loader.default_model import cache_root
-
-    return os.path.join(cache_root(), "torch_extensions", f"radixserve_cpu_{_build_key()}")
+def build_dir(cache_root: str) -> str:
+    return os.path.join(cache_root, "torch_extensions", f"radixserve_cpu_{_build_key()}")
 
 
-def load():
-    """torch.ops.radixserve with the kernels registered, or None if they cannot be built."""
+def load(cache_root: str):
+    """torch.ops.radixserve with the kernels registered, or None if they cannot be built. The build
+    is cached under `cache_root` (the runtime's cache folder); the first call in a process decides."""
     if "ops" in _state:
         return _state["ops"]
     _state["ops"] = None
@@ -55,7 +66,7 @@ def load():
         return None
     from torch.utils.cpp_extension import load as load_extension
 
-    directory = build_dir()
+    directory = build_dir(cache_root)
     library = os.path.join(directory, "radixserve_cpu.so")
     cached = os.path.exists(library)
     os.makedirs(directory, exist_ok=True)

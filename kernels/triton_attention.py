@@ -136,7 +136,8 @@ def _attend_block(
         mask=mask_n[:, None] & mask_dv[None, :],
         other=0.0,
     ).to(MMA_DTYPE)
-    acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)
+    # Inside a triton.jit function a tl.constexpr parameter is its value (here a tl.dtype).
+    acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)  # pyright: ignore[reportArgumentType]
     return m_new, denom, acc
 
 

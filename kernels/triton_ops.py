@@ -8,7 +8,15 @@ imported (triton.language decorates its own helpers, tl.sum and the like, at imp
 module needs neither triton nor CUDA; calling a kernel without triton raises ImportError.
 """
 
+# triton and tl are None only where triton is not installed, and then no kernel body or launch helper
+# runs (check_device raises first). Kernel parameters annotated `tl.constexpr` are triton.jit's
+# compile-time markers, not types.
+# pyright: reportOptionalMemberAccess=false, reportInvalidTypeForm=false
+
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,7 +39,9 @@ def require_triton() -> None:
 
 def interpreting() -> bool:
     require_triton()
-    return bool(triton.knobs.runtime.interpret)
+    from triton import knobs  # a submodule that `import triton` loads without binding it
+
+    return bool(knobs.runtime.interpret)
 
 
 def check_device(*tensors: torch.Tensor) -> None:
@@ -42,9 +52,10 @@ def check_device(*tensors: torch.Tensor) -> None:
         )
 
 
-def jit(fn):
-    """`triton.jit` where triton is installed. Without it the kernels stay plain functions that are
-    never launched: every wrapper calls `check_device` first, which raises ImportError."""
+def jit(fn: Callable[..., Any]) -> Any:
+    """`triton.jit` where triton is installed (launched as `kernel[grid](...)`). Without it the kernels
+    stay plain functions that are never launched: every wrapper calls `check_device` first, which
+    raises ImportError."""
     return triton.jit(fn) if triton is not None else fn
 
 

@@ -1,6 +1,11 @@
 """radixserve runtime (import name `srt`)."""
 
+from typing import TYPE_CHECKING
+
 from srt.version import __version__
+
+if TYPE_CHECKING:
+    from srt.entrypoints.engine import Engine
 
 __all__ = ["Engine", "__version__"]
 

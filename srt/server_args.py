@@ -8,6 +8,13 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+from srt.configs.runtime_choices import (
+    ATTENTION_BACKEND_NAMES,
+    SCHEDULE_POLICIES,
+    resolve_device,
+    triton_unavailable_reason,
+)
+
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -109,10 +116,10 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"--max-total-tokens must be >= --page-size ({self.page_size})")
-        from srt.managers.schedule_policy import POLICIES
-
-        if self.schedule_policy not in POLICIES:
-            raise ValueError(f"--schedule-policy must be one of {', '.join(POLICIES)}; got {self.schedule_policy!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}; got {self.schedule_policy!r}"
+            )
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"--chunked-prefill-size must be > 0 or -1 (off), got {self.chunked_prefill_size}")
         if self.max_prefill_tokens < 1:
@@ -126,9 +133,6 @@ class ServerArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.attention_backend == "triton":
-            from srt.layers.attention.triton_backend import triton_unavailable_reason
-            from srt.utils import resolve_device
-
             reason = triton_unavailable_reason(resolve_device(self.device))
             if reason is not None:
                 raise ValueError(reason)
@@ -170,9 +174,6 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        from srt.layers.attention import ATTENTION_BACKENDS
-        from srt.managers.schedule_policy import POLICIES
-
         d = ServerArgs
         g = parser.add_argument_group("http")
         g.add_argument("--host", default=d.host)
@@ -287,7 +288,7 @@ class ServerArgs:
         g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
         g = parser.add_argument_group("scheduling")
         g.add_argument(
-            "--schedule-policy", default=d.schedule_policy, choices=POLICIES, help="order of the waiting queue"
+            "--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES, help="order of the waiting queue"
         )
         g.add_argument(
             "--chunked-prefill-size",
@@ -316,7 +317,7 @@ class ServerArgs:
         g.add_argument(
             "--attention-backend",
             default=d.attention_backend,
-            choices=sorted(ATTENTION_BACKENDS),
+            choices=sorted(ATTENTION_BACKEND_NAMES),
             help="default: on CPU cpu (C++ kernels over the paged pool) when they build, on GPU triton "
             "when triton is installed, else torch_native",
         )

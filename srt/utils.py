@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -12,6 +11,8 @@ import numpy as np
 import psutil
 import torch
 import zmq
+
+from kernels.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -24,31 +25,9 @@ DTYPES = {
 }
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cpu_has_fast_bf16() -> bool:
     """AMX or AVX512-BF16: bf16 matmuls run several times faster than fp32 on such CPUs."""
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be one of auto, cpu, cuda; got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was requested but torch sees no CUDA device")
-    return device
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:

@@ -47,9 +47,10 @@ class ShmCommunicator:
     ):
         self.rank, self.world_size, self.group = rank, world_size, group
         self.slot_bytes, self.broadcast_capacity, self.timeout_s = slot_bytes, broadcast_capacity, timeout_s
-        name = [f"/dev/shm/radixserve-tp-{uuid.uuid4().hex}" if rank == 0 else None]
+        name: list[str | None] = [f"/dev/shm/radixserve-tp-{uuid.uuid4().hex}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=group)
         path = name[0]
+        assert path is not None, "rank 0 broadcasts the file name"
         header = 2 * 64 * world_size  # 64-byte lines: each rank's collective flag, then its broadcast flag
         total = header + 2 * world_size * slot_bytes + 2 * (8 + broadcast_capacity)
         if rank == 0:
@@ -57,6 +58,7 @@ class ShmCommunicator:
                 f.truncate(total)
         dist.barrier(group=group)
         storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=total)
+        assert isinstance(storage, torch.UntypedStorage)
         dist.barrier(group=group)
         if rank == 0:
             os.unlink(path)  # the mappings stay valid; nothing is left behind in /dev/shm
@@ -119,6 +121,7 @@ class ShmCommunicator:
         s, buf = self.bcast_seq, self.bcast[self.bcast_seq & 1]
         length = buf[:8].view(torch.int64)
         if self.rank == 0:
+            assert payload is not None, "rank 0 passes the payload"
             # buffer s % 2 last carried message s - 2: wait until every rank has read it
             self._wait(lambda: int(self.bcast_flags.min()) >= s - 2, f"broadcast {s}")
             big = len(payload) > self.broadcast_capacity
@@ -141,12 +144,13 @@ class ShmCommunicator:
 
 def gloo_broadcast_bytes(payload: bytes | None, rank: int, group) -> bytes:
     """Two gloo broadcasts (length, then bytes): cheaper than broadcast_object_list's pickling."""
-    size = torch.tensor([len(payload) if rank == 0 else 0], dtype=torch.int64)
+    if rank == 0:
+        assert payload is not None, "rank 0 passes the payload"
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=group)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
+        return payload
+    size = torch.tensor([0], dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)
-    data = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if rank == 0
-        else torch.empty(int(size[0]), dtype=torch.uint8)
-    )
+    data = torch.empty(int(size[0]), dtype=torch.uint8)
     dist.broadcast(data, src=0, group=group)
-    return payload if rank == 0 else data.numpy().tobytes()
+    return data.numpy().tobytes()

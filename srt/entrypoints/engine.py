@@ -33,9 +33,14 @@ class Engine:
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-engine", daemon=True)
         self._thread.start()
+        assert self._subs.port_args is not None, "launch_subprocesses returns with the workers' ports"
         self.tokenizer_manager = TokenizerManager(self.server_args, self._subs.port_args, self._subs.scheduler_info)
         self._run(self._start())
-        self._subs.watch(lambda reason: self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason))
+        tm = self.tokenizer_manager
+        self._subs.watch(
+            lambda reason: self._loop.call_soon_threadsafe(tm.fail_all, reason),
+            settled=lambda: tm.dead_reason is not None,
+        )
         self._closed = False
 
     async def _start(self) -> None:
@@ -198,12 +203,12 @@ class Engine:
         self._subs.stop()
         task = self.tokenizer_manager.handle_loop_task
 
-        async def stop_receiving() -> None:
+        async def stop_receiving(task: asyncio.Task) -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
         if task is not None:
-            asyncio.run_coroutine_threadsafe(stop_receiving(), self._loop).result(timeout=5)
+            asyncio.run_coroutine_threadsafe(stop_receiving(task), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 

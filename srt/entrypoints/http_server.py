@@ -11,11 +11,12 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
 import orjson
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,6 +26,7 @@ from srt.entrypoints.openai.serving import EventStream, OpenAIServing, openai_er
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
+from srt.metrics.collector import render
 from srt.sampling.sampling_params import InvalidSamplingParams
 from srt.server_args import ServerArgs
 from srt.version import __version__
@@ -125,201 +127,249 @@ def sse(payload) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+router = APIRouter()
+metrics_router = APIRouter()  # included only with --enable-metrics
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    app.state.tokenizer_manager.start()
+    yield
+
+
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
-    app = FastAPI(title="radixserve", version=__version__)
+    """The app: the routes are this module's functions, which find what they serve on `app.state`."""
+    model_path = server_args.model_path
+    assert model_path is not None, "launch_subprocesses resolves the model path"
     chat_template = None
     if server_args.chat_template:
         with open(server_args.chat_template) as f:
             chat_template = f.read()
-    openai = OpenAIServing(
-        tm, server_args.served_model_name or server_args.model_path, server_args.model_path, chat_template
+    app = FastAPI(
+        title="radixserve",
+        version=__version__,
+        lifespan=lifespan,
+        exception_handlers={StarletteHTTPException: _http_error, RequestValidationError: _validation_error},
     )
-    hf_config = load_hf_config(server_args.model_path)
-
+    app.state.tokenizer_manager = tm
+    app.state.server_args = server_args
+    app.state.model_name = server_args.served_model_name or model_path
+    app.state.openai_serving = OpenAIServing(tm, app.state.model_name, model_path, chat_template)
+    app.state.hf_config = load_hf_config(model_path)
     app.add_middleware(AuthMiddleware, auth=Auth(server_args))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return route_error(request, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(400, str(exc))
-
-    @app.on_event("startup")
-    async def _start() -> None:
-        tm.start()
-
-    @app.get("/health")
-    async def health() -> Response:
-        if tm.dead_reason or tm.draining:
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        try:
-            gen = tm.generate_request(obj)
-            await asyncio.wait_for(gen.__anext__(), HEALTH_GENERATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, ServiceUnavailable):
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info() -> dict:
-        return {
-            "model_path": server_args.model_path,
-            "tokenizer_path": server_args.tokenizer_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "model_type": hf_config.model_type,
-            "architectures": hf_config.architectures,
-            "context_length": tm.context_len,
-            "chat_template": getattr(tm.tokenizer, "chat_template", None),
-            "bos_token": getattr(tm.tokenizer, "bos_token", None),
-            "eos_token": getattr(tm.tokenizer, "eos_token", None),
-        }
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info() -> dict:
-        try:
-            states = await tm.get_internal_states()
-        except asyncio.TimeoutError:
-            states = []
-        return {
-            **server_args.public_dict(),
-            **tm.scheduler_info,
-            "max_req_input_len": tm.max_req_input_len,
-            "version": __version__,
-            "internal_states": states,  # one per data-parallel replica
-        }
-
-    @app.get("/get_load")
-    async def get_load() -> Response:
-        """SGLang's shape, one entry per data-parallel replica; routers sum `num_tokens`."""
-        try:
-            states = await tm.get_internal_states()
-        except asyncio.TimeoutError:
-            return error_response(503, "the scheduler did not answer within 10 s")
-        return json_response([_load(st) for st in states])
-
-    @app.get("/v1/loads")
-    async def v1_loads(request: Request) -> Response:
-        """SGLang's /v1/loads: `?include=core,queues,...`, `?dp_rank=N`, `?format=json|prometheus`."""
-        query = request.query_params
-        include = {s.strip() for s in query.get("include", "core").split(",") if s.strip()} or {"core"}
-        unknown = sorted(include - set(LOAD_SECTIONS))
-        if unknown:
-            return error_response(
-                400, f"`include` = {','.join(unknown)} is invalid: sections are {', '.join(LOAD_SECTIONS)}"
-            )
-        fmt = query.get("format", "json")
-        if fmt not in ("json", "prometheus"):
-            return error_response(400, f"`format` = {fmt!r} is invalid: use json or prometheus")
-        rank = query.get("dp_rank")
-        if rank is not None and not (rank.isdecimal() and int(rank) < server_args.dp_size):
-            return error_response(
-                400, f"`dp_rank` = {rank!r} is invalid: must be an integer in [0, {server_args.dp_size}) (--dp-size)"
-            )
-        try:
-            states = await tm.get_internal_states()
-        except asyncio.TimeoutError:
-            return error_response(503, "the scheduler did not answer within 10 s")
-        if rank is not None:
-            states = [st for st in states if st.get("dp_rank", 0) == int(rank)]
-        loads = [_full_load(st, tm.scheduler_info["max_running_requests"], include) for st in states]
-        if fmt == "prometheus":
-            return Response(_loads_prometheus(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
-        return json_response(
-            {"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__, "loads": loads}
-        )
-
+    app.include_router(router)
     if server_args.enable_metrics:
-        from srt.metrics.collector import render
-
-        metrics_model_name = server_args.served_model_name or server_args.model_path
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            try:
-                states = await tm.get_internal_states()
-            except asyncio.TimeoutError:
-                return error_response(503, "the scheduler did not answer within 10 s")
-            return Response(render(metrics_model_name, states), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        out = await tm.flush_cache()
-        if out.success:
-            return Response("Cache flushed.\n", status_code=200)
-        return error_response(400, f"Cache not flushed: {out.message}")
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-        if not isinstance(abort_all, bool) or not isinstance(rid, str) or not (rid or abort_all):
-            return error_response(400, "give `rid` (a string) or `abort_all: true`")
-        if abort_all and not request.state.admin:
-            return error_response(401, "abort_all needs the admin API key (--admin-api-key)")
-        tm.abort_request(rid, abort_all)
-        return Response(status_code=200)
-
-    @app.get("/v1/models")
-    async def v1_models() -> dict:
-        return openai.models()
-
-    @app.get("/v1/models/{model_id:path}")
-    async def v1_model(model_id: str) -> Response:
-        if model_id not in openai.aliases:
-            return openai_error_response(404, f"The model `{model_id}` does not exist", "model", "model_not_found")
-        return json_response(openai.model_card())
-
-    def openai_route(handler):
-        async def route(request: Request) -> Response:
-            body = await _json_body(request)
-            if isinstance(body, Response):
-                return body
-            return await handler(body, request)
-
-        return route
-
-    app.post("/v1/completions")(openai_route(openai.completions))
-    app.post("/v1/chat/completions")(openai_route(openai.chat))
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            obj = GenerateReqInput.from_dict(body)
-            gen = tm.generate_request(obj, request)
-            first = await gen.__anext__()
-        except (InvalidRequest, InvalidSamplingParams, ServiceUnavailable) as e:
-            return to_error(e)
-        if not obj.stream:
-            return json_response(first)
-
-        async def stream():
-            try:
-                yield sse(first)
-                async for out in gen:
-                    yield sse(out)
-            except ServiceUnavailable as e:
-                yield sse({"error": {"message": str(e), "code": 503}})
-            finally:  # a client that went away cancels us here: abort its request now, not at GC
-                await gen.aclose()
-            yield b"data: [DONE]\n\n"
-
-        return EventStream(stream())
-
+        app.include_router(metrics_router)
     return app
+
+
+def _tm(request: Request) -> TokenizerManager:
+    return request.app.state.tokenizer_manager
+
+
+def _server_args(request: Request) -> ServerArgs:
+    return request.app.state.server_args
+
+
+def _openai(request: Request) -> OpenAIServing:
+    return request.app.state.openai_serving
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    return route_error(request, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    return error_response(400, str(exc))
+
+
+STATES_TIMEOUT_S = 10.0
+
+
+async def _states_or_503(request: Request) -> list[dict] | Response:
+    """Every replica's internal state, or a 503 when the scheduler does not answer in time."""
+    try:
+        return await _tm(request).get_internal_states(STATES_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return error_response(503, f"the scheduler did not answer within {STATES_TIMEOUT_S:g} s")
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    tm = _tm(request)
+    if tm.dead_reason or tm.draining:
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    try:
+        gen = _tm(request).generate_request(obj)
+        await asyncio.wait_for(gen.__anext__(), HEALTH_GENERATE_TIMEOUT_S)
+    except (asyncio.TimeoutError, ServiceUnavailable):
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request) -> dict:
+    tm, server_args, hf_config = _tm(request), _server_args(request), request.app.state.hf_config
+    return {
+        "model_path": server_args.model_path,
+        "tokenizer_path": server_args.tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "model_type": hf_config.model_type,
+        "architectures": hf_config.architectures,
+        "context_length": tm.context_len,
+        "chat_template": getattr(tm.tokenizer, "chat_template", None),
+        "bos_token": getattr(tm.tokenizer, "bos_token", None),
+        "eos_token": getattr(tm.tokenizer, "eos_token", None),
+    }
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> dict:
+    tm = _tm(request)
+    try:
+        states = await tm.get_internal_states()
+    except asyncio.TimeoutError:
+        states = []
+    return {
+        **_server_args(request).public_dict(),
+        **tm.scheduler_info,
+        "max_req_input_len": tm.max_req_input_len,
+        "version": __version__,
+        "internal_states": states,  # one per data-parallel replica
+    }
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    """SGLang's shape, one entry per data-parallel replica; routers sum `num_tokens`."""
+    states = await _states_or_503(request)
+    if isinstance(states, Response):
+        return states
+    return json_response([_load(st) for st in states])
+
+
+@router.get("/v1/loads")
+async def v1_loads(request: Request) -> Response:
+    """SGLang's /v1/loads: `?include=core,queues,...`, `?dp_rank=N`, `?format=json|prometheus`."""
+    query, dp_size = request.query_params, _server_args(request).dp_size
+    include = {s.strip() for s in query.get("include", "core").split(",") if s.strip()} or {"core"}
+    unknown = sorted(include - set(LOAD_SECTIONS))
+    if unknown:
+        return error_response(
+            400, f"`include` = {','.join(unknown)} is invalid: sections are {', '.join(LOAD_SECTIONS)}"
+        )
+    fmt = query.get("format", "json")
+    if fmt not in ("json", "prometheus"):
+        return error_response(400, f"`format` = {fmt!r} is invalid: use json or prometheus")
+    rank = query.get("dp_rank")
+    if rank is not None and not (rank.isdecimal() and int(rank) < dp_size):
+        return error_response(400, f"`dp_rank` = {rank!r} is invalid: must be an integer in [0, {dp_size}) (--dp-size)")
+    states = await _states_or_503(request)
+    if isinstance(states, Response):
+        return states
+    if rank is not None:
+        states = [st for st in states if st.get("dp_rank", 0) == int(rank)]
+    max_running = _tm(request).scheduler_info["max_running_requests"]
+    loads = [_full_load(st, max_running, include) for st in states]
+    if fmt == "prometheus":
+        return Response(_loads_prometheus(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return json_response({"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__, "loads": loads})
+
+
+@metrics_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    states = await _states_or_503(request)
+    if isinstance(states, Response):
+        return states
+    return Response(render(request.app.state.model_name, states), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    out = await _tm(request).flush_cache()
+    if out.success:
+        return Response("Cache flushed.\n", status_code=200)
+    return error_response(400, f"Cache not flushed: {out.message}")
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(abort_all, bool) or not isinstance(rid, str) or not (rid or abort_all):
+        return error_response(400, "give `rid` (a string) or `abort_all: true`")
+    if abort_all and not request.state.admin:
+        return error_response(401, "abort_all needs the admin API key (--admin-api-key)")
+    _tm(request).abort_request(rid, abort_all)
+    return Response(status_code=200)
+
+
+@router.get("/v1/models")
+async def v1_models(request: Request) -> dict:
+    return _openai(request).models()
+
+
+@router.get("/v1/models/{model_id:path}")
+async def v1_model(model_id: str, request: Request) -> Response:
+    openai = _openai(request)
+    if model_id not in openai.aliases:
+        return openai_error_response(404, f"The model `{model_id}` does not exist", "model", "model_not_found")
+    return json_response(openai.model_card())
+
+
+@router.post("/v1/completions")
+async def v1_completions(request: Request) -> Response:
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    return await _openai(request).completions(body, request)
+
+
+@router.post("/v1/chat/completions")
+async def v1_chat_completions(request: Request) -> Response:
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    return await _openai(request).chat(body, request)
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    try:
+        obj = GenerateReqInput.from_dict(body)
+        gen = _tm(request).generate_request(obj, request)
+        first = await gen.__anext__()
+    except (InvalidRequest, InvalidSamplingParams, ServiceUnavailable) as e:
+        return to_error(e)
+    if not obj.stream:
+        return json_response(first)
+
+    async def stream():
+        try:
+            yield sse(first)
+            async for out in gen:
+                yield sse(out)
+        except ServiceUnavailable as e:
+            yield sse({"error": {"message": str(e), "code": 503}})
+        finally:  # a client that went away cancels us here: abort its request now, not at GC
+            await gen.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return EventStream(stream())
 
 
 def _used_tokens(st: dict) -> int:
@@ -393,6 +443,7 @@ async def _json_body(request: Request):
 
 def launch_server(server_args: ServerArgs) -> None:
     subs = launch_subprocesses(server_args)
+    assert subs.port_args is not None, "launch_subprocesses returns with the workers' ports"
     tm = TokenizerManager(server_args, subs.port_args, subs.scheduler_info)
     app = create_app(tm, server_args)
     config = uvicorn.Config(
@@ -418,7 +469,7 @@ def launch_server(server_args: ServerArgs) -> None:
         logger.error("exiting: %s", tm.dead_reason or reason)
         os._exit(1)
 
-    subs.watch(on_child_death)
+    subs.watch(on_child_death, settled=lambda: tm.dead_reason is not None)
     _install_drain_handlers(server, tm, subs)
     url = f"http://{server_args.host}:{server_args.port}"
     logger.info("The server is fired up and ready to roll! %s", url)
@@ -468,10 +519,11 @@ def _install_drain_handlers(server: uvicorn.Server, tm: TokenizerManager, subs: 
         if state["signals"] > 1:
             subs.stop(timeout=1)
             os._exit(1)
-        if tm.loop is None:  # not serving yet: nothing to drain
+        loop = tm.loop
+        if loop is None:  # not serving yet: nothing to drain
             subs.stop(timeout=1)
             os._exit(0)
-        tm.loop.call_soon_threadsafe(lambda: tm.loop.create_task(drain()))
+        loop.call_soon_threadsafe(lambda: loop.create_task(drain()))
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

@@ -1,8 +1,10 @@
-"""Starting, watching and stopping the scheduler and detokenizer processes.
+"""Starting, watching and stopping the worker processes: schedulers, tensor-parallel followers,
+the detokenizer and the data-parallel controller.
 
 Shared by the HTTP server and the in-process Engine. Children are spawned (not forked, so torch
-and ZMQ start clean), die with their parent, and are watched: if one exits unexpectedly the
-watcher logs why and calls the owner's `on_child_death`.
+and ZMQ start clean); each starts through `srt.utils.start_child_process` (dies with its parent,
+reports ready or why not) and is watched: if one exits unexpectedly the watcher logs why and
+calls the owner's `on_child_death`.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
+from typing import cast
 
 from srt.managers.data_parallel_controller import run_data_parallel_controller_process
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.scheduler import run_scheduler_process
-from srt.model_executor.tp_sync import run_tp_follower_process
+from srt.managers.tp_follower import run_tp_follower_process
 from srt.model_loader.default_model import resolve_model_path
 from srt.server_args import PortArgs, ServerArgs
 
@@ -43,16 +47,24 @@ class Subprocesses:
     stopping: bool = False
     watcher: threading.Thread | None = field(default=None, repr=False)
 
-    def watch(self, on_child_death) -> None:
+    def watch(self, on_child_death, settled: Callable[[], bool] | None = None) -> None:
+        """On a child's unexpected exit: wait (1 s at most) until `settled()`, then stop the other
+        children and call `on_child_death(reason)`. A scheduler that crashes sends its last words
+        behind its outputs through the detokenizer; `settled` says they have arrived, so stopping
+        the detokenizer cannot drop a final output still on its way."""
+
         def run() -> None:
             sentinels = {p.sentinel: name for name, p in self.procs.items()}
             ready = wait(list(sentinels))
             if self.stopping:
                 return
-            name = sentinels[ready[0]]
+            name = sentinels[cast(int, ready[0])]  # wait() returns some of the sentinels it was given
             code = self.procs[name].exitcode
             reason = f"the {name} process exited unexpectedly (exit code {code})"
             logger.error("%s; shutting down", reason)
+            deadline = time.monotonic() + 1.0
+            while settled is not None and not settled() and time.monotonic() < deadline:
+                time.sleep(0.02)
             self.stop()
             on_child_death(reason)
 

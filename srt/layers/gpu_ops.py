@@ -49,7 +49,7 @@ def load():
         return None
     if importlib.util.find_spec("sgl_kernel") is not None:
         try:
-            import sgl_kernel
+            import sgl_kernel  # pyright: ignore[reportMissingImports]  (the optional `cuda` extra)
 
             return SglKernelOps(sgl_kernel)
         except (ImportError, OSError, RuntimeError) as e:  # a wheel built for another torch or CUDA

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,14 @@ from srt.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_
 logger = logging.getLogger(__name__)
 
 
-def linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+class HasWeight(Protocol):
+    """A layer applied as x @ weight.T: the linear layers below and the LM head."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+
+def linear(x: torch.Tensor, module: HasWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ module.weight.T (+ bias), through oneDNN's prepacked weight when the module has one."""
     packed = getattr(module, "packed_weight", None)
     if packed is not None and not torch.compiler.is_dynamo_compiling():  # inductor packs its own copy
@@ -45,16 +53,18 @@ def prepack_cpu_weights(model: nn.Module, keep_dense: bool = False) -> int:
         is_linear = isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear))
         if not (is_linear or module is lm_head):
             continue
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-            probe = torch.zeros(1, module.weight.shape[1], dtype=module.weight.dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
             torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
         except RuntimeError as e:
-            logger.info("oneDNN weight packing unavailable for %s (%s); using torch matmul", module.weight.dtype, e)
+            logger.info("oneDNN weight packing unavailable for %s (%s); using torch matmul", weight.dtype, e)
             return count
         module.packed_weight = packed
         if is_linear and not keep_dense:
-            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+            weight.data = torch.empty(0, dtype=weight.dtype)
         count += 1
     return count
 
@@ -67,7 +77,8 @@ def _divide(n: int, d: int) -> int:
 
 def _make_param(*shape: int, loader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    p.weight_loader = loader
+    # Checkpoint loading finds the loader on the parameter (SGLang's convention).
+    p.weight_loader = loader  # pyright: ignore[reportAttributeAccessIssue]
     return p
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from srt.distributed import tensor_model_parallel_all_gather
 from srt.layers.linear import linear
+from srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
 @dataclass
@@ -31,11 +32,13 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         logits = tensor_model_parallel_all_gather(linear(hidden, lm_head))
         return logits[:, : self.vocab_size].float()
 
-    def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, forward_batch) -> LogitsProcessorOutput:
+    def forward(
+        self, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch
+    ) -> LogitsProcessorOutput:
         fb = forward_batch
         if fb.forward_mode.is_decode():
             last = hidden_states

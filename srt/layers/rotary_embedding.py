@@ -7,6 +7,7 @@ before they are applied, which keeps outputs identical to the reference implemen
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,7 +66,8 @@ def yarn_inv_freq(base: float, dim: int, params: dict, max_position: int) -> tup
 
 def compute_inv_freq(base: float, dim: int, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, attention factor applied to cos/sin) for a rope_scaling dict."""
-    kind = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", "default")
     if kind == "default":
         return default_inv_freq(base, dim), 1.0
     if kind == "linear":
@@ -83,6 +85,9 @@ def compute_inv_freq(base: float, dim: int, scaling: dict | None, max_position: 
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # registered buffers, one row per position
+    sin_cache: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,
@@ -115,15 +120,21 @@ class RotaryEmbedding(nn.Module):
         freqs[original:] = torch.outer(t, default_inv_freq(ntk_base, dim))
         return freqs
 
-    fused_ops = None  # set by enable_fused_cpu_ops (NeoX style only)
+    fused_ops: Any = None  # the torch.ops namespace of kernels/cpu.py, set by enable_fused_cpu_ops (NeoX style only)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H * D], k: [T, Hkv * D]; returns rotated tensors of the same shapes (the fused
         CPU kernel rotates in place, rows may be strided slices of a fused QKV output)."""
-        fused = self.fused_ops is not None and not torch.compiler.is_dynamo_compiling()
-        if fused and self.is_neox_style and q.stride(-1) == 1 and k.stride(-1) == 1:
-            self.fused_ops.rotary_neox(q, positions, self.cos_cache, self.sin_cache, self.head_dim)
-            self.fused_ops.rotary_neox(k, positions, self.cos_cache, self.sin_cache, self.head_dim)
+        ops = self.fused_ops
+        if (
+            ops is not None
+            and not torch.compiler.is_dynamo_compiling()
+            and self.is_neox_style
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+        ):
+            ops.rotary_neox(q, positions, self.cos_cache, self.sin_cache, self.head_dim)
+            ops.rotary_neox(k, positions, self.cos_cache, self.sin_cache, self.head_dim)
             return q, k
         cos = self.cos_cache.index_select(0, positions).to(q.dtype)
         sin = self.sin_cache.index_select(0, positions).to(q.dtype)

@@ -55,6 +55,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         probs = filter_probs(probs, info)
     noise = torch.empty_like(probs).exponential_()
     if info.seeds is not None:
+        assert info.seed_positions is not None, "set with seeds"
         rows = (info.seeds >= 0).nonzero().squeeze(1)
         noise[rows] = seeded_exponential(info.seeds[rows], info.seed_positions[rows], probs.shape[1])
     sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)

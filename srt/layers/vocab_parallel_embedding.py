@@ -18,7 +18,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.per_partition
         self.vocab_end = min(self.vocab_start + self.per_partition, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.per_partition, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        # Checkpoint loading finds the loader on the parameter (SGLang's convention).
+        self.weight.weight_loader = self.weight_loader  # pyright: ignore[reportAttributeAccessIssue]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = self.vocab_end - self.vocab_start

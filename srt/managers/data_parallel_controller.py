@@ -119,7 +119,10 @@ class DataParallelController:
         self.replicas = [
             zmq_socket(ctx, zmq.PUSH, port_args.replica_input(d, self.dp_size), bind=False) for d in range(self.dp_size)
         ]
-        self.reports = [LoadReport(d, 0, 0, 0, 0) for d in range(self.dp_size)]
+        self.reports = [
+            LoadReport(dp_rank=d, num_reqs=0, num_waiting_reqs=0, num_used_tokens=0, num_received=0)
+            for d in range(self.dp_size)
+        ]
         self.dispatched = [0] * self.dp_size
 
     def loads(self) -> list[int]:

@@ -15,9 +15,16 @@ import traceback
 import zmq
 
 from srt.hf_transformers_utils import get_tokenizer
-from srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
+from srt.managers.io_struct import (
+    FINISH_MATCHED_STR,
+    FINISH_MATCHED_TOKEN,
+    BaseFinishReason,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    SchedulerCrashed,
+)
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import configure_logger, die_with_parent, zmq_socket
+from srt.utils import start_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +76,17 @@ class IncrementalDecoder:
         self.text += full[len(surr) :]
         self.surr_offset, self.read_offset = self.read_offset, len(self.ids)
 
-    def step(self, new_ids: list[int], finished_reason: dict | None) -> str:
+    def step(self, new_ids: list[int], finished_reason: BaseFinishReason | None) -> str:
         """Feed new tokens; returns the text to emit now."""
-        if (
-            finished_reason is not None
-            and finished_reason.get("type") == "stop"
-            and not self.no_stop_trim
-            and isinstance(finished_reason.get("matched"), int)
-            and new_ids
-        ):
+        if isinstance(finished_reason, FINISH_MATCHED_TOKEN) and not self.no_stop_trim and new_ids:
             new_ids = new_ids[:-1]  # the matched stop token is not part of the text
         self.ids.extend(new_ids)
         final = finished_reason is not None
         self._advance(final)
         if final:
             text = self.text
-            matched = finished_reason.get("matched")
-            if isinstance(matched, str) and not self.no_stop_trim:
-                i = text.find(matched)
+            if isinstance(finished_reason, FINISH_MATCHED_STR) and not self.no_stop_trim:
+                i = text.find(finished_reason.matched)
                 if i != -1:
                     text = text[:i]
             end = len(text)
@@ -102,7 +102,9 @@ class IncrementalDecoder:
 
 class DetokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs):
-        self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        tokenizer_path = server_args.tokenizer_path or server_args.model_path
+        assert tokenizer_path is not None, "ServerArgs.model_path is required"
+        self.tokenizer = get_tokenizer(tokenizer_path)
         ctx = zmq.Context(2)
         self.recv_from_scheduler = zmq_socket(ctx, zmq.PULL, port_args.detokenizer_input, bind=True)
         self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
@@ -115,42 +117,48 @@ class DetokenizerManager:
         ):
             dec = self.decoders.get(rid)
             if dec is None:
-                dec = self.decoders[rid] = IncrementalDecoder(self.tokenizer, *settings)
+                dec = self.decoders[rid] = IncrementalDecoder(
+                    self.tokenizer,
+                    skip_special_tokens=settings.skip_special_tokens,
+                    spaces_between_special_tokens=settings.spaces_between_special_tokens,
+                    stop_strs=settings.stop_strs,
+                    no_stop_trim=settings.no_stop_trim,
+                )
             deltas.append(dec.step(new_ids, reason))
             if reason is not None:
                 del self.decoders[rid]
         return BatchStrOutput(
-            batch.rids,
-            batch.finished_reasons,
-            deltas,
-            batch.new_output_ids,
-            batch.prompt_tokens,
-            batch.completion_tokens,
-            batch.cached_tokens,
-            batch.retractions,
-            batch.input_token_logprobs,
-            batch.input_top_logprobs,
-            batch.output_token_logprobs,
-            batch.output_top_logprobs,
+            rids=batch.rids,
+            finished_reasons=batch.finished_reasons,
+            text_deltas=deltas,
+            new_output_ids=batch.new_output_ids,
+            prompt_tokens=batch.prompt_tokens,
+            completion_tokens=batch.completion_tokens,
+            cached_tokens=batch.cached_tokens,
+            retractions=batch.retractions,
+            input_token_logprobs=batch.input_token_logprobs,
+            input_top_logprobs=batch.input_top_logprobs,
+            output_token_logprobs=batch.output_token_logprobs,
+            output_top_logprobs=batch.output_top_logprobs,
         )
 
     def event_loop(self) -> None:
         while True:
-            batch = self.recv_from_scheduler.recv_pyobj()
-            self.send_to_tokenizer.send_pyobj(self.handle(batch))
+            msg = self.recv_from_scheduler.recv_pyobj()
+            if isinstance(msg, BatchTokenIDOutput):
+                self.send_to_tokenizer.send_pyobj(self.handle(msg))
+            elif isinstance(msg, SchedulerCrashed):  # after the outputs sent before it, never ahead of them
+                self.send_to_tokenizer.send_pyobj(msg)
+            else:
+                logger.error("detokenizer got an unknown message %r", type(msg))
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
-    die_with_parent()
-    configure_logger(server_args.log_level, prefix=" Detokenizer")
+    manager = start_child_process(
+        pipe_writer, server_args.log_level, " Detokenizer", lambda: DetokenizerManager(server_args, port_args)
+    )
     try:
-        manager = DetokenizerManager(server_args, port_args)
-        pipe_writer.send({"status": "ready"})
         manager.event_loop()
-    except Exception as e:
+    except Exception:
         logger.error("detokenizer crashed:\n%s", traceback.format_exc())
-        try:
-            pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        except OSError:
-            pass
         sys.exit(1)

@@ -1,15 +1,23 @@
 """Messages between the processes: the HTTP/Engine request shape, and what flows over ZMQ.
 
-TokenizerManager -> Scheduler: TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq.
-Scheduler -> Detokenizer: BatchTokenIDOutput.  Detokenizer -> TokenizerManager: BatchStrOutput.
-Scheduler -> TokenizerManager: FlushCacheReqOutput, GetInternalStateReqOutput.
+TokenizerManager -> Scheduler (through the DP controller with --dp-size > 1):
+    TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq.
+Scheduler -> TokenizerManager, two paths into the same socket:
+    - request outputs go through the detokenizer: Scheduler -> Detokenizer BatchTokenIDOutput,
+      Detokenizer -> TokenizerManager BatchStrOutput. So does SchedulerCrashed, the scheduler's
+      last words: it travels behind the outputs sent before it, so a request that finished before
+      the crash still gets its final output, and every other request then fails with the reason.
+    - control replies go directly: FlushCacheReqOutput, GetInternalStateReqOutput (one per
+      data-parallel replica; they carry no request output, so their order against outputs does
+      not matter).
+Scheduler -> DP controller, directly: LoadReport.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 from srt.sampling.sampling_params import SamplingParams
 
@@ -60,7 +68,7 @@ class GenerateReqInput:
     def batch_size(self) -> int:
         if not self.is_batch:
             return 1
-        return len(self.text) if self.text is not None else len(self.input_ids)
+        return len(self.text) if self.text is not None else len(self.input_ids or ())
 
     def validate(self) -> None:
         if (self.text is None) == (self.input_ids is None):
@@ -102,9 +110,13 @@ class GenerateReqInput:
 
     def item(self, i: int) -> GenerateReqInput:
         b = self.is_batch
+        text, input_ids = self.text, self.input_ids
+        if b:  # validate() checked that a batch's input_ids is a list of lists
+            text = text[i] if text is not None else None
+            input_ids = cast("list[list[int]]", input_ids)[i] if input_ids is not None else None
         return GenerateReqInput(
-            text=self.text[i] if b and self.text is not None else (None if b else self.text),
-            input_ids=self.input_ids[i] if b and self.input_ids is not None else (None if b else self.input_ids),
+            text=text,
+            input_ids=input_ids,
             sampling_params=_item(self.sampling_params, i, b),
             rid=_item(self.rid, i, b),
             return_logprob=_item(self.return_logprob, i, b),
@@ -127,7 +139,68 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
-@dataclass
+@dataclass(frozen=True)
+class BaseFinishReason:
+    """Why a request ended. The scheduler sets it, the detokenizer and the tokenizer manager read
+    it; `to_json()` is what the client sees as `meta_info.finish_reason`."""
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FINISH_MATCHED_TOKEN(BaseFinishReason):
+    """The last output token is a stop token (EOS, stop_token_ids) or completed the grammar."""
+
+    matched: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
+class FINISH_MATCHED_STR(BaseFinishReason):
+    matched: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
+class FINISH_LENGTH(BaseFinishReason):
+    """max_new_tokens reached, or the context length."""
+
+    length: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass(frozen=True)
+class FINISH_ABORT(BaseFinishReason):
+    """status_code 400: the request itself was bad (e.g. its grammar does not compile); the
+    tokenizer manager answers it with an HTTP 400 when nothing was generated."""
+
+    message: str
+    status_code: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        reason: dict[str, Any] = {"type": "abort", "message": self.message}
+        if self.status_code is not None:
+            reason["status_code"] = self.status_code
+        return reason
+
+
+class DecodeSettings(NamedTuple):
+    """How the detokenizer turns a request's ids into text."""
+
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    stop_strs: tuple[str, ...]
+    no_stop_trim: bool
+
+
+@dataclass(kw_only=True)
 class TokenizedGenerateReqInput:
     rid: str
     input_text: str | None
@@ -144,42 +217,48 @@ class TokenizedGenerateReqInput:
     data_parallel_rank: int | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AbortReq:
     rid: str = ""
     abort_all: bool = False
     message: str = "aborted"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerCrashed:
     """The scheduler's last words before it exits on an exception."""
 
     message: str
 
 
-@dataclass
+# Control requests go to every data-parallel replica and each one answers. A reply carries its
+# request's rid, so a reply that comes after its call timed out is dropped, not taken by the next call.
+
+
+@dataclass(kw_only=True)
 class FlushCacheReq:
-    pass
+    rid: str = field(default_factory=new_rid)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlushCacheReqOutput:
+    rid: str
     success: bool
     message: str = ""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GetInternalStateReq:
-    pass
+    rid: str = field(default_factory=new_rid)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GetInternalStateReqOutput:
+    rid: str
     state: dict
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoadReport:
     """A data-parallel replica's load, sent to the controller whenever it changes."""
 
@@ -190,16 +269,15 @@ class LoadReport:
     num_received: int  # requests it has received so far
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BatchTokenIDOutput:
     """New tokens of the requests that made progress this step (deltas since the last send)."""
 
     rids: list[str] = field(default_factory=list)
-    finished_reasons: list[dict | None] = field(default_factory=list)
+    finished_reasons: list[BaseFinishReason | None] = field(default_factory=list)
     new_output_ids: list[list[int]] = field(default_factory=list)
-    # (skip_special_tokens, spaces_between_special_tokens, stop strings, no_stop_trim); the
-    # detokenizer reads them from a request's first output
-    decode_settings: list[tuple] = field(default_factory=list)
+    # the detokenizer reads them from a request's first output
+    decode_settings: list[DecodeSettings] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
@@ -211,10 +289,10 @@ class BatchTokenIDOutput:
     output_top_logprobs: list[list] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BatchStrOutput:
     rids: list[str]
-    finished_reasons: list[dict | None]
+    finished_reasons: list[BaseFinishReason | None]
     text_deltas: list[str]
     new_output_ids: list[list[int]]
     prompt_tokens: list[int]

@@ -11,38 +11,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from srt.managers.io_struct import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_MATCHED_STR,
+    FINISH_MATCHED_TOKEN,
+    BaseFinishReason,
+)
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
+
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def finish_matched_token(token_id: int) -> dict:
-    return {"type": "stop", "matched": token_id}
-
-
-def finish_matched_str(s: str) -> dict:
-    return {"type": "stop", "matched": s}
-
-
-def finish_length(n: int) -> dict:
-    return {"type": "length", "length": n}
-
-
-def finish_abort(message: str, status_code: int | None = None) -> dict:
-    """status_code 400: the request itself was bad (e.g. its grammar does not compile); the
-    tokenizer manager answers it with an HTTP 400 when nothing was generated."""
-    reason = {"type": "abort", "message": message}
-    if status_code is not None:
-        reason["status_code"] = status_code
-    return reason
-
-
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Req:
     rid: str
     origin_input_ids: list[int]
@@ -64,7 +54,7 @@ class Req:
     extend_input_len: int = 0  # tokens the next (or last launched) extend computes
     future_slot: int | None = None  # where a launched batch puts this request's next token
     # state
-    finished_reason: dict | None = None
+    finished_reason: BaseFinishReason | None = None
     to_abort: str | None = None
     cached_tokens: int = 0
     retractions: int = 0
@@ -77,7 +67,7 @@ class Req:
     output_top_logprobs: list = field(default_factory=list)
     input_logprobs_done: bool = False
     # structured output: the xgrammar GrammarMatcher once the grammar compiled (srt/constrained)
-    grammar: object = None
+    grammar: GrammarMatcher | None = None
     timeout: float | None = None  # seconds from arrival until the request is aborted
     # how much has been sent to the detokenizer
     sent_output_len: int = 0
@@ -129,7 +119,7 @@ class Req:
         return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_done
 
     @property
-    def max_new_tokens(self) -> int:
+    def max_new_tokens(self) -> int | None:
         return self.sampling_params.max_new_tokens
 
     def match_prefix(self, tree_cache) -> None:
@@ -146,26 +136,26 @@ class Req:
         if self.finished:
             return
         if self.to_abort is not None:
-            self.finished_reason = finish_abort(self.to_abort)
+            self.finished_reason = FINISH_ABORT(message=self.to_abort)
             return
         p = self.sampling_params
         n = len(self.output_ids)
         if n >= p.min_new_tokens and n:
             last = self.output_ids[-1]
             if last in (p.stop_token_ids or ()) or (not p.ignore_eos and last in eos_token_ids):
-                self.finished_reason = finish_matched_token(last)
+                self.finished_reason = FINISH_MATCHED_TOKEN(matched=last)
                 return
             if p.stop_strs and tokenizer is not None:
                 tail_len = max(len(s) for s in p.stop_strs) * 4 + 2
                 tail = tokenizer.decode(self.output_ids[-tail_len:], skip_special_tokens=p.skip_special_tokens)
                 for s in p.stop_strs:
                     if s in tail:
-                        self.finished_reason = finish_matched_str(s)
+                        self.finished_reason = FINISH_MATCHED_STR(matched=s)
                         return
         if p.max_new_tokens is not None and n >= p.max_new_tokens:
-            self.finished_reason = finish_length(n)
+            self.finished_reason = FINISH_LENGTH(length=n)
         elif self.seq_len >= context_len:
-            self.finished_reason = finish_length(n)
+            self.finished_reason = FINISH_LENGTH(length=n)
 
     def reset_for_retract(self, count: bool = True) -> None:
         self.prefix_indices, self.last_node, self.kv_len, self.extend_input_len = _EMPTY, None, 0, 0
@@ -179,17 +169,16 @@ class ScheduleBatch:
     future_slots: list[int] | None = None  # set when launched
     kv_ends: list[int] | None = None  # each request's kv_len right after this batch was launched
 
-    def is_empty(self) -> bool:
-        return not self.reqs
-
-    def __len__(self) -> int:
-        return len(self.reqs)
-
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished]
 
-    def merge(self, other: ScheduleBatch) -> None:
-        self.reqs.extend(other.reqs)
+
+def _pool_indices(reqs: list[Req]) -> list[int]:
+    out = []
+    for r in reqs:
+        assert r.req_pool_idx is not None, "a request in a batch holds a request slot"
+        out.append(r.req_pool_idx)
+    return out
 
 
 class BatchBuilder:
@@ -253,7 +242,7 @@ class BatchBuilder:
         return ForwardBatch.build(
             ForwardMode.EXTEND,
             input_ids,
-            [r.req_pool_idx for r in reqs],
+            _pool_indices(reqs),
             seq_lens,
             prefix_lens,
             loc,
@@ -293,7 +282,8 @@ class BatchBuilder:
         if loc is None:
             raise RuntimeError("KV pool exhausted during decode; retraction should have made room")
         table = self.req_to_token_pool.req_to_token
-        table[torch.tensor([r.req_pool_idx for r in reqs]), torch.tensor(prefix_lens)] = loc.to(torch.int32)
+        pool_indices = _pool_indices(reqs)
+        table[torch.tensor(pool_indices), torch.tensor(prefix_lens)] = loc.to(torch.int32)
         # A token still being sampled by a launched batch is fed as -slot; the worker swaps it in.
         input_ids = [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs]
         for r in reqs:
@@ -301,7 +291,7 @@ class BatchBuilder:
         return ForwardBatch.build(
             ForwardMode.DECODE,
             input_ids,
-            [r.req_pool_idx for r in reqs],
+            pool_indices,
             seq_lens,
             prefix_lens,
             loc,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from enum import Enum, auto
 
+from srt.configs.runtime_choices import SCHEDULE_POLICIES as POLICIES
 from srt.managers.schedule_batch import Req
 
 # Expected output length is capped at this when budgeting KV for a request's future decode.
@@ -15,8 +17,6 @@ PREFIX_POLICY_QUEUE_LIMIT = 128
 # In-batch prefix sharing: a request with less than this much of its prompt cached that shares at
 # least this many leading tokens with a request already admitted to the batch waits one round.
 IN_BATCH_PREFIX_TOKENS = 32
-
-POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 
 
 class SchedulePolicy:
@@ -98,6 +98,19 @@ class InBatchPrefixes:
             self.heads.add(tuple(req.fill_ids[:IN_BATCH_PREFIX_TOKENS]))
 
 
+class AddReqResult(Enum):
+    """What PrefillAdder decided about one request."""
+
+    ADMITTED = auto()  # its whole remaining prompt runs in this batch
+    ADMITTED_CHUNKED = auto()  # a chunk of it runs; more chunks follow in later batches
+    NO_ROOM = auto()  # the KV budget cannot hold it (nothing of it was taken)
+    STOP = auto()  # the batch's request slots or prefill token budget are spent
+
+    @property
+    def admitted(self) -> bool:
+        return self in (AddReqResult.ADMITTED, AddReqResult.ADMITTED_CHUNKED)
+
+
 class PrefillAdder:
     """Admits requests into one prefill batch while every budget holds.
 
@@ -135,19 +148,19 @@ class PrefillAdder:
     def _pages(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
-    def add_chunked_req(self, req: Req) -> bool | None:
+    def add_chunked_req(self, req: Req) -> AddReqResult:
         """Continue a request whose prompt is partly prefilled, with as much of the next chunk as
-        memory allows right now. Returns whether this is its last chunk, or None when nothing fits
-        this round (decodes then run, and retract if they must)."""
+        memory allows right now: ADMITTED when this is its last chunk, ADMITTED_CHUNKED when more
+        follow, NO_ROOM when nothing fits this round (decodes then run, and retract if they must)."""
         n = req.seq_len - req.kv_len
         if self.rem_chunk_tokens is not None:
             n = min(n, self.rem_chunk_tokens)
         n = min(n, self.free_tokens - self.page_size + 1)  # new pages may round n up by page_size - 1
         if n <= 0:
-            return None
+            return AddReqResult.NO_ROOM
         req.extend_input_len = n
         self._take(req, n)
-        return not req.is_chunked
+        return AddReqResult.ADMITTED_CHUNKED if req.is_chunked else AddReqResult.ADMITTED
 
     def _take(self, req: Req, n: int) -> None:
         self.can_run.append(req)
@@ -156,23 +169,23 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= n
 
-    def add_one_req(self, req: Req) -> bool:
-        """Try to admit req (its prefix already matched). Returns False when no further request
-        can fit, so the caller stops scanning the queue."""
+    def add_one_req(self, req: Req) -> AddReqResult:
+        """Try to admit req (its prefix already matched). Anything but ADMITTED means no further
+        request joins this batch, so the caller stops scanning the queue."""
         if self.rem_running_slots <= 0 or self.rem_input_tokens <= 0:
-            return False
+            return AddReqResult.STOP
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
-            return False
+            return AddReqResult.STOP
         n, future = req.extend_input_len, self._future_tokens(req, 1.0)
         if n > self.rem_input_tokens and self.can_run:
-            return False
+            return AddReqResult.STOP
         # Locking the matched prefix takes its nodes out of the evictable pool the budget counted.
         evictable = self.tree_cache.evictable_size()
         self.tree_cache.inc_lock_ref(req.last_node)
         locked = evictable - self.tree_cache.evictable_size()
         if self._pages(n) + future + locked > self.rem_total_tokens:
             self.tree_cache.dec_lock_ref(req.last_node)
-            return False
+            return AddReqResult.NO_ROOM
         self.rem_total_tokens -= locked
         self.rem_running_slots -= 1
         if self.rem_chunk_tokens is not None and n > self.rem_chunk_tokens:
@@ -180,7 +193,7 @@ class PrefillAdder:
             self.new_chunked_req = req
             self._take(req, req.extend_input_len)
             self.rem_total_tokens -= self._pages(n - req.extend_input_len) + future
-            return False
+            return AddReqResult.ADMITTED_CHUNKED
         self._take(req, n)
         self.rem_total_tokens -= future
-        return True
+        return AddReqResult.ADMITTED

@@ -21,6 +21,8 @@ from srt.configs.model_config import ModelConfig
 from srt.constrained.grammar_backend import GrammarError, XGrammarBackend
 from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.io_struct import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
     AbortReq,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -30,12 +32,18 @@ from srt.managers.io_struct import (
     SchedulerCrashed,
     TokenizedGenerateReqInput,
 )
-from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch, finish_abort, finish_length
-from srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, InBatchPrefixes, PrefillAdder, SchedulePolicy
+from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch
+from srt.managers.schedule_policy import (
+    CLIP_MAX_NEW_TOKENS,
+    AddReqResult,
+    InBatchPrefixes,
+    PrefillAdder,
+    SchedulePolicy,
+)
 from srt.managers.scheduler_guard import SchedulerGuardMixin
-from srt.managers.scheduler_output import BatchResult, SchedulerOutputMixin
-from srt.managers.tp_worker import TpModelWorker
-from srt.managers.tp_worker_overlap_thread import TpModelWorkerClient
+from srt.managers.scheduler_output import SchedulerOutputProcessorMixin
+from srt.managers.tp_worker import BatchResult, TpModelWorker
+from srt.managers.tp_worker_overlap_thread import OverlapTpModelWorker
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.collector import SchedulerMetrics
@@ -63,8 +71,9 @@ class IntegrityError(RuntimeError):
     pass
 
 
-class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, dp_rank: int = 0):
+        assert server_args.model_path is not None, "launch_subprocesses resolves the model path"
         self.server_args = server_args
         self.dp_rank = dp_rank
         self.model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
@@ -85,7 +94,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
                 "Overlap schedule off on CPU: the forward already uses every core, and a worker thread "
                 "sharing them (and the GIL) makes decoding slower; --enable-overlap-schedule forces it"
             )
-        self.worker_client = TpModelWorkerClient(self.tp_worker) if self.overlap else None
+        self.overlap_worker = OverlapTpModelWorker(self.tp_worker) if self.overlap else None
         self.pending: deque[tuple[ScheduleBatch, Future]] = deque()  # launched, results not processed
         self.last_prefill: ScheduleBatch | None = None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache)
@@ -124,7 +133,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
     def warmup(self) -> None:
         """One tiny prefill and decode, so lazy initialization does not land on the first request."""
         start = time.perf_counter()
-        StaticBatchGenerator(self.runner).generate([[0, 1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_new_tokens=3))
+        StaticBatchGenerator(self.runner, self.tp_worker.forward).generate(
+            [[0, 1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_new_tokens=3)
+        )
         logger.info("Warm-up forward passes took %.2f s", time.perf_counter() - start)
 
     def ready_info(self) -> dict:
@@ -160,6 +171,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
 
     def event_loop_overlap(self) -> None:
         """Launch batch N on the worker thread, then process batch N-1's results while N runs."""
+        assert self.overlap_worker is not None
         while True:
             self.heartbeat()
             self.report_load()
@@ -171,7 +183,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
                 self.checked_idle = False
                 fb, slots = self.builder.build(batch, self.model_config.vocab_size, self.eos_token_ids)
                 self.before_forward()
-                self.pending.append((batch, self.worker_client.launch(fb, slots)))
+                self.pending.append((batch, self.overlap_worker.launch(fb, slots)))
             while len(self.pending) > (1 if batch is not None else 0):
                 self.process_oldest_pending()
             if batch is None and not self.pending:
@@ -219,9 +231,9 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReq):
-                self.send_to_tokenizer.send_pyobj(self.flush_cache())
+                self.send_to_tokenizer.send_pyobj(self.flush_cache(msg))
             elif isinstance(msg, GetInternalStateReq):
-                self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+                self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(rid=msg.rid, state=self.internal_state()))
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -231,7 +243,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         load = self.load()
         if load != self.last_load:
             self.last_load = load
-            self.send_to_controller.send_pyobj(LoadReport(self.dp_rank, *load))
+            num_reqs, num_waiting_reqs, num_used_tokens, num_received = load
+            self.send_to_controller.send_pyobj(
+                LoadReport(
+                    dp_rank=self.dp_rank,
+                    num_reqs=num_reqs,
+                    num_waiting_reqs=num_waiting_reqs,
+                    num_used_tokens=num_used_tokens,
+                    num_received=num_received,
+                )
+            )
 
     def load(self) -> tuple[int, int, int, int]:
         """(requests held, of which waiting, KV tokens in use, requests received so far)."""
@@ -243,16 +264,16 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         self.num_received += 1
         req = Req(
-            recv.rid,
-            recv.input_ids,
-            recv.sampling_params,
-            recv.return_logprob,
-            recv.logprob_start_len,
-            recv.top_logprobs_num,
-            recv.stream,
-            recv.priority,
-            recv.extra_key,
-            recv.created_time,
+            rid=recv.rid,
+            origin_input_ids=recv.input_ids,
+            sampling_params=recv.sampling_params,
+            return_logprob=recv.return_logprob,
+            logprob_start_len=recv.logprob_start_len,
+            top_logprobs_num=recv.top_logprobs_num,
+            stream=recv.stream,
+            priority=recv.priority,
+            extra_key=recv.extra_key,
+            created_time=recv.created_time,
             timeout=recv.timeout,
         )
         self.track_deadline(req)
@@ -269,7 +290,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
 
     def fail_request(self, req: Req, message: str) -> None:
         """A request that cannot run as asked: it ends before any token, answered with HTTP 400."""
-        req.finished_reason = finish_abort(message, status_code=400)
+        req.finished_reason = FINISH_ABORT(message=message, status_code=400)
         self.stream_output([req])
 
     def poll_grammar_queue(self) -> None:
@@ -279,13 +300,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         still, now, timeout = [], time.monotonic(), self.server_args.grammar_compile_timeout
         for req, fut, since in self.grammar_queue:
             if req.to_abort is not None:
-                req.finished_reason = finish_abort(req.to_abort)
+                req.finished_reason = FINISH_ABORT(message=req.to_abort)
                 self.stream_output([req])
             elif fut.done():
                 result = fut.result()
                 if isinstance(result, GrammarError):
                     self.fail_request(req, str(result))
                 else:
+                    assert self.grammar_backend is not None  # only its requests wait for a compile
                     req.grammar = self.grammar_backend.matcher(result)
                     self.waiting_queue.append(req)
             elif now - since > timeout:
@@ -300,7 +322,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
 
         for r in [r for r in self.waiting_queue if hit(r)]:
             self.waiting_queue.remove(r)
-            r.finished_reason = finish_abort(recv.message)
+            r.finished_reason = FINISH_ABORT(message=recv.message)
             self.stream_output([r])
         for r, _, _ in self.grammar_queue:
             if hit(r):
@@ -351,7 +373,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
             self.chunked_prefill_size,
             self.max_running_requests - running,
         )
-        if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req) is True:
+        if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req) is AddReqResult.ADMITTED:
             self.chunked_req = None  # its last chunk runs in this batch
         admitted = []
         in_batch = InBatchPrefixes() if self.policy.radix_enabled else None
@@ -361,12 +383,12 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
                 req.match_prefix(self.tree_cache)  # fresh: the tree changes between rounds
                 if in_batch is not None and in_batch.defer(req):
                     continue
-                ok = adder.add_one_req(req)
-                if adder.can_run and adder.can_run[-1] is req:
+                result = adder.add_one_req(req)
+                if result.admitted:
                     admitted.append(req)
                     if in_batch is not None:
                         in_batch.add(req)
-                if not ok:
+                if result is not AddReqResult.ADMITTED:
                     break
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
@@ -414,13 +436,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
 
     # -- running ---------------------------------------------------------------------------------
 
-    def process_batch_result(self, batch: ScheduleBatch, result) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         if batch.forward_mode.is_extend():
             self.process_prefill_result(batch, result)
         else:
             self.process_decode_result(batch, result)
 
     def process_prefill_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
+        assert batch.kv_ends is not None and batch.future_slots is not None, "set when the batch was launched"
         progressed = []
         for i, req in enumerate(batch.reqs):
             if req.finished:
@@ -434,7 +457,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
             progressed.append(req)
             req.input_logprobs_done = True
             if req.to_abort is None and req.max_new_tokens == 0:
-                req.finished_reason = finish_length(0)
+                req.finished_reason = FINISH_LENGTH(length=0)
             elif req.to_abort is None:
                 self.append_token(req, res.next_token_ids[i], res, i)
             self.take_future_slot(req, batch.future_slots[i])
@@ -449,6 +472,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         self.stream_output(progressed)
 
     def process_decode_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
+        assert batch.future_slots is not None, "set when the batch was launched"
         progressed = []
         for i, req in enumerate(batch.reqs):
             if req.finished:
@@ -472,17 +496,18 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         when that keeps those tokens (else decoding goes on, and the next step tries again at a
         cleaner boundary). The request then leaves the decode batch with its KV in the prefix
         cache and comes back as one extend over the appended tokens."""
-        p = req.sampling_params
+        p, grammar = req.sampling_params, req.grammar
+        assert grammar is not None, "only constrained requests jump forward"
         if req.return_logprob or p.stop_strs:  # no logprobs for jumped tokens; a stop string could fire inside
             return
-        forced = req.grammar.find_jump_forward_string()
+        forced = grammar.find_jump_forward_string()
         if not forced:
             return
         out = req.output_ids
         tail = out[-JUMP_FORWARD_CONTEXT_TOKENS:]  # earlier tokens belong to finished pre-tokens
-        ids = self.tokenizer.encode(
-            self.tokenizer.decode(tail, clean_up_tokenization_spaces=False) + forced, add_special_tokens=False
-        )
+        tail_text = self.tokenizer.decode(tail, clean_up_tokenization_spaces=False)
+        assert isinstance(tail_text, str)  # one sequence of ids decodes to one string
+        ids = self.tokenizer.encode(tail_text + forced, add_special_tokens=False)
         if ids[: len(tail)] != tail:
             return
         # The last forced token is left to the model: it may merge with the free text after it
@@ -499,8 +524,8 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
         if set(extra) & (set(p.stop_token_ids or ()) | self.eos_token_ids):
             return  # a stop token inside the forced string: decode it normally
         for k, t in enumerate(extra):
-            if not req.grammar.accept_token(t):
-                req.grammar.rollback(k)
+            if not grammar.accept_token(t):
+                grammar.rollback(k)
                 return
         out.extend(extra)
         self.total_jump_forward_tokens += len(extra)
@@ -527,8 +552,7 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
     # -- idle, integrity, control ----------------------------------------------------------------
 
     def on_idle(self) -> None:
-        if self.runner.broadcaster is not None:
-            self.runner.broadcaster.keepalive()  # the other tensor-parallel ranks wait for work
+        self.tp_worker.keepalive()  # the other tensor-parallel ranks wait for work
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         if self.metrics is not None:
             self.metrics.gen_throughput = 0.0
@@ -558,12 +582,14 @@ class Scheduler(SchedulerOutputMixin, SchedulerGuardMixin):
             if self.server_args.debug_integrity_check:
                 raise IntegrityError(msg)
 
-    def flush_cache(self) -> FlushCacheReqOutput:
+    def flush_cache(self, recv: FlushCacheReq) -> FlushCacheReqOutput:
         if self.has_work():
-            return FlushCacheReqOutput(False, "cannot flush the cache while requests are running or queued")
+            return FlushCacheReqOutput(
+                rid=recv.rid, success=False, message="cannot flush the cache while requests are running or queued"
+            )
         self.tree_cache.reset_with_free()
         self.check_integrity()
-        return FlushCacheReqOutput(True)
+        return FlushCacheReqOutput(rid=recv.rid, success=True)
 
 
 def run_scheduler_process(
@@ -580,8 +606,11 @@ def run_scheduler_process(
         scheduler.event_loop()
     except Exception as e:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
-        try:  # tell the tokenizer manager why, so every in-flight request fails with the reason
-            scheduler.send_to_tokenizer.send_pyobj(SchedulerCrashed(f"{type(e).__name__}: {e}"))
+        # Tell the tokenizer manager why, so every in-flight request fails with the reason. The notice
+        # goes the way outputs go (through the detokenizer, in order), so it cannot overtake the
+        # final output of a request that finished before the crash.
+        try:
+            scheduler.send_to_detokenizer.send_pyobj(SchedulerCrashed(message=f"{type(e).__name__}: {e}"))
             time.sleep(0.2)
         finally:
             os._exit(1)

@@ -20,8 +20,13 @@ import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from srt.managers.schedule_batch import Req, finish_abort
+from srt.managers.io_struct import FINISH_ABORT
+from srt.managers.schedule_batch import Req
+
+if TYPE_CHECKING:
+    from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,16 @@ class InjectedFault(RuntimeError):
 
 
 class SchedulerGuardMixin:
+    # Set by the Scheduler this mixin is part of.
+    server_args: ServerArgs
+    waiting_queue: list[Req]
+
+    if TYPE_CHECKING:
+
+        def has_work(self) -> bool: ...
+
+        def stream_output(self, reqs: list[Req]) -> None: ...
+
     def init_guard(self) -> None:
         self.deadlines: list[tuple[float, int, Req]] = []  # min-heap of (deadline, tiebreak, request)
         self.last_progress = time.monotonic()
@@ -61,7 +76,7 @@ class SchedulerGuardMixin:
             message = f"the request exceeded its deadline ({req.timeout:g} s after arrival)"
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
-                req.finished_reason = finish_abort(message)
+                req.finished_reason = FINISH_ABORT(message=message)
                 self.stream_output([req])
             else:  # running, launched, chunked or compiling its grammar: ended where aborts end
                 req.to_abort = message

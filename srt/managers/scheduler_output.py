@@ -1,59 +1,52 @@
-"""The scheduler's bookkeeping around a batch: results as plain lists, logprob accounting,
-streaming deltas to the detokenizer, and SGLang-style progress logs."""
+"""What the scheduler does with a batch's results: token and logprob accounting, streaming
+deltas to the detokenizer, forward timing, stats and SGLang-style progress logs."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
-from srt.managers.io_struct import BatchTokenIDOutput
-from srt.managers.schedule_batch import Req, finish_abort, finish_matched_token
+from srt.managers.io_struct import FINISH_ABORT, FINISH_MATCHED_TOKEN, BatchTokenIDOutput, DecodeSettings
+from srt.managers.schedule_batch import Req
+from srt.managers.tp_worker import BatchResult
+
+if TYPE_CHECKING:
+    import zmq
+
+    from srt.constrained.grammar_backend import XGrammarBackend
+    from srt.managers.schedule_batch import ScheduleBatch
+    from srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from srt.metrics.collector import SchedulerMetrics
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.server_args import ServerArgs
 
 logger = logging.getLogger("srt.managers.scheduler")
 
 
-@dataclass
-class BatchResult:
-    """A forward pass's outputs, moved to the host once per batch."""
+class SchedulerOutputProcessorMixin:
+    # Set by the Scheduler this mixin is part of.
+    server_args: ServerArgs
+    dp_rank: int
+    overlap: bool
+    runner: ModelRunner
+    allocator: TokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
+    waiting_queue: list[Req]
+    running_batch: ScheduleBatch
+    chunked_req: Req | None
+    grammar_queue: list[tuple[Req, Future, float]]
+    grammar_backend: XGrammarBackend | None
+    metrics: SchedulerMetrics | None
+    send_to_detokenizer: zmq.Socket
 
-    next_token_ids: list[int]
-    next_token_logprobs: list[float] | None = None
-    next_top_logprobs: list[tuple[list[float], list[int]]] | None = None
-    # per request: (logprob per row, top-k values per row, top-k ids per row) for prompt rows
-    input_logprobs: list[tuple[list[float], list, list]] | None = None
-    forward_start: float = 0.0
-    forward_end: float = 0.0
+    if TYPE_CHECKING:
 
+        def has_work(self) -> bool: ...
 
-def to_batch_result(logits_output, next_token_ids, fb) -> BatchResult:
-    result = BatchResult(next_token_ids.tolist())
-    if not fb.return_logprob:
-        return result
-    nums = fb.top_logprobs_nums
-    result.next_token_logprobs = logits_output.next_token_logprobs.tolist()
-    if logits_output.next_token_top_logprobs_val is not None:
-        vals = logits_output.next_token_top_logprobs_val.tolist()
-        idx = logits_output.next_token_top_logprobs_idx.tolist()
-        result.next_top_logprobs = [(v[:m], i[:m]) for m, v, i in zip(nums, vals, idx)]
-    if logits_output.input_logprob_lens is not None:
-        flat = [] if logits_output.input_token_logprobs is None else logits_output.input_token_logprobs.tolist()
-        top_v = top_i = None
-        if logits_output.input_top_logprobs_val is not None:
-            top_v = logits_output.input_top_logprobs_val.tolist()
-            top_i = logits_output.input_top_logprobs_idx.tolist()
-        per_req, k = [], 0
-        for m, n in zip(nums, logits_output.input_logprob_lens):
-            tv = [v[:m] for v in top_v[k : k + n]] if top_v is not None and m else []
-            ti = [v[:m] for v in top_i[k : k + n]] if top_i is not None and m else []
-            per_req.append((flat[k : k + n], tv, ti))
-            k += n
-        result.input_logprobs = per_req
-    return result
-
-
-class SchedulerOutputMixin:
     def init_stats(self) -> None:
         self.total_retractions = 0
         self.forward_passes = 0
@@ -87,15 +80,17 @@ class SchedulerOutputMixin:
         req.output_ids.append(token)
         if self.metrics is not None:
             self.metrics.on_token(req, time.time())
-        if req.return_logprob:
+        if req.return_logprob:  # then its batch asked for logprobs
+            assert result.next_token_logprobs is not None
             req.output_token_logprobs.append((result.next_token_logprobs[i], token))
             if req.top_logprobs_num:
+                assert result.next_top_logprobs is not None
                 req.output_top_logprobs.append(result.next_top_logprobs[i])
         if req.grammar is not None and not req.finished:
             if not req.grammar.accept_token(token):  # the mask forbids this; never continue unconstrained
-                req.finished_reason = finish_abort(f"token {token} was sampled against the grammar")
+                req.finished_reason = FINISH_ABORT(message=f"token {token} was sampled against the grammar")
             elif req.grammar.is_terminated():
-                req.finished_reason = finish_matched_token(token)
+                req.finished_reason = FINISH_MATCHED_TOKEN(matched=token)
 
     def append_input_logprobs(self, req: Req, rows: tuple, chunk_end: int) -> None:
         """Row at absolute position j gives the logprob of prompt token j + 1."""
@@ -131,7 +126,12 @@ class SchedulerOutputMixin:
             out.finished_reasons.append(r.finished_reason)
             out.new_output_ids.append(new_ids)
             out.decode_settings.append(
-                (p.skip_special_tokens, p.spaces_between_special_tokens, tuple(p.stop_strs), p.no_stop_trim)
+                DecodeSettings(
+                    skip_special_tokens=p.skip_special_tokens,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens,
+                    stop_strs=tuple(p.stop_strs),
+                    no_stop_trim=p.no_stop_trim,
+                )
             )
             out.prompt_tokens.append(len(r.origin_input_ids))
             out.completion_tokens.append(len(r.output_ids))

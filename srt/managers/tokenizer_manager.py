@@ -13,15 +13,17 @@ import dataclasses
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import cast
 
 import zmq
 import zmq.asyncio
 
 from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.io_struct import (
+    FINISH_ABORT,
     AbortReq,
+    BaseFinishReason,
     BatchStrOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -62,7 +64,7 @@ class ReqState:
     event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     text: str = ""
     output_ids: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: dict | None = None
+    finish_reason: BaseFinishReason | None = None
     finished: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -77,7 +79,9 @@ class ReqState:
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict):
         self.server_args = server_args
-        self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        tokenizer_path = server_args.tokenizer_path or server_args.model_path
+        assert tokenizer_path is not None, "ServerArgs.model_path is required"
+        self.tokenizer = get_tokenizer(tokenizer_path)
         self.scheduler_info = scheduler_info
         self.context_len = scheduler_info["context_len"]
         self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
@@ -88,7 +92,8 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.inflight_prompt_tokens = 0
         self.num_replicas = server_args.dp_size
-        self.control_waiters: dict[type, deque[tuple[list, asyncio.Future]]] = {}
+        # by control request rid: the replies so far, and the future the caller awaits
+        self.control_waiters: dict[str, tuple[list, asyncio.Future]] = {}
         self.draining = False
         self.dead_reason: str | None = None
         self.handle_loop_task: asyncio.Task | None = None
@@ -134,16 +139,18 @@ class TokenizerManager:
 
     def tokenize(self, obj: GenerateReqInput, tenant: str | None = None) -> TokenizedGenerateReqInput:
         """One prompt (obj.item(i)) -> a validated, tokenized request."""
-        if obj.input_ids is not None:
-            ids = list(obj.input_ids)
+        # An item of a validated request holds one prompt (text or ids) and one sampling_params dict.
+        text = cast("str | None", obj.text)
+        if text is None:
+            ids = list(cast("list[int]", obj.input_ids))
             for i, t in enumerate(ids):
                 if not 0 <= t < self.vocab_size:
                     raise InvalidRequest(f"input_ids[{i}] = {t} is out of range [0, {self.vocab_size})")
         else:
-            ids = self.tokenizer.encode(obj.text)
+            ids = self.tokenizer.encode(text)
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenization")
-        params = SamplingParams.from_dict(obj.sampling_params)
+        params = SamplingParams.from_dict(cast("dict | None", obj.sampling_params))
         params.verify(self.vocab_size)
         cap = self.server_args.max_new_tokens_cap
         if cap is not None and params.max_new_tokens is not None and params.max_new_tokens > cap:
@@ -154,19 +161,21 @@ class TokenizerManager:
         n = len(ids)
         if n > self.max_req_input_len:
             raise InvalidRequest(f"the prompt has {n} tokens, more than the maximum of {self.max_req_input_len}")
-        if params.max_new_tokens is None:
-            params.max_new_tokens = min(self.context_len, self.max_total_num_tokens) - n
+        max_new = params.max_new_tokens
+        if max_new is None:
+            max_new = min(self.context_len, self.max_total_num_tokens) - n
             if cap is not None:
-                params.max_new_tokens = min(params.max_new_tokens, cap)
-        if n + params.max_new_tokens > self.context_len:
+                max_new = min(max_new, cap)
+            params.max_new_tokens = max_new
+        if n + max_new > self.context_len:
             raise InvalidRequest(
-                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{n + params.max_new_tokens} exceeds the context length ({self.context_len})"
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) = "
+                f"{n + max_new} exceeds the context length ({self.context_len})"
             )
-        if n + params.max_new_tokens > self.max_total_num_tokens:
+        if n + max_new > self.max_total_num_tokens:
             raise InvalidRequest(
-                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{n + params.max_new_tokens} exceeds the KV cache capacity "
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) = "
+                f"{n + max_new} exceeds the KV cache capacity "
                 f"({self.max_total_num_tokens} tokens)"
             )
         start = obj.logprob_start_len if obj.logprob_start_len is not None else -1
@@ -195,19 +204,19 @@ class TokenizerManager:
                 f"data_parallel_rank = {dp_rank!r} must be an integer in [0, {self.server_args.dp_size}) (--dp-size)"
             )
         return TokenizedGenerateReqInput(
-            rid,
-            obj.text,
-            ids,
-            params,
-            bool(obj.return_logprob),
-            start,
-            top,
-            obj.stream,
-            obj.priority,
-            extra_key,
-            time.time(),
-            self._timeout(obj.timeout),
-            dp_rank,
+            rid=rid,
+            input_text=text,
+            input_ids=ids,
+            sampling_params=params,
+            return_logprob=bool(obj.return_logprob),
+            logprob_start_len=start,
+            top_logprobs_num=top,
+            stream=obj.stream,
+            priority=obj.priority,
+            extra_key=extra_key,
+            created_time=time.time(),
+            timeout=self._timeout(obj.timeout),
+            data_parallel_rank=dp_rank,
         )
 
     def _timeout(self, given) -> float | None:
@@ -218,7 +227,7 @@ class TokenizerManager:
             raise InvalidRequest(f"timeout = {given!r} must be a number of seconds > 0")
         return min(given, default) if default is not None else float(given)
 
-    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator:
+    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncGenerator[dict | list[dict], None]:
         """Yields outputs: for one prompt with n = 1, its stream of dicts (or the final dict);
         otherwise the final flat list, or, when streaming, each item's dicts with an `index`."""
         self._check_accepting()
@@ -247,7 +256,9 @@ class TokenizerManager:
                 jobs.append((item, t))
         gens = [self._wait_one(item, t, request) for item, t in jobs]
         if not obj.stream:
-            yield list(await asyncio.gather(*(self._last(g) for g in gens)))
+            outs = await asyncio.gather(*(self._last(g) for g in gens))
+            # an item is None only when the client went away, and then nobody reads the list
+            yield cast("list[dict]", outs)
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -272,7 +283,8 @@ class TokenizerManager:
                 t.cancel()
 
     @staticmethod
-    async def _last(gen) -> dict:
+    async def _last(gen) -> dict | None:
+        """The generator's last output; None when it ended without one (the client went away)."""
         last = None
         async for out in gen:
             last = out
@@ -288,7 +300,9 @@ class TokenizerManager:
             warmups.append(self._last(self._wait_one(dataclasses.replace(item, stream=False), t, request)))
         await asyncio.gather(*warmups)
 
-    async def _wait_one(self, obj: GenerateReqInput, tok: TokenizedGenerateReqInput, request) -> AsyncIterator[dict]:
+    async def _wait_one(
+        self, obj: GenerateReqInput, tok: TokenizedGenerateReqInput, request
+    ) -> AsyncGenerator[dict, None]:
         state = ReqState(obj, time.time())
         self.rid_to_state[tok.rid] = state
         self.inflight_prompt_tokens += len(tok.input_ids)
@@ -305,9 +319,9 @@ class TokenizerManager:
                 if self.dead_reason and not state.finished:
                     raise ServiceUnavailable(f"the server stopped serving: {self.dead_reason}")
                 state.event.clear()
-                reason = state.finish_reason or {}
-                if state.finished and reason.get("status_code") == 400 and not state.output_ids:
-                    raise InvalidRequest(reason.get("message", "invalid request"))
+                reason = state.finish_reason
+                if isinstance(reason, FINISH_ABORT) and reason.status_code == 400 and not state.output_ids:
+                    raise InvalidRequest(reason.message)
                 out = self._make_output(tok.rid, state)
                 if state.finished:
                     yield out
@@ -323,7 +337,7 @@ class TokenizerManager:
     def _make_output(self, rid: str, s: ReqState) -> dict:
         meta = {
             "id": rid,
-            "finish_reason": s.finish_reason,
+            "finish_reason": s.finish_reason.to_json() if s.finish_reason is not None else None,
             "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens,
             "cached_tokens": s.cached_tokens,
@@ -362,15 +376,17 @@ class TokenizerManager:
             elif isinstance(msg, SchedulerCrashed):
                 logger.error("the scheduler crashed: %s", msg.message)
                 self.fail_all(f"the scheduler crashed: {msg.message}")
-            else:
-                waiters = self.control_waiters.get(type(msg))
-                if waiters:
-                    replies, fut = waiters[0]
-                    replies.append(msg)
-                    if len(replies) == self.num_replicas:  # every data-parallel replica answered
-                        waiters.popleft()
-                        if not fut.done():
-                            fut.set_result(replies)
+            elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):
+                self._handle_control_reply(msg)
+
+    def _handle_control_reply(self, reply: FlushCacheReqOutput | GetInternalStateReqOutput) -> None:
+        waiter = self.control_waiters.get(reply.rid)
+        if waiter is None:
+            return  # its call timed out (a replica was silent); a later call must not take it
+        replies, fut = waiter
+        replies.append(reply)
+        if len(replies) == self.num_replicas and not fut.done():  # every data-parallel replica answered
+            fut.set_result(replies)
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
         for i, rid in enumerate(out.rids):
@@ -390,23 +406,28 @@ class TokenizerManager:
             s.event.set()
 
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> None:
-        self.send_to_scheduler.send_pyobj(AbortReq(rid, abort_all, message))
+        self.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all, message=message))
 
-    async def _control(self, req, reply_type: type, timeout: float = 60.0) -> list:
-        """Send a control request; every data-parallel replica answers it, in any order."""
+    async def _control(self, req: FlushCacheReq | GetInternalStateReq, timeout: float) -> list:
+        """Send a control request; every data-parallel replica answers it, in any order. Raises
+        asyncio.TimeoutError when some replica has not answered within timeout seconds."""
         fut = asyncio.get_running_loop().create_future()
-        self.control_waiters.setdefault(reply_type, deque()).append(([], fut))
-        self.send_to_scheduler.send_pyobj(req)
-        return await asyncio.wait_for(fut, timeout)
+        self.control_waiters[req.rid] = ([], fut)
+        try:
+            self.send_to_scheduler.send_pyobj(req)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            del self.control_waiters[req.rid]
 
-    async def flush_cache(self) -> FlushCacheReqOutput:
-        replies = await self._control(FlushCacheReq(), FlushCacheReqOutput)
+    async def flush_cache(self, timeout: float = 60.0) -> FlushCacheReqOutput:
+        req = FlushCacheReq()
+        replies: list[FlushCacheReqOutput] = await self._control(req, timeout)
         failed = [r.message for r in replies if not r.success]
-        return FlushCacheReqOutput(not failed, "; ".join(dict.fromkeys(failed)))
+        return FlushCacheReqOutput(rid=req.rid, success=not failed, message="; ".join(dict.fromkeys(failed)))
 
-    async def get_internal_states(self) -> list[dict]:
+    async def get_internal_states(self, timeout: float = 10.0) -> list[dict]:
         """One state per data-parallel replica, ordered by `dp_rank`."""
-        replies = await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout=10.0)
+        replies: list[GetInternalStateReqOutput] = await self._control(GetInternalStateReq(), timeout)
         return sorted((r.state for r in replies), key=lambda st: st.get("dp_rank", 0))
 
     async def get_internal_state(self) -> dict:

@@ -1,18 +1,67 @@
 """The model worker of one tensor-parallel rank: runs a ForwardBatch, samples, and records the
 sampled tokens in the future-token map so a batch launched before this one's results were
-processed can use them."""
+processed can use them. On rank 0 of a tensor-parallel group it also sends each forward to the
+other ranks (see `srt/model_executor/tp_sync.py`) before running it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 
 from srt.configs.model_config import ModelConfig
-from srt.managers.scheduler_output import BatchResult, to_batch_result
+from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.tp_sync import ForwardBroadcaster
 from srt.server_args import ServerArgs
+
+
+@dataclass
+class BatchResult:
+    """A forward pass's outputs, moved to the host once per batch."""
+
+    next_token_ids: list[int]
+    next_token_logprobs: list[float] | None = None
+    next_top_logprobs: list[tuple[list[float], list[int]]] | None = None
+    # per request: (logprob per row, top-k values per row, top-k ids per row) for prompt rows
+    input_logprobs: list[tuple[list[float], list, list]] | None = None
+    forward_start: float = 0.0
+    forward_end: float = 0.0
+
+
+def to_batch_result(
+    logits_output: LogitsProcessorOutput, next_token_ids: torch.Tensor, fb: ForwardBatch
+) -> BatchResult:
+    result = BatchResult(next_token_ids.tolist())
+    if not fb.return_logprob:
+        return result
+    # the sampler fills the next-token logprobs whenever the batch asks for logprobs
+    assert fb.top_logprobs_nums is not None and logits_output.next_token_logprobs is not None
+    nums = fb.top_logprobs_nums
+    result.next_token_logprobs = logits_output.next_token_logprobs.tolist()
+    if logits_output.next_token_top_logprobs_val is not None:
+        assert logits_output.next_token_top_logprobs_idx is not None
+        vals = logits_output.next_token_top_logprobs_val.tolist()
+        idx = logits_output.next_token_top_logprobs_idx.tolist()
+        result.next_top_logprobs = [(v[:m], i[:m]) for m, v, i in zip(nums, vals, idx)]
+    if logits_output.input_logprob_lens is not None:
+        flat = [] if logits_output.input_token_logprobs is None else logits_output.input_token_logprobs.tolist()
+        top_v = top_i = None
+        if logits_output.input_top_logprobs_val is not None:
+            assert logits_output.input_top_logprobs_idx is not None
+            top_v = logits_output.input_top_logprobs_val.tolist()
+            top_i = logits_output.input_top_logprobs_idx.tolist()
+        per_req, k = [], 0
+        for m, n in zip(nums, logits_output.input_logprob_lens):
+            tv = [v[:m] for v in top_v[k : k + n]] if top_v is not None and m else []
+            ti = [v[:m] for v in top_i[k : k + n]] if top_i is not None and m else []
+            per_req.append((flat[k : k + n], tv, ti))
+            k += n
+        result.input_logprobs = per_req
+    return result
 
 
 class FutureTokenMap:
@@ -41,19 +90,28 @@ class TpModelWorker:
         self.model_config = model_config
         self.device = self.model_runner.device
         self.future_map = FutureTokenMap(self.model_runner.max_running_requests, self.device)
-        self.busy_s = 0.0  # time spent in forward passes and sampling
-        self.last_end = 0.0
+        # Rank 0 of a tensor-parallel group: the other ranks run every forward this worker runs.
+        self.broadcaster = ForwardBroadcaster() if server_args.tp_size > 1 and tp_rank == 0 else None
+
+    def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        """One forward pass, on every tensor-parallel rank: the other ranks get the batch first."""
+        if self.broadcaster is not None:
+            self.broadcaster.forward(fb, self.model_runner.req_to_token_pool.req_to_token)
+        return self.model_runner.forward(fb)
+
+    def keepalive(self) -> None:
+        """Call while idle: tensor-parallel followers waiting for work can tell idle from dead."""
+        if self.broadcaster is not None:
+            self.broadcaster.keepalive()
 
     def run(self, fb: ForwardBatch, future_slots: list[int]) -> BatchResult:
         """Forward + sample; the sampled tokens also land in `future_slots` of the future map."""
         start = time.perf_counter()
-        fb.input_ids = self.future_map.resolve(fb.input_ids)
-        logits_output = self.model_runner.forward(fb)
+        fb = dataclasses.replace(fb, input_ids=self.future_map.resolve(fb.input_ids))
+        logits_output = self.forward(fb)
         next_token_ids = self.model_runner.sample(logits_output, fb)
         slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
         self.future_map.tokens[slots] = next_token_ids
         result = to_batch_result(logits_output, next_token_ids, fb)
-        self.last_end = time.perf_counter()
-        self.busy_s += self.last_end - start
-        result.forward_start, result.forward_end = start, self.last_end
+        result.forward_start, result.forward_end = start, time.perf_counter()
         return result

@@ -12,12 +12,13 @@ from concurrent.futures import Future
 
 import torch
 
-from srt.managers.scheduler_output import BatchResult
-from srt.managers.tp_worker import TpModelWorker
+from srt.managers.tp_worker import BatchResult, TpModelWorker
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 
-class TpModelWorkerClient:
+class OverlapTpModelWorker:
+    """A TpModelWorker on its own thread: `launch` queues a batch and returns its result's Future."""
+
     def __init__(self, worker: TpModelWorker):
         self.worker = worker
         self.stream = torch.cuda.Stream() if worker.device == "cuda" else None
@@ -26,7 +27,7 @@ class TpModelWorkerClient:
         self.thread.start()
 
     def launch(self, fb: ForwardBatch, future_slots: list[int]) -> Future[BatchResult]:
-        fut: Future = Future()
+        fut: Future[BatchResult] = Future()
         self.input_queue.put((fb, future_slots, fut))
         return fut
 

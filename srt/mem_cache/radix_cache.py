@@ -67,6 +67,7 @@ class RadixCache(BasePrefixCache):
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child after its first n tokens; returns the new upper part."""
         parent = child.parent
+        assert parent is not None, "the root is never split"
         mid = TreeNode(child.key[:n], child.value[:n], parent, child.extra_key)
         mid.lock_ref, mid.last_access_time = child.lock_ref, child.last_access_time
         parent.children[self._child_key(parent, child.key, child.extra_key)] = mid

@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 import time
 
+from srt.managers.io_struct import FINISH_ABORT
+
 PREFIX = "sglang:"
 
 # Upper bounds in seconds (SGLang's ranges, trimmed).
@@ -107,7 +109,7 @@ class SchedulerMetrics:
         c["prompt_tokens"] += len(req.origin_input_ids)
         c["generation_tokens"] += len(req.output_ids)
         c["cached_tokens"] += req.cached_tokens
-        if (req.finished_reason or {}).get("type") == "abort":
+        if isinstance(req.finished_reason, FINISH_ABORT):
             c["num_aborted_requests"] += 1
         self.histograms["e2e_request_latency_seconds"].observe(max(time.time() - req.created_time, 0.0))
 

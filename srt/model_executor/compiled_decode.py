@@ -105,7 +105,9 @@ class CompiledDecodeRunner:
         return fb.forward_mode.is_decode() and self.bucket(fb.batch_size) in self.compile_seconds
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
-        bs, padded = fb.batch_size, self._pad(fb, self.bucket(fb.batch_size))
+        size = self.bucket(fb.batch_size)
+        assert size is not None, "call only when can_run(fb)"
+        bs, padded = fb.batch_size, self._pad(fb, size)
         self.steps += 1
         self.runner.attn_backend.init_forward_metadata(padded)
         with torch.no_grad(), graph_attention_context(padded, self.layers):
@@ -143,8 +145,8 @@ class CompiledDecodeRunner:
 
         fb = ForwardBatch(ForwardMode.DECODE, size, zeros(), zeros(), zeros(), zeros() + 1, [1] * size, zeros())
         fb.req_to_token_pool, fb.token_to_kv_pool = r.req_to_token_pool, r.token_to_kv_pool
-        fb.attn_backend = type(r.attn_backend)(r)
-        fb.attn_backend.init_forward_metadata(fb)
+        fb.attn_backend = backend = type(r.attn_backend)(r)
+        backend.init_forward_metadata(fb)
         return fb
 
     def _compile_all(self) -> None:

@@ -203,6 +203,7 @@ class CudaGraphRunner:
 
     def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         size = padded_batch_size(fb.batch_size, self.sizes)
+        assert size is not None, "call only when can_run(fb)"
         self.inputs.load(fb, size)
         if size in self.graphs:
             self.graphs[size].replay()

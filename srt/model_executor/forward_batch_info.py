@@ -17,17 +17,12 @@ if TYPE_CHECKING:
 class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill: new prompt tokens after an optional cached prefix
     DECODE = auto()  # one new token per request
-    MIXED = auto()  # extend and decode requests in one pass (decodes are extends of length 1)
-    IDLE = auto()
 
     def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        return self == ForwardMode.EXTEND
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
-
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import psutil
@@ -9,6 +10,7 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from srt.configs.model_config import ModelConfig
+from srt.configs.runtime_choices import resolve_device
 from srt.distributed.parallel_state import all_reduce_min_int, init_distributed, init_tp_group
 from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
@@ -20,9 +22,10 @@ from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
 from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_loader.default_model import cache_root
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
-from srt.utils import available_memory_bytes, resolve_device, resolve_dtype, set_random_seed, set_torch_threads
+from srt.utils import available_memory_bytes, resolve_dtype, set_random_seed, set_torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,7 @@ class ModelRunner:
                 )
             torch.cuda.set_device(gpu)
         if self.tp_size > 1:
+            assert server_args.dist_init_addr is not None, "launch_subprocesses gives each group a rendezvous"
             init_distributed(
                 tp_rank,
                 self.tp_size,
@@ -108,7 +112,7 @@ class ModelRunner:
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
-        if self.device == "cpu" and (ops := cpu_kernels.load()) is not None:
+        if self.device == "cpu" and (ops := cpu_kernels.load(cache_root())) is not None:
             logger.info(
                 "Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops)
             )
@@ -120,11 +124,6 @@ class ModelRunner:
         self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
         self.init_memory_pool(available_before)
         self.sampler = Sampler()
-        self.broadcaster = None
-        if self.tp_size > 1 and tp_rank == 0:
-            from srt.model_executor.tp_sync import ForwardBroadcaster
-
-            self.broadcaster = ForwardBroadcaster()
         self.compiled_decode = None
         if server_args.enable_torch_compile:
             from srt.model_executor.compiled_decode import CompiledDecodeRunner
@@ -203,17 +202,21 @@ class ModelRunner:
         )
 
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        forward_batch.req_to_token_pool = self.req_to_token_pool
-        forward_batch.token_to_kv_pool = self.token_to_kv_pool
-        forward_batch.attn_backend = self.attn_backend
-        if self.broadcaster is not None:
-            self.broadcaster.forward(forward_batch, self.req_to_token_pool.req_to_token)
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
-            return self.cuda_graph_runner.replay(forward_batch)
-        if self.compiled_decode is not None and self.compiled_decode.can_run(forward_batch):
-            return self.compiled_decode.forward(forward_batch)
-        self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        """Run the model on this rank only (tensor parallelism: the worker sends the batch to the
+        other ranks first). The caller's batch is left as it was: the model reads a copy that
+        also carries this runner's pools and attention backend."""
+        fb = dataclasses.replace(
+            forward_batch,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+        )
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return self.cuda_graph_runner.replay(fb)
+        if self.compiled_decode is not None and self.compiled_decode.can_run(fb):
+            return self.compiled_decode.forward(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model.forward(fb.input_ids, fb.positions, fb)
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.sampler(

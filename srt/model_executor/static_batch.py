@@ -8,6 +8,7 @@ tests drive the runner through this.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,8 +37,11 @@ class StaticReq:
 
 
 class StaticBatchGenerator:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None):
+        """`forward` runs a batch (default: `runner.forward`); rank 0 of a tensor-parallel group
+        passes its worker's, which sends the batch to the other ranks too."""
         self.runner = runner
+        self.forward = forward or runner.forward
         self.eos = runner.model_config.eos_token_ids
         # Wall time of the last generate(): prefill (through its first token) and the decode steps.
         self.last_timings: dict[str, float] = {}
@@ -77,7 +81,7 @@ class StaticBatchGenerator:
         self._alloc_slots(reqs)
         try:
             fb = self._extend_batch(reqs, [len(p) for p in prompts], return_logprob=False)
-            return self.runner.forward(fb).next_token_logits
+            return self.forward(fb).next_token_logits
         finally:
             self.free(reqs)
 
@@ -151,9 +155,11 @@ class StaticBatchGenerator:
                 for r in pending
             ]
             fb = self._extend_batch(pending, ends, return_logprob)
-            out = self.runner.forward(fb)
+            out = self.forward(fb)
             done = [i for i, (r, e) in enumerate(zip(pending, ends)) if e == len(r.origin_input_ids)]
             if return_logprob:
+                # an extend batch that asks for logprobs gets a row per prompt token
+                assert out.input_token_logprobs is not None and fb.extend_seq_lens_cpu is not None
                 values = out.input_token_logprobs.tolist()
                 k = 0
                 for i, (r, n) in enumerate(zip(pending, fb.extend_seq_lens_cpu)):
@@ -185,13 +191,16 @@ class StaticBatchGenerator:
             return_logprob=return_logprob,
             top_logprobs_nums=[0] * len(reqs),
         )
-        self._sample_and_check(reqs, self.runner.forward(fb).next_token_logits, return_logprob)
+        self._sample_and_check(reqs, self.forward(fb).next_token_logits, return_logprob)
 
     def _sample_and_check(self, reqs: list[StaticReq], logits: torch.Tensor, return_logprob: bool) -> None:
         info = SamplingBatchInfo.from_reqs(reqs, self.runner.model_config.vocab_size, self.eos, self.runner.device)
         logits_output = LogitsProcessorOutput(next_token_logits=logits)
         ids = self.runner.sampler(logits_output, info, return_logprob).tolist()
-        logprobs = logits_output.next_token_logprobs.tolist() if return_logprob else None
+        logprobs = None
+        if return_logprob:
+            assert logits_output.next_token_logprobs is not None  # the sampler fills it when asked
+            logprobs = logits_output.next_token_logprobs.tolist()
         for i, (r, t) in enumerate(zip(reqs, ids)):
             p = r.sampling_params
             if p.max_new_tokens == 0:

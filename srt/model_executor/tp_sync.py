@@ -1,4 +1,4 @@
-"""Tensor parallelism: rank 0 schedules, every rank computes.
+"""Tensor parallelism's wire protocol: rank 0 schedules, every rank computes.
 
 Only rank 0 runs a scheduler (queues, radix cache, sampling, grammars, deadlines). Before each
 forward pass it broadcasts the scheduling decision over the host gloo group: the ForwardBatch's
@@ -11,23 +11,21 @@ Messages are pickled with tensors as raw bytes, and travel through shared memory
 on this host (gloo otherwise). While idle, rank 0 sends a keep-alive now and then, so a follower
 waiting for work can tell a quiet server from a dead one (the collective's timeout). A rank that
 dies breaks the group: the others' next collective fails and they exit non-zero.
+
+Rank 0's worker (`TpModelWorker`) sends; the followers' loop is `srt/managers/tp_follower.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import pickle
-import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from srt.distributed.parallel_state import broadcast_bytes
 from srt.model_executor.forward_batch_info import ForwardBatch
-
-logger = logging.getLogger(__name__)
 
 KEEPALIVE_INTERVAL_S = 5.0
 _NOT_SENT = ("sampling_info", "req_to_token_pool", "token_to_kv_pool", "attn_backend")
@@ -81,40 +79,20 @@ class ForwardBroadcaster:
         self._send({"kind": "stop"})
 
 
-def serve_forwards(runner) -> None:
-    """A follower's loop: run every forward rank 0 broadcasts, until it says stop."""
-    table = runner.req_to_token_pool.req_to_token
+class ReceivedForward(NamedTuple):
+    forward_batch: ForwardBatch  # without the runner's pools and backend
+    rows: torch.Tensor  # the page-table rows of the batch's requests, concatenated in batch order
+
+
+def receive_forward(device) -> ReceivedForward | None:
+    """A follower's side: block until rank 0's next forward (keep-alives are skipped); None when
+    rank 0 says stop."""
     while True:
         msg = pickle.loads(broadcast_bytes(None))
         if msg["kind"] == "stop":
-            return
-        if msg["kind"] != "forward":
-            continue
-        fields = {k: _unpack(v, runner.device) if isinstance(v, _Packed) else v for k, v in msg["fields"].items()}
-        fb = ForwardBatch(**fields)
-        rows, offset = _unpack(msg["rows"], runner.device), 0
-        for slot, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
-            table[slot, :n] = rows[offset : offset + n]
-            offset += n
-        runner.forward(fb)
-
-
-def run_tp_follower_process(server_args, tp_rank: int, pipe_writer, dp_rank: int = 0) -> None:
-    """Process entry of tensor-parallel ranks 1..N-1."""
-    from srt.configs.model_config import ModelConfig
-    from srt.model_executor.model_runner import ModelRunner
-    from srt.utils import rank_log_prefix, start_child_process
-
-    def build() -> ModelRunner:
-        model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
-        return ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
-
-    runner = start_child_process(
-        pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank), build
-    )
-    try:
-        serve_forwards(runner)
-    except Exception as e:  # rank 0 (or another rank) went away, or a forward failed
-        logger.error("tensor-parallel rank %d stops: %s: %s", tp_rank, type(e).__name__, e)
-        sys.exit(1)
-    sys.exit(0)
+            return None
+        if msg["kind"] == "forward":
+            fields: dict[str, Any] = {
+                k: _unpack(v, device) if isinstance(v, _Packed) else v for k, v in msg["fields"].items()
+            }
+            return ReceivedForward(ForwardBatch(**fields), _unpack(msg["rows"], device))

@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
                 if ckpt in name:
                     target = name.replace(ckpt, ours)
                     param = params[target]
-                    param.weight_loader(param, tensor, shard)
+                    param.weight_loader(param, tensor, shard)  # pyright: ignore[reportAttributeAccessIssue]
                     break
             else:
                 target = name

@@ -99,4 +99,5 @@ class SamplingBatchInfo:
         for row, ids in self.min_tokens_block or ():
             logits[row, ids] = float("-inf")
         if self.vocab_mask is not None:  # last: the grammar's choice is final
+            assert self.vocab_mask_rows is not None, "set with vocab_mask"
             apply_token_bitmask(logits, self.vocab_mask, self.vocab_mask_rows, self.vocab_size)

@@ -133,7 +133,7 @@ class SamplingParams:
                 f"a list of token ids in [0, {vocab_size})",
             )
         if self.logit_bias is not None:
-            self._verify_logit_bias(vocab_size)
+            self._verify_logit_bias(self.logit_bias, vocab_size)
         self._verify_grammar()
         if self.sampling_seed is not None:
             _check(
@@ -186,9 +186,10 @@ class SamplingParams:
         )
         self.stop_strs = list(stop)
 
-    def _verify_logit_bias(self, vocab_size: int) -> None:
-        _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias, "an object of token id -> bias")
-        for k, v in self.logit_bias.items():
+    @staticmethod
+    def _verify_logit_bias(logit_bias: dict, vocab_size: int) -> None:
+        _check(isinstance(logit_bias, dict), "logit_bias", logit_bias, "an object of token id -> bias")
+        for k, v in logit_bias.items():
             try:
                 tid = int(k)
             except (TypeError, ValueError):

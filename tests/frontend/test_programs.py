@@ -190,7 +190,7 @@ def test_fork_join_hits_cache(backend):
     sections = state["section"]
     assert isinstance(sections, list) and len(sections) == 4 and all(isinstance(x, str) for x in sections)
     assert state.text().endswith("Summary of 4 sections.")
-    forks = state.stream_executor.children
+    forks = state.executor.children
     assert len(forks) == 4
     for i, child in enumerate(forks):
         meta = child.meta_info["section"]

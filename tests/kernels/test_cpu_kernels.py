@@ -7,8 +7,9 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from kernels import reference
+from srt.model_loader.default_model import cache_root
 
-OPS = cpu_kernels.load()
+OPS = cpu_kernels.load(cache_root())
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ compiler: the runtime falls back to torch_native")
 
 D = 32
@@ -75,7 +76,7 @@ def test_extend_matches_reference(dtype, page, group):
 def test_cached_build_is_reused():
     import os
 
-    assert os.path.exists(os.path.join(cpu_kernels.build_dir(), "radixserve_cpu.so"))
+    assert os.path.exists(os.path.join(cpu_kernels.build_dir(cache_root()), "radixserve_cpu.so"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,6 +6,7 @@ import pytest
 
 from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.detokenizer_manager import IncrementalDecoder, stop_holdback
+from srt.managers.io_struct import FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_stop_holdback():
 def test_streaming_concat_equals_full_decode_with_multibyte(tok, text):
     ids = tok.encode(text)
     for chunk in (1, 2, 3):
-        pieces = run(tok, ids, {"type": "length", "length": len(ids)}, chunk)
+        pieces = run(tok, ids, FINISH_LENGTH(length=len(ids)), chunk)
         assert "".join(pieces) == tok.decode(ids) == text
         assert all("\ufffd" not in p for p in pieces)  # never a broken character
 
@@ -46,7 +47,7 @@ def test_random_byte_tokens_never_emit_broken_or_duplicate_text(tok):
     # byte-level tokens: many are partial (or invalid) UTF-8 sequences
     for _ in range(30):
         ids = [rng.randrange(17, 49152) for _ in range(rng.randrange(1, 40))]
-        pieces = run(tok, ids, {"type": "length", "length": len(ids)})
+        pieces = run(tok, ids, FINISH_LENGTH(length=len(ids)))
         final = tok.decode(ids)
         assert "".join(pieces) == final
         # every prefix sent so far is a prefix of the final text: nothing is sent twice or changed
@@ -61,7 +62,7 @@ def test_stop_string_straddling_tokens_is_trimmed_and_held_back(tok):
     ids = tok.encode(text)
     # the scheduler stops once the stop string is in the decoded output
     cut = next(i for i in range(1, len(ids) + 1) if "two. E" in tok.decode(ids[:i]))
-    pieces = run(tok, ids[:cut], {"type": "stop", "matched": "two. E"}, stop_strs=("two. E",))
+    pieces = run(tok, ids[:cut], FINISH_MATCHED_STR(matched="two. E"), stop_strs=("two. E",))
     assert "".join(pieces) == "The answer is forty-"
     # nothing of the stop string leaked before the final piece
     assert all("two" not in "".join(pieces[: k + 1]) for k in range(len(pieces)))
@@ -69,21 +70,21 @@ def test_stop_string_straddling_tokens_is_trimmed_and_held_back(tok):
 
 def test_no_stop_trim_keeps_the_stop_string(tok):
     ids = tok.encode("alpha beta gamma")
-    pieces = run(tok, ids, {"type": "stop", "matched": "beta"}, stop_strs=("beta",), no_stop_trim=True)
+    pieces = run(tok, ids, FINISH_MATCHED_STR(matched="beta"), stop_strs=("beta",), no_stop_trim=True)
     assert "".join(pieces) == "alpha beta gamma"
 
 
 def test_matched_stop_token_is_excluded_from_text(tok):
     ids = tok.encode("hello world")
     stop = tok.encode(" there")[0]
-    pieces = run(tok, ids + [stop], {"type": "stop", "matched": stop})
+    pieces = run(tok, ids + [stop], FINISH_MATCHED_TOKEN(matched=stop))
     assert "".join(pieces) == "hello world"
-    kept = run(tok, ids + [stop], {"type": "stop", "matched": stop}, no_stop_trim=True)
+    kept = run(tok, ids + [stop], FINISH_MATCHED_TOKEN(matched=stop), no_stop_trim=True)
     assert "".join(kept) == tok.decode(ids + [stop])
 
 
 def test_special_tokens_skipped_or_kept(tok):
     ids = tok.encode("hi") + [2] + tok.encode(" there")
-    assert "".join(run(tok, ids, {"type": "length", "length": 3})) == "hi there"
-    shown = "".join(run(tok, ids, {"type": "length", "length": 3}, skip_special_tokens=False))
+    assert "".join(run(tok, ids, FINISH_LENGTH(length=3))) == "hi there"
+    shown = "".join(run(tok, ids, FINISH_LENGTH(length=3), skip_special_tokens=False))
     assert "<|im_end|>" in shown

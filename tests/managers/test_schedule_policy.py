@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from srt.managers.schedule_batch import Req
-from srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
+from srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import ReqToTokenPool
 from srt.mem_cache.radix_cache import RadixCache
@@ -18,7 +18,13 @@ def make_cache(size=1000):
 
 
 def req(rid, ids, max_new=8, priority=None, created=0.0):
-    return Req(rid, list(ids), SamplingParams(max_new_tokens=max_new), priority=priority, created_time=created)
+    return Req(
+        rid=rid,
+        origin_input_ids=list(ids),
+        sampling_params=SamplingParams(max_new_tokens=max_new),
+        priority=priority,
+        created_time=created,
+    )
 
 
 def cache_tokens(cache, alloc, ids):
@@ -92,7 +98,7 @@ def test_unknown_policy_rejected():
 def admit_all(adder, cache, reqs):
     for r in reqs:
         r.match_prefix(cache)
-        if not adder.add_one_req(r):
+        if adder.add_one_req(r) is not AddReqResult.ADMITTED:
             break
     return [r.rid for r in adder.can_run]
 
@@ -126,7 +132,7 @@ def test_adder_chunks_a_long_prompt():
     # next round: the chunked request continues
     long.kv_len += long.extend_input_len
     adder = PrefillAdder(cache, alloc, [], 0.7, 10000, 64, 10)
-    assert adder.add_chunked_req(long) is False and long.extend_input_len == 64
+    assert adder.add_chunked_req(long) is AddReqResult.ADMITTED_CHUNKED and long.extend_input_len == 64
 
 
 def test_adder_locks_matched_prefixes_and_counts_them():
@@ -165,8 +171,33 @@ def test_chunk_continuation_shrinks_to_the_memory_left():
     long = req("long", range(280))
     long.kv_len = 100
     adder = PrefillAdder(cache, alloc, [], 1.0, 10000, 128, 10)
-    assert adder.add_chunked_req(long) is False and long.extend_input_len == 50
+    assert adder.add_chunked_req(long) is AddReqResult.ADMITTED_CHUNKED and long.extend_input_len == 50
     alloc.alloc(50)
     adder = PrefillAdder(cache, alloc, [], 1.0, 10000, 128, 10)
-    assert adder.add_chunked_req(long) is None and adder.can_run == []  # nothing fits: decodes go first
+    assert adder.add_chunked_req(long) is AddReqResult.NO_ROOM and adder.can_run == []  # nothing fits: decodes go first
     alloc.free(held)
+
+
+def test_adder_results_say_what_was_decided():
+    cache, alloc = make_cache(1000)
+    a, b, c = req("a", range(30), max_new=10), req("b", range(100, 200), max_new=10), req("c", range(5))
+    for r in (a, b, c):
+        r.match_prefix(cache)
+    adder = PrefillAdder(cache, alloc, [], 1.0, 10000, 64, 2)
+    assert adder.add_one_req(a) is AddReqResult.ADMITTED
+    assert adder.add_one_req(b) is AddReqResult.ADMITTED_CHUNKED and b.extend_input_len == 34
+    assert adder.add_one_req(c) is AddReqResult.STOP  # both request slots are taken
+    assert [r.rid for r in adder.can_run] == ["a", "b"] and adder.new_chunked_req is b
+    assert AddReqResult.ADMITTED.admitted and AddReqResult.ADMITTED_CHUNKED.admitted
+    assert not AddReqResult.NO_ROOM.admitted and not AddReqResult.STOP.admitted
+    # the chunked request continues until its last chunk is admitted whole
+    b.kv_len += b.extend_input_len
+    assert PrefillAdder(cache, alloc, [], 1.0, 10000, 64, 2).add_chunked_req(b) is AddReqResult.ADMITTED_CHUNKED
+    b.kv_len += b.extend_input_len
+    assert PrefillAdder(cache, alloc, [], 1.0, 10000, 64, 2).add_chunked_req(b) is AddReqResult.ADMITTED
+    assert b.extend_input_len == 2
+    # a request the KV pool cannot hold (990 prompt + 100 expected output > 1000)
+    big = req("big", range(990), max_new=100)
+    big.match_prefix(cache)
+    adder = PrefillAdder(cache, alloc, [], 1.0, 10000, None, 10)
+    assert adder.add_one_req(big) is AddReqResult.NO_ROOM and adder.can_run == []

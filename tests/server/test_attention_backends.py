@@ -5,6 +5,7 @@ import pytest
 
 from kernels import cpu as cpu_kernels
 from srt.hf_transformers_utils import get_tokenizer
+from srt.model_loader.default_model import cache_root
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -36,7 +37,7 @@ def generate_all(server, prompts):
     return batched, [o["output_ids"] for o in again]
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
+@pytest.mark.skipif(cpu_kernels.load(cache_root()) is None, reason="no C++ compiler")
 def test_cpu_and_torch_native_backends_agree(server_factory, prompts):
     native = server_factory("--max-total-tokens", "16384", "--attention-backend", "torch_native")
     expect = generate_all(native, prompts)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import abc
 import time
 import uuid
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from fastapi import Request
@@ -22,6 +23,9 @@ from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
 from srt.sampling.sampling_params import InvalidSamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -58,11 +62,15 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, events: AsyncGenerator[bytes, None]):
+        super().__init__(events)
+        self.events = events
+
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self.events.aclose()
 
 
 def with_retry_after(response: Response, e: Exception) -> Response:
@@ -75,6 +83,11 @@ def with_retry_after(response: Response, e: Exception) -> Response:
 
 def _sse(payload) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _is_texts(prompt: str | list[str] | list[int] | list[list[int]]) -> TypeIs[list[str]]:
+    """A batch of text prompts (a list prompt is never empty: the protocol rejects that)."""
+    return isinstance(prompt, list) and isinstance(prompt[0], str)
 
 
 def _finish_fields(reason: dict | None) -> dict:
@@ -145,8 +158,7 @@ class OpenAIServing:
                 400, f"`best_of` = {req.best_of} is not supported unless it equals n ({req.n})", "best_of"
             )
         p = req.prompt
-        text = p if isinstance(p, str) or (isinstance(p, list) and isinstance(p[0], str)) else None
-        ids = None if text is not None else p
+        text, ids = (p, None) if isinstance(p, str) or _is_texts(p) else (None, p)
         want_lp = req.logprobs is not None
         return GenerateReqInput(
             text=text,
@@ -182,7 +194,8 @@ class OpenAIServing:
         try:
             prompt = tok.apply_chat_template(
                 messages,
-                tools=req.tools,
+                # transformers types `tools` as a list of dicts or functions; list is invariant
+                tools=req.tools,  # pyright: ignore[reportArgumentType]
                 tokenize=False,
                 chat_template=self.chat_template,
                 add_generation_prompt=not req.continue_final_message,
@@ -191,6 +204,7 @@ class OpenAIServing:
             )
         except Exception as e:  # a template's own raise_exception (e.g. roles must alternate) or a bad kwarg
             raise OpenAIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        assert isinstance(prompt, str), "apply_chat_template(tokenize=False) returns the prompt's text"
         ids = tok.encode(prompt, add_special_tokens=False)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return GenerateReqInput(
@@ -382,10 +396,11 @@ class _CompletionResponder(_Responder):
         p = req.prompt
         if isinstance(p, str):
             return [p]
-        if isinstance(p[0], str):
+        if _is_texts(p):
             return list(p)
         batches = p if isinstance(p[0], list) else [p]
-        return [self.serving.tm.tokenizer.decode(ids) for ids in batches]
+        # one prompt's ids decode to one string (a list of strings only for a batch of prompts)
+        return [cast(str, self.serving.tm.tokenizer.decode(ids)) for ids in batches]
 
     def final_choice(self, i, out):
         req = self.req

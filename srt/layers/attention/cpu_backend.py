@@ -12,6 +12,7 @@ from kernels import cpu as cpu_kernels
 from srt.layers.attention.base_attn_backend import AttentionBackend
 from srt.layers.attention.registry import register_attention_backend
 from srt.layers.attention.torch_native_backend import extend_reqs_meta, extend_with_sdpa
+from srt.model_loader.default_model import cache_root
 
 # Extends at least this long use SDPA; shorter ones (and mixed-batch decode rows) the C++ kernel.
 SDPA_MIN_EXTEND = 32
@@ -20,9 +21,10 @@ SDPA_MIN_EXTEND = 32
 @register_attention_backend("cpu")
 class CpuAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
-        self.ops = cpu_kernels.load()
-        if self.ops is None:
+        ops = cpu_kernels.load(cache_root())
+        if ops is None:
             raise RuntimeError("the CPU kernels are unavailable")
+        self.ops = ops
         self.num_splits = 1
 
     def init_forward_metadata(self, fb) -> None:

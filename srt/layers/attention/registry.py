@@ -6,12 +6,16 @@ import importlib.util
 import logging
 from collections.abc import Callable
 
+from srt.configs.runtime_choices import ATTENTION_BACKEND_NAMES
+
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS: dict[str, Callable] = {}
 
 
 def register_attention_backend(name: str):
+    assert name in ATTENTION_BACKEND_NAMES, f"add {name!r} to ATTENTION_BACKEND_NAMES (the CLI's choices)"
+
     def wrap(factory):
         ATTENTION_BACKENDS[name] = factory
         return factory

@@ -124,6 +124,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)
+        assert self.gather is not None, "init_forward_metadata of a decode batch sets it"
         return self._gathered_attention(q, layer, fb, self.gather)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:

@@ -11,27 +11,13 @@ instead: any count is correct for any length, only the speed differs.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
+from srt.configs.runtime_choices import triton_unavailable_reason
 from srt.layers.attention.base_attn_backend import AttentionBackend
 from srt.layers.attention.registry import register_attention_backend
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; also under the interpreter, so CPU tests split long contexts too
-
-
-def triton_unavailable_reason(device: str) -> str | None:
-    """Why the triton backend cannot run on `device` ("cpu" or "cuda"), or None when it can."""
-    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (
-            "--attention-backend triton needs a CUDA device (on CPU it runs only under TRITON_INTERPRET=1, "
-            "for tests); use --attention-backend cpu or torch_native"
-        )
-    if importlib.util.find_spec("triton") is None:
-        return "--attention-backend triton needs the `triton` package (pip install triton)"
-    return None
 
 
 def decode_kv_splits(batch_size: int, max_len: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
