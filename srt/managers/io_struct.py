@@ -16,6 +16,7 @@ Scheduler -> DP controller, directly: LoadReport.
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -140,12 +141,12 @@ def new_rid() -> str:
 
 
 @dataclass(frozen=True)
-class BaseFinishReason:
+class BaseFinishReason(ABC):
     """Why a request ended. The scheduler sets it, the detokenizer and the tokenizer manager read
     it; `to_json()` is what the client sees as `meta_info.finish_reason`."""
 
-    def to_json(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def to_json(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
