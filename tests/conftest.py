@@ -96,10 +96,16 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from collections import Counter, OrderedDict  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 import requests  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Pooled servers kept alive at once besides `tiny_server` and `default_server` (each is 1-2 GB of RAM);
+# beyond it, or when memory runs low, an idle one is stopped before another starts.
+MAX_POOLED_SERVERS = int(os.environ.get("RADIXSERVE_TEST_MAX_SERVERS", "4"))
+SERVER_STARTS: Counter = Counter()  # cold starts by kind ("pooled", "private"), reported at the end
 
 
 def free_port() -> int:
@@ -108,10 +114,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str = ""):
+    """Poll `predicate` until it returns something truthy and return that; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not observed within {timeout} s: {what or predicate}")
+        time.sleep(interval)
+
+
 class ServerProcess:
     """`python -m srt.launch_server` in its own process group, with its log in a file."""
 
-    def __init__(self, args: list[str], log_path: str, timeout: float = 300, env: dict | None = None):
+    def __init__(
+        self, args: list[str], log_path: str, timeout: float = 300, env: dict | None = None, kind: str = "private"
+    ):
+        SERVER_STARTS[kind] += 1
+        self.pooled = kind == "pooled"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -144,14 +166,18 @@ class ServerProcess:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(0.5)
-        self.stop()
+            time.sleep(0.1)
+        self._stop()
         raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.tail()}")
 
-    def tail(self, n: int = 60) -> str:
+    def log_text(self) -> str:
+        """The whole log, start-up lines included (a shared server's tail is other tests' traffic)."""
         self.log.flush()
         with open(self.log_path) as f:
-            return "".join(f.readlines()[-n:])
+            return f.read()
+
+    def tail(self, n: int = 60) -> str:
+        return "".join(self.log_text().splitlines(keepends=True)[-n:])
 
     def post(self, path: str, json=None, **kw) -> requests.Response:
         return requests.post(self.url + path, json=json, timeout=kw.pop("timeout", 300), **kw)
@@ -171,9 +197,30 @@ class ServerProcess:
             s = self.state()
             if s["idle"] and s["kv_available"] + s["kv_evictable"] == s["kv_capacity"] or time.monotonic() > deadline:
                 return s
-            time.sleep(0.2)
+            time.sleep(0.1)
+
+    def wait_for_requests(self, running: int = 1, admitted: int = 0, timeout: float = 60) -> dict:
+        """Wait until at least `running` requests run and `admitted` are running or queued."""
+
+        def seen():
+            s = self.state()
+            ok = s["num_running_reqs"] >= running and s["num_running_reqs"] + s["num_queue_reqs"] >= admitted
+            return s if ok else None
+
+        return wait_until(seen, timeout, what=f">= {running} running, >= {admitted} admitted requests")
+
+    def flush_cache(self) -> None:
+        """Empty the radix cache (a shared server holds other tests' prefixes)."""
+        self.wait_idle()
+        r = self.post("/flush_cache")
+        assert r.status_code == 200, r.text
+        wait_until(lambda: self.state()["kv_evictable"] == 0, 30, what="an empty radix cache")
 
     def stop(self) -> None:
+        assert not self.pooled, "a pooled server is shared: stop a private one (server_factory) instead"
+        self._stop()
+
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -184,8 +231,161 @@ class ServerProcess:
         self.log.close()
 
 
+def low_on_memory(floor_gib: float = 4) -> bool:
+    import psutil
+
+    return psutil.virtual_memory().available < floor_gib * 2**30
+
+
+def server_key(args, env: dict | None, replica: int) -> tuple:
+    """The flags as a set of (flag, values) groups, so their order does not matter."""
+    groups: list[tuple[str, ...]] = []
+    for a in args:
+        if a.startswith("--") or not groups:
+            groups.append((a,))
+        else:
+            groups[-1] += (a,)
+    return tuple(sorted(groups)), tuple(sorted((env or {}).items())), replica
+
+
+class ServerPool:
+    """Live servers shared by the whole test run, one per configuration (flags + environment).
+
+    Tests on a pooled server must not rely on an empty cache or on counters starting at zero (flush
+    or compare deltas), and must not stop, kill or hang it: those use `server_factory`."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+        self.servers: OrderedDict[tuple, ServerProcess] = OrderedDict()  # least recently used first
+        self.holders: Counter = Counter()  # modules currently holding each server
+        self.uses: Counter = Counter()  # modules that have asked for each server
+        self.kept: set[tuple] = set()  # outside MAX_POOLED_SERVERS; stopped only when memory runs low
+        self.reuses = 0
+        self.events = open(log_dir / "pool.log", "w")  # what started, was reused or stopped, and when
+
+    def note(self, what: str, key: tuple) -> None:
+        flags = " ".join(" ".join(g) for g in key[0])
+        self.events.write(f"{time.strftime('%H:%M:%S')} {what}: {flags} env={dict(key[1])} replica={key[2]}\n")
+        self.events.flush()
+
+    def acquire(self, specs: list[tuple], keep: bool = False) -> list[tuple[tuple, ServerProcess]]:
+        """The servers for `specs` [(args, env, replica)], starting the missing ones side by side;
+        `keep` exempts them from the count limit (the configurations most modules share)."""
+        keys = [server_key(*spec) for spec in specs]
+        if keep:
+            self.kept.update(keys)
+        for key in keys:
+            server = self.servers.get(key)
+            if server is not None and server.proc.poll() is not None:
+                del self.servers[key]  # died under some test; its failure is reported there
+        missing = {key: spec for key, spec in zip(keys, specs) if key not in self.servers}
+        self.reuses += len(keys) - len(missing)
+        for key in keys:
+            self.note("start" if key in missing else "reuse", key)
+        self._make_room(len(missing))
+
+        def start(spec, n: int) -> ServerProcess:
+            args, env, _ = spec
+            log = self.log_dir / f"pooled{len(self.servers) + n}-{'-'.join(args)[-80:].replace('/', '_')}.log"
+            return ServerProcess(list(args), str(log), env=env, kind="pooled")
+
+        with ThreadPoolExecutor(max(1, len(missing))) as pool:
+            futures = {key: pool.submit(start, spec, n) for n, (key, spec) in enumerate(missing.items())}
+        failed = [f.exception() for f in futures.values() if f.exception() is not None]
+        self.servers.update((key, f.result()) for key, f in futures.items() if f.exception() is None)
+        if failed:
+            raise failed[0]
+        for key in keys:
+            self.servers.move_to_end(key)
+            self.holders[key] += 1
+            self.uses[key] += 1
+        return [(key, self.servers[key]) for key in keys]
+
+    def release(self, key: tuple) -> None:
+        self.holders[key] -= 1
+
+    def _make_room(self, n: int) -> None:
+        # Least recently used first, never one that a running module holds; kept ones only when low on memory.
+        def counted() -> int:
+            return sum(k not in self.kept for k in self.servers)
+
+        idle = [k for k in self.servers if self.holders[k] <= 0]
+        idle.sort(key=lambda k: k in self.kept)
+        while idle and n:
+            if counted() + n > MAX_POOLED_SERVERS and idle[0] not in self.kept:
+                self.note("stop", idle[0])
+            elif low_on_memory():
+                self.note("stop (low on memory)", idle[0])
+            else:
+                break
+            self.servers.pop(idle.pop(0))._stop()
+
+    def close(self) -> None:
+        while self.servers:
+            self.servers.popitem()[1]._stop()
+        self.events.close()
+
+
+_pool: ServerPool | None = None
+
+
+@pytest.fixture(scope="session")
+def server_pool(tmp_path_factory):
+    global _pool
+    _pool = ServerPool(tmp_path_factory.mktemp("pooled-server-logs"))
+    yield _pool
+    _pool.close()
+
+
+class SharedServers:
+    """A module's handle on the pool: what it asks for stays up until the module ends."""
+
+    def __init__(self, pool: ServerPool):
+        self.pool = pool
+        self.held: list[tuple] = []
+
+    def __call__(self, *args: str, env: dict | None = None, replica: int = 0, keep: bool = False) -> ServerProcess:
+        """The run's server with these flags (and environment), started on first use."""
+        return self.replicas(1, *args, env=env, first=replica, keep=keep)[0]
+
+    def replicas(
+        self, n: int, *args: str, env: dict | None = None, first: int = 0, keep: bool = False
+    ) -> list[ServerProcess]:
+        """n distinct servers with the same flags (e.g. two router workers), started side by side."""
+        got = self.pool.acquire([(args, env, replica) for replica in range(first, first + n)], keep)
+        self.held += [key for key, _ in got]
+        return [server for _, server in got]
+
+    def release(self) -> None:
+        for key in self.held:
+            self.pool.release(key)
+
+
+@pytest.fixture(scope="module")
+def shared_server(server_pool):
+    """`shared_server(*flags, env=None)`: a pooled server, shared with every module using the same
+    flags. Do not stop, kill or hang it, and do not assume an empty cache or zeroed counters."""
+    handle = SharedServers(server_pool)
+    yield handle
+    handle.release()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(shared_server, tiny_chat_model) -> ServerProcess:
+    """The plain server on the tiny random model that many modules share, kept for the whole run."""
+    return shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "8192", keep=True)
+
+
+@pytest.fixture(scope="module")
+def default_server(shared_server, default_model_path) -> ServerProcess:
+    """The plain server on the default model that many modules share, kept for the whole run."""
+    return shared_server("--max-total-tokens", "16384", keep=True)
+
+
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory):
+    """Private servers, stopped at the end of the module: for tests that stop, kill, hang or
+    fault-inject a server, or that need a cold start."""
     servers: list[ServerProcess] = []
     logs = tmp_path_factory.mktemp("server-logs")
 
@@ -197,6 +397,15 @@ def server_factory(tmp_path_factory):
     yield start
     for s in servers:
         s.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SERVER_STARTS:
+        reuses = _pool.reuses if _pool else 0
+        terminalreporter.write_line(
+            f"live-server cold starts: {SERVER_STARTS['pooled']} pooled (reused {reuses} times), "
+            f"{SERVER_STARTS['private']} private"
+        )
 
 
 @pytest.fixture(scope="session")

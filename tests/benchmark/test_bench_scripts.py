@@ -15,8 +15,8 @@ BENCH = os.path.join(ROOT, "benchmark")
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "16384")
+def server(tiny_server):
+    return tiny_server
 
 
 def run(script: str, *args: str, timeout: float = 600) -> str:

@@ -9,8 +9,8 @@ import frontend as sgl
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--api-key", "sk-test")
+def server(shared_server, tiny_chat_model):
+    return shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--api-key", "sk-test")
 
 
 @sgl.function

@@ -15,8 +15,8 @@ EXAMPLES = os.path.join(ROOT, "examples", "frontend")
 
 
 @pytest.fixture(scope="module")
-def server(server_factory):
-    return server_factory("--max-total-tokens", "16384")
+def server(default_server):
+    return default_server
 
 
 def run_example(name: str, *args: str) -> str:

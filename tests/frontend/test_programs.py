@@ -17,9 +17,9 @@ import frontend as sgl
 
 
 @pytest.fixture(scope="module", params=["endpoint", "engine"])
-def backend(request, server_factory, default_model_path):
+def backend(request):
     if request.param == "endpoint":
-        server = server_factory("--max-total-tokens", "16384")
+        server = request.getfixturevalue("default_server")
         yield sgl.RuntimeEndpoint(server.url)
     else:
         be = sgl.EngineBackend(max_total_tokens=16384, dtype="float32", log_level="warning")

@@ -9,8 +9,15 @@ from kernels import cpu as cpu_kernels
 from kernels import reference
 from srt.model_loader.default_model import cache_root
 
-OPS = cpu_kernels.load(cache_root())
-pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ compiler: the runtime falls back to torch_native")
+
+@pytest.fixture(scope="module")
+def ops():
+    """The compiled kernels, built (or loaded from the on-disk cache) on first use, not at collection."""
+    loaded = cpu_kernels.load(cache_root())
+    if loaded is None:
+        pytest.skip("no C++ compiler: the runtime falls back to torch_native")
+    return loaded
+
 
 D = 32
 
@@ -39,13 +46,13 @@ def make_pool(page, kv_heads, seq_lens, dtype, seed):
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_matches_reference(dtype, page, group, splits):
+def test_decode_matches_reference(ops, dtype, page, group, splits):
     kv_heads = 2
     seq_lens = [1, 7, 33, 300, 64, 1000]  # ragged, one-token and long contexts
     k, v, table, rows = make_pool(page, kv_heads, seq_lens, dtype, seed=group * 10 + page)
     q = torch.randn(len(seq_lens), kv_heads * group, D).to(dtype)
     out = torch.empty_like(q)
-    OPS.decode_attention(q, k, v, table, rows, torch.tensor(seq_lens), out, D**-0.5, splits)
+    ops.decode_attention(q, k, v, table, rows, torch.tensor(seq_lens), out, D**-0.5, splits)
     ref = reference.paged_decode_attention(
         q.float(), k.float(), v.float(), table, rows, torch.tensor(seq_lens), D**-0.5
     )
@@ -56,7 +63,7 @@ def test_decode_matches_reference(dtype, page, group, splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_extend_matches_reference(dtype, page, group):
+def test_extend_matches_reference(ops, dtype, page, group):
     kv_heads = 2
     prefix = [0, 0, 17, 500, 3, 64]  # empty, short and long cached prefixes
     ext = [40, 1, 25, 9, 1, 70]  # ragged, including one-token (mixed-batch decode) rows
@@ -65,7 +72,7 @@ def test_extend_matches_reference(dtype, page, group):
     q = torch.randn(sum(ext), kv_heads * group, D).to(dtype)
     starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))])
     out = torch.empty_like(q)
-    OPS.extend_attention(q, k, v, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, D**-0.5)
+    ops.extend_attention(q, k, v, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, D**-0.5)
     ref = reference.paged_extend_attention(
         q.float(), k.float(), v.float(), table, rows, torch.tensor(seq), torch.tensor(prefix), D**-0.5
     )
@@ -73,39 +80,39 @@ def test_extend_matches_reference(dtype, page, group):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-def test_cached_build_is_reused():
+def test_cached_build_is_reused(ops):
     import os
 
     assert os.path.exists(os.path.join(cpu_kernels.build_dir(cache_root()), "radixserve_cpu.so"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rms_norm_matches_reference(dtype):
+def test_fused_rms_norm_matches_reference(ops, dtype):
     x = torch.randn(37, 96).to(dtype)
     res = torch.randn(37, 96).to(dtype)
     w = torch.randn(96).to(dtype)
     ref_out, ref_res = reference.rms_norm(x, w, 1e-5, res)
     a, r = x.clone(), res.clone()
-    OPS.rms_norm(a, r, w, 1e-5)
+    ops.rms_norm(a, r, w, 1e-5)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(r, ref_res)
     torch.testing.assert_close(a, ref_out, **tol)
     b = x.clone()
-    OPS.rms_norm(b, None, w, 1e-5)
+    ops.rms_norm(b, None, w, 1e-5)
     torch.testing.assert_close(b, reference.rms_norm(x, w, 1e-5), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_silu_and_mul_matches_reference(dtype):
+def test_fused_silu_and_mul_matches_reference(ops, dtype):
     x = (torch.randn(19, 2 * 80) * 4).to(dtype)
     out = torch.empty(19, 80, dtype=dtype)
-    OPS.silu_and_mul(out, x)
+    ops.silu_and_mul(out, x)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, reference.silu_and_mul(x), **tol)
 
 
 @pytest.mark.parametrize("rotary_dim", [32, 16])
-def test_fused_rotary_matches_reference(rotary_dim):
+def test_fused_rotary_matches_reference(ops, rotary_dim):
     from srt.layers.rotary_embedding import RotaryEmbedding, default_inv_freq
 
     head_dim, heads = 32, 3
@@ -114,5 +121,5 @@ def test_fused_rotary_matches_reference(rotary_dim):
     pos = torch.tensor([0, 1, 2, 100, 511, 7, 7, 300, 42])
     q = qkv[:, : heads * head_dim]  # a strided slice, like the runtime's fused QKV output
     expect = reference.rotary_embedding(pos, q.clone(), head_dim, rotary_dim, default_inv_freq(10000.0, rotary_dim))
-    OPS.rotary_neox(q, pos, rope.cos_cache, rope.sin_cache, head_dim)
+    ops.rotary_neox(q, pos, rope.cos_cache, rope.sin_cache, head_dim)
     torch.testing.assert_close(q, expect, atol=1e-5, rtol=1e-5)

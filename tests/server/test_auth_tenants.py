@@ -11,8 +11,8 @@ ADMIN_PATHS = {"/flush_cache", "/server_info", "/get_server_info"}
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory(
+def server(shared_server, tiny_chat_model):
+    return shared_server(
         "--model-path",
         tiny_chat_model,
         "--max-total-tokens",
@@ -96,8 +96,9 @@ def test_tenants_never_share_cached_kv(server):
     assert cached(USER_B, {"extra_key": "x"}) == 0
 
 
-def test_tenant_header(server_factory, tiny_chat_model):
-    s = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "4096", "--tenant-header", "X-Tenant")
+def test_tenant_header(shared_server, tiny_chat_model):
+    s = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--tenant-header", "X-Tenant")
+    s.flush_cache()
     prompt = list(range(500, 580))
 
     def cached(tenant: str) -> int:

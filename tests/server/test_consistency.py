@@ -59,8 +59,8 @@ def hf_reference(default_model_path, prompts):
 
 
 @pytest.fixture(scope="module")
-def baseline(server_factory, default_model_path):
-    return server_factory("--max-total-tokens", "16384")
+def baseline(default_server):
+    return default_server
 
 
 def ids_of(outs):
@@ -72,6 +72,7 @@ def test_prompts_are_long_enough_to_be_chunked(prompts):
 
 
 def test_baseline_batched_equals_hf_and_one_by_one(baseline, prompts, hf_reference):
+    baseline.flush_cache()  # computed from scratch, batched
     batched = ids_of(baseline.generate(input_ids=prompts, sampling_params=PARAMS))
     assert batched == hf_reference
     single = [baseline.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in prompts]
@@ -79,6 +80,7 @@ def test_baseline_batched_equals_hf_and_one_by_one(baseline, prompts, hf_referen
 
 
 def test_radix_cache_hits_do_not_change_outputs(baseline, prompts, hf_reference):
+    baseline.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})  # caches the prompts
     again = baseline.generate(input_ids=prompts, sampling_params=PARAMS)
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)  # non-vacuous
     assert ids_of(again) == hf_reference
@@ -95,8 +97,9 @@ def test_mixed_batches_with_running_decodes(baseline, prompts, hf_reference):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_configs_match_reference(name, server_factory, prompts, hf_reference):
-    server = server_factory("--max-total-tokens", "16384", *CONFIGS[name])
+def test_configs_match_reference(name, shared_server, prompts, hf_reference):
+    server = shared_server("--max-total-tokens", "16384", *CONFIGS[name])
+    server.flush_cache()  # the first pass computes every prompt
     first = server.generate(input_ids=prompts, sampling_params=PARAMS)
     second = server.generate(input_ids=prompts, sampling_params=PARAMS)
     assert ids_of(first) == ids_of(second) == hf_reference
@@ -105,7 +108,6 @@ def test_configs_match_reference(name, server_factory, prompts, hf_reference):
         assert cached == [0] * len(prompts)
     else:
         assert all(c > 0 for c in cached)
-    server.stop()
 
 
 def test_engine_equals_http(baseline, default_model_path, prompts):

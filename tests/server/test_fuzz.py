@@ -120,8 +120,8 @@ chat_bodies = body_of(
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--max-new-tokens-cap", "16")
+def server(shared_server, tiny_chat_model):
+    return shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--max-new-tokens-cap", "16")
 
 
 def post(server, path: str, body) -> requests.Response:

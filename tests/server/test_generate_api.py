@@ -2,7 +2,6 @@
 
 import json
 import threading
-import time
 
 import pytest
 import requests
@@ -11,8 +10,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory(
+def server(shared_server, tiny_chat_model):
+    return shared_server(
         "--model-path", tiny_chat_model, "--max-total-tokens", "12000", "--chunked-prefill-size", "512"
     )
 
@@ -158,9 +157,7 @@ def test_a_running_requests_prompt_is_cached_while_it_decodes(server):
         )
     )
     t.start()
-    deadline = time.monotonic() + 60
-    while server.state()["num_running_reqs"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    server.wait_for_requests(running=1)
     out = server.generate(input_ids=prompt + [5], sampling_params=GREEDY)
     still_running = server.state()["num_running_reqs"] > 0
     t.join()
@@ -215,7 +212,7 @@ def test_abort_all_and_pool_returns_to_baseline(server):
     threads = [threading.Thread(target=long_request) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    server.wait_for_requests(running=1, admitted=3)
     assert server.post("/abort_request", {"abort_all": True}).status_code == 200
     for t in threads:
         t.join(60)
@@ -236,7 +233,7 @@ def test_abort_by_rid(server):
         )
     )
     t.start()
-    time.sleep(1.0)
+    server.wait_for_requests(running=1)
     server.post("/abort_request", {"rid": "my-request-1"})
     t.join(60)
     assert out[0]["meta_info"]["id"] == "my-request-1"

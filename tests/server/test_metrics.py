@@ -25,8 +25,8 @@ NAMES = [
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory(
+def server(shared_server, tiny_chat_model):
+    return shared_server(
         "--model-path",
         tiny_chat_model,
         "--max-total-tokens",
@@ -120,7 +120,7 @@ def test_aborts_are_counted(server):
     ) == 1
 
 
-def test_metrics_route_is_off_without_the_flag(server_factory, tiny_chat_model):
-    plain = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "4096")
+def test_metrics_route_is_off_without_the_flag(tiny_server):
+    plain = tiny_server
     assert requests.get(plain.url + "/metrics", timeout=30).status_code == 404
     assert plain.state()["metrics"] is None

@@ -12,8 +12,8 @@ MODEL = "tiny-chat"
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--served-model-name", MODEL, "--max-total-tokens", "8192")
+def server(shared_server, tiny_chat_model):
+    return shared_server("--model-path", tiny_chat_model, "--served-model-name", MODEL, "--max-total-tokens", "8192")
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +203,8 @@ def test_error_statuses_and_shapes(client, server):
     assert server.wait_idle()["integrity_ok"]
 
 
-def test_api_key(server_factory, tiny_chat_model):
-    s = server_factory("--model-path", tiny_chat_model, "--api-key", "sk-test", "--max-total-tokens", "2048")
+def test_api_key(shared_server, tiny_chat_model):
+    s = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--api-key", "sk-test")
     good = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-test", max_retries=0, timeout=60)
     bad = openai.OpenAI(base_url=s.url + "/v1", api_key="sk-wrong", max_retries=0, timeout=60)
     assert good.completions.create(model="default", prompt="x", max_tokens=2).usage.completion_tokens == 2

@@ -4,6 +4,7 @@ a whole KV pool after each one."""
 
 import asyncio
 import random
+import time
 
 import httpx
 import pytest
@@ -15,9 +16,9 @@ POOL = ["--max-total-tokens", "1600", "--chunked-prefill-size", "64"]
 
 
 @pytest.fixture(scope="module")
-def servers(server_factory, tiny_chat_model):
-    on = server_factory("--model-path", tiny_chat_model, *POOL, "--enable-overlap-schedule")
-    off = server_factory("--model-path", tiny_chat_model, *POOL)
+def servers(shared_server, tiny_chat_model):
+    on = shared_server("--model-path", tiny_chat_model, *POOL, "--enable-overlap-schedule")
+    off = shared_server("--model-path", tiny_chat_model, *POOL)
     assert on.state()["overlap_schedule"] and not off.state()["overlap_schedule"]
     return on, off
 
@@ -33,11 +34,23 @@ def run_both(servers, bodies):
     """Send the same concurrent requests to both servers; check the pool after each."""
     outs = []
     for s in servers:
+        before = s.wait_idle()
         outs.append(asyncio.run(_post_all(s.url, bodies)))
         state = s.wait_idle()
         assert state["integrity_ok"] and state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
-        assert state["req_slots_free"] == s.state()["req_slots_free"]
+        assert state["req_slots_free"] == before["req_slots_free"]  # every request slot came back
     return outs
+
+
+async def requests_admitted(client: httpx.AsyncClient, n: int, timeout: float = 60) -> None:
+    """Wait (without blocking the event loop) until the scheduler holds n requests, one running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = (await client.get("/server_info")).json()["internal_states"][0]
+        if state["num_running_reqs"] >= 1 and state["num_running_reqs"] + state["num_queue_reqs"] >= n:
+            return
+        assert time.monotonic() < deadline, f"{n} requests not admitted in {timeout} s: {state}"
+        await asyncio.sleep(0.05)
 
 
 def flat(outs):
@@ -138,7 +151,7 @@ def test_aborts_leave_the_pool_whole(servers):
                     for i in range(10, 16)
                 ]
                 tasks = [asyncio.ensure_future(x) for x in long]
-                await asyncio.sleep(1.0)
+                await requests_admitted(client, len(tasks))  # some running, the rest queued
                 await client.post("/abort_request", json={"abort_all": True})
                 return [r.json() for r in await asyncio.gather(*tasks)]
 
@@ -150,6 +163,7 @@ def test_aborts_leave_the_pool_whole(servers):
 
 def test_forward_timing_is_reported(servers):
     for s in servers:
+        s.generate(input_ids=[11, 12, 13], sampling_params=greedy(4))  # busy time of its own
         state = s.state()
         assert state["forward_busy_s"] > 0 and 0 <= state["forward_idle_fraction"] < 1
 

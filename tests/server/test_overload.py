@@ -8,13 +8,14 @@ import time
 import openai
 import pytest
 import requests
+from conftest import wait_until
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory(
+def server(shared_server, tiny_chat_model):
+    return shared_server(
         "--model-path",
         tiny_chat_model,
         "--max-total-tokens",
@@ -31,13 +32,17 @@ def server(server_factory, tiny_chat_model):
 
 
 def test_admission_is_bounded_and_rejections_are_fast(server):
+    server.wait_idle()
     results: list[tuple[int, float, dict]] = []
     lock = threading.Lock()
     start = time.monotonic()
 
+    # seconds of decoding each: far longer than the other eight take to be turned away
+    held = {**LONG, "max_new_tokens": 150}
+
     def one(i: int) -> None:
         r = requests.post(
-            server.url + "/generate", json={"input_ids": [5, 6, 7, i], "sampling_params": LONG}, timeout=120
+            server.url + "/generate", json={"input_ids": [5, 6, 7, i], "sampling_params": held}, timeout=120
         )
         with lock:
             results.append((r.status_code, time.monotonic() - start, {**r.headers, "body": r.text}))
@@ -70,12 +75,11 @@ def test_openai_route_is_bounded_too(server):
     ]
     for t in hold:
         t.start()
-    deadline = time.monotonic() + 30
-    while server.state()["num_running_reqs"] + server.state()["num_queue_reqs"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    server.wait_for_requests(running=1, admitted=2)  # capacity and queue both full
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(model="default", prompt="hello", max_tokens=4)
     assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "1"
+    assert server.post("/abort_request", {"abort_all": True}).status_code == 200  # the holds have done their job
     for t in hold:
         t.join()
     server.wait_idle()
@@ -93,7 +97,8 @@ def test_request_timeout_aborts_running_and_queued_requests(server):
 
     running = threading.Thread(target=run, args=("running", 0.5))
     running.start()
-    time.sleep(0.1)
+    # running (its 0.5 s deadline may even have passed already), so the next one queues behind it
+    wait_until(lambda: server.state()["num_running_reqs"] or not running.is_alive(), 30, what="a running request")
     queued = threading.Thread(target=run, args=("queued", 0.3))  # waits behind the running one
     queued.start()
     running.join()

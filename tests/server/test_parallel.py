@@ -13,7 +13,7 @@ import time
 
 import pytest
 import requests
-from conftest import ROOT, ServerProcess, free_port
+from conftest import ROOT, ServerProcess, free_port, wait_until
 
 PARAMS = {"temperature": 0, "max_new_tokens": 12}
 PROMPTS = [
@@ -28,8 +28,8 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two "nodes" on 2 cores: no oversubscrip
 
 
 @pytest.fixture(scope="module")
-def tp1(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192")
+def tp1(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_tp2_matches_tp1_and_rank_death_stops_the_server(server_factory, tiny_ch
         timeout=60,
         json={"text": "Hello", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}},
     )
-    time.sleep(1.0)
+    server.wait_for_requests(running=1)
     os.kill(info["process_pids"]["tp1"], signal.SIGKILL)
     start = time.monotonic()
     code = server.proc.wait(10)
@@ -125,8 +125,8 @@ def test_node_rank_without_address_is_rejected():
 
 
 @pytest.fixture(scope="module")
-def dp2(server_factory, tiny_chat_model):
-    return server_factory(
+def dp2(shared_server, tiny_chat_model):
+    return shared_server(
         "--model-path",
         tiny_chat_model,
         "--max-total-tokens",
@@ -157,6 +157,8 @@ def test_dp2_spreads_concurrent_requests(dp2, reference):
 
 
 def test_dp2_cache_aware_routes_shared_prefix_to_the_replica_holding_it(dp2):
+    assert requests.post(dp2.url + "/flush_cache", timeout=30).status_code == 200
+    wait_until(lambda: all(s["kv_evictable"] == 0 for s in replica_states(dp2)), 30, what="empty caches")
     system = "You are a careful assistant who answers questions about the history of science. " * 6
     outs = [
         dp2.generate(text=system + f"Question {i}: who was", sampling_params={"max_new_tokens": 2}) for i in range(6)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -102,10 +101,10 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def workers(server_factory, tiny_chat_model):
-    args = ("--model-path", tiny_chat_model, "--served-model-name", MODEL, "--max-total-tokens", "8192")
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda _: server_factory(*args), range(2)))
+def workers(shared_server, tiny_chat_model):
+    return shared_server.replicas(
+        2, "--model-path", tiny_chat_model, "--served-model-name", MODEL, "--max-total-tokens", "8192"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from srt.hf_transformers_utils import get_tokenizer
 
 
 @pytest.fixture(scope="module")
-def server(server_factory, tiny_chat_model):
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192")
+def server(tiny_server):
+    return tiny_server
 
 
 def stream_text(server, body) -> tuple[str, list[str], dict]:

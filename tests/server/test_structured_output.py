@@ -157,8 +157,8 @@ def chat(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def server(server_factory):
-    return server_factory("--max-total-tokens", "32768")
+def server(default_server):
+    return default_server
 
 
 def gen(server, text, max_new_tokens=160, **constraint):
@@ -258,7 +258,7 @@ def test_cached_grammar_is_reused(server, chat):
     assert a == b and json.loads(a)["k"] in range(10)
 
 
-def test_jump_forward_same_text_fewer_forward_passes(server, server_factory, chat):
+def test_jump_forward_same_text_fewer_forward_passes(server, shared_server, chat):
     # The example shows the keys, so the model's own greedy tokens for them are the canonical ones
     # jump-forward appends. (A weak model forced away from what it wanted to write may spell a key
     # in odd sub-tokens instead; then jump-forward's canonical tokens change what follows.)
@@ -275,34 +275,45 @@ def test_jump_forward_same_text_fewer_forward_passes(server, server_factory, cha
     ]
 
     def run(s):
+        s.flush_cache()  # both runs start from the same (empty) cache
         before = s.wait_idle()
         outs = [gen(s, p, 200, json_schema=json.dumps(LONG_KEYS)) for p in prompts]  # one at a time
         after = s.wait_idle()
-        return [(o["text"], o["output_ids"]) for o in outs], after["forward_passes"] - before["forward_passes"], after
+        jumped = after["jump_forward_tokens"] - before["jump_forward_tokens"]
+        return [(o["text"], o["output_ids"]) for o in outs], after["forward_passes"] - before["forward_passes"], jumped
 
-    with_jf, passes_jf, state = run(server)
-    off = server_factory("--max-total-tokens", "32768", "--disable-jump-forward")
-    without, passes_plain, state_off = run(off)
+    with_jf, passes_jf, jumped = run(server)
+    off = shared_server("--max-total-tokens", "16384", "--disable-jump-forward")
+    without, passes_plain, jumped_off = run(off)
     for text, _ in with_jf:
         jsonschema.validate(json.loads(text), LONG_KEYS)
     assert with_jf == without
-    assert state["jump_forward_tokens"] > 0 and state_off["jump_forward_tokens"] == 0
+    assert jumped > 0 and jumped_off == 0 and off.state()["jump_forward_tokens"] == 0
     assert passes_jf < passes_plain, (passes_jf, passes_plain)
-    assert state["integrity_ok"]
+    assert server.state()["integrity_ok"]
 
 
-def test_grammar_backend_none_rejects_constraints(server_factory, tiny_chat_model):
-    s = server_factory("--model-path", tiny_chat_model, "--grammar-backend", "none", "--max-total-tokens", "4096")
+def test_grammar_backend_none_rejects_constraints(shared_server, tiny_chat_model):
+    s = shared_server("--model-path", tiny_chat_model, "--grammar-backend", "none", "--max-total-tokens", "8192")
     r = s.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "regex": "a+"}})
     assert r.status_code == 400 and "--grammar-backend none" in r.json()["error"]["message"]
     r = s.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
     assert r.status_code == 200
 
 
-def test_constraints_with_the_overlap_scheduler(server_factory, tiny_chat_model):
+def test_constraints_with_the_overlap_scheduler(shared_server, tiny_chat_model):
     """The overlap loop must let each constrained request's matcher see its last token before the
     next mask is built; a random tiny model makes any slip show as a regex mismatch."""
-    s = server_factory("--model-path", tiny_chat_model, "--enable-overlap-schedule", "--max-total-tokens", "8192")
+    # test_overlap.py's overlap server: 16 short requests fit its small pool without retraction
+    s = shared_server(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "1600",
+        "--chunked-prefill-size",
+        "64",
+        "--enable-overlap-schedule",
+    )
 
     def run(i):
         params = {"temperature": 0.8, "sampling_seed": i, "max_new_tokens": 40}

@@ -4,9 +4,9 @@ takes its graphs from the on-disk inductor cache."""
 
 import concurrent.futures
 import re
-import time
 
 import pytest
+from conftest import wait_until
 
 PARAMS = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", "1, 2, 3, 4,", "Hello"]
@@ -24,14 +24,12 @@ def inductor_env(tmp_path_factory):
 
 
 def wait_compiled(server, timeout=900) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def compiled():
         status = server.state()["torch_compile"]
         assert status["failed"] is None, status
-        if status["ready"] == status["buckets"]:
-            return status
-        time.sleep(1)
-    raise AssertionError(f"decode graphs not compiled in {timeout} s: {server.state()['torch_compile']}")
+        return status if status["ready"] == status["buckets"] else None
+
+    return wait_until(compiled, timeout, interval=0.5, what="decode graphs compiled")
 
 
 def run_all(server) -> list[list[int]]:
@@ -41,12 +39,10 @@ def run_all(server) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def eager_outputs(server_factory, model):
-    server = server_factory("--model-path", model, "--max-total-tokens", "4096")
+def eager_outputs(tiny_server):
+    server = tiny_server  # the same model as `model`, without --enable-torch-compile
     assert server.state()["torch_compile"] is None
-    out = run_all(server)
-    server.stop()
-    return out
+    return run_all(server)
 
 
 def test_compiled_server_serves_while_compiling_and_matches_eager(server_factory, model, inductor_env, eager_outputs):
