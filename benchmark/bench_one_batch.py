@@ -123,10 +123,10 @@ def bench_steps(path: str, dtype: str, args) -> dict:
                 rows.append(
                     {"backend": name, "compile": on, "bs": bs, "ctx": ctx, "step_ms": step * 1e3, "tok_s": bs / step}
                 )
-            fb.attn_backend = backend
-            backend.init_forward_metadata(fb)
+            bound = runner.bind(fb)  # carries the pools and `backend` (runner.attn_backend now)
+            backend.init_forward_metadata(bound)
             attn = _time(
-                lambda b=backend, fb=fb, q=q, k=k, v=v: [b.forward(q, k, v, ly, fb) for ly in layers], args.repeats
+                lambda b=backend, fb=bound, q=q, k=k, v=v: [b.forward(q, k, v, ly, fb) for ly in layers], args.repeats
             )
             gbs = bs * (ctx + 1) * kv_bytes_per_token / attn / 1e9
             rows.append(

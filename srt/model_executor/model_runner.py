@@ -201,16 +201,20 @@ class ModelRunner:
             self.page_size,
         )
 
-    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """Run the model on this rank only (tensor parallelism: the worker sends the batch to the
-        other ranks first). The caller's batch is left as it was: the model reads a copy that
-        also carries this runner's pools and attention backend."""
-        fb = dataclasses.replace(
+    def bind(self, forward_batch: ForwardBatch) -> ForwardBatch:
+        """A copy of the batch that carries this runner's pools and attention backend."""
+        return dataclasses.replace(
             forward_batch,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
         )
+
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Run the model on this rank only (tensor parallelism: the worker sends the batch to the
+        other ranks first). The caller's batch is left as it was: the model reads a copy that
+        also carries this runner's pools and attention backend."""
+        fb = self.bind(forward_batch)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)
         if self.compiled_decode is not None and self.compiled_decode.can_run(fb):
