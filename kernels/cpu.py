@@ -20,7 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("cpu_attention.cpp", "cpu_norm_act.cpp")]
+SOURCES = [os.path.join(CSRC, name) for name in ("cpu_attention.cpp", "cpu_norm_act.cpp", "cpu_quant.cpp")]
 HEADERS = [os.path.join(CSRC, "cpu_common.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17"]
 _state: dict = {}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from srt.configs.runtime_choices import (
     ATTENTION_BACKEND_NAMES,
+    QUANTIZATION_METHODS,
     SCHEDULE_POLICIES,
     resolve_device,
     triton_unavailable_reason,
@@ -43,6 +44,7 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"  # dummy: random weights, only config.json (and a tokenizer) needed
+    quantization: str | None = None  # None: gguf for a .gguf model on CPU, else dense weights
     random_seed: int = 42
     # Memory
     mem_fraction_static: float | None = None
@@ -132,6 +134,10 @@ class ServerArgs:
             raise ValueError(f"--cuda-graph-max-bs must be in [1, 4096], got {self.cuda_graph_max_bs}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}"
+            )
         if self.attention_backend == "triton":
             reason = triton_unavailable_reason(resolve_device(self.device))
             if reason is not None:
@@ -268,6 +274,13 @@ class ServerArgs:
             choices=LOAD_FORMATS,
             help="auto: the model folder's safetensors; dummy: random weights from config.json alone "
             "(benchmarks of a model's shape without its checkpoint)",
+        )
+        g.add_argument(
+            "--quantization",
+            default=d.quantization,
+            choices=QUANTIZATION_METHODS,
+            help="weight format: gguf keeps a GGUF file's quantized blocks and multiplies them with the C++ "
+            "CPU kernels (the default for a .gguf model on CPU); none dequantizes to --dtype at load",
         )
         g.add_argument("--random-seed", type=int, default=d.random_seed)
         g = parser.add_argument_group("memory")

@@ -85,7 +85,7 @@ def default_model_path() -> str:
     """The embedded SmolLM2-135M-Instruct, converted once into the user's cache."""
     from srt.model_loader.default_model import resolve_default_model
 
-    return resolve_default_model(progress=False)
+    return resolve_default_model(progress=False, weights=True)
 
 
 # -- live servers -------------------------------------------------------------------------------

@@ -40,3 +40,7 @@ def triton_unavailable_reason(device: str) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "--attention-backend triton needs the `triton` package (pip install triton)"
     return None
+
+
+# --quantization: dense weights, or a GGUF file's blocks kept quantized (srt/layers/quantization/).
+QUANTIZATION_METHODS = ("none", "gguf")

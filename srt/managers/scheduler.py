@@ -146,6 +146,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             "vocab_size": self.model_config.vocab_size,
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": self.runner.device,
+            # the weights as loaded: method (resolved from --quantization), format per layer type,
+            # bytes resident on this rank, and the CPU kernel variant multiplying them
+            "quantization": self.runner.weight_report["quantization"],
+            "weight_formats": self.runner.weight_report["formats"],
+            "weight_bytes": self.runner.weight_report["weight_bytes"],
+            "kernel_isa": self.runner.weight_report["kernel_isa"],
         }
 
     # -- loop ----------------------------------------------------------------------------------

@@ -17,12 +17,16 @@ from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
 from srt.layers.linear import prepack_cpu_weights
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.quantization import build_config as build_quant_config
+from srt.layers.quantization import resolve_quantization, weight_report
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.default_model import cache_root
+from srt.model_loader.errors import ModelLoadError
+from srt.model_loader.gguf_loader import gguf_source
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
 from srt.utils import available_memory_bytes, resolve_dtype, set_random_seed, set_torch_threads
@@ -107,12 +111,27 @@ class ModelRunner:
             set_torch_threads(share=ranks_per_node * server_args.dp_size)  # every rank of every replica computes
         set_random_seed(server_args.random_seed)
         available_before = available_memory_bytes(self.device)
-        self.model = load_model(model_config, self.dtype, self.device, server_args.load_format)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        cpu_ops = cpu_kernels.load(cache_root()) if self.device == "cpu" else None
+        try:
+            self.quantization = resolve_quantization(
+                server_args.quantization, gguf_source(model_config.path), self.device, cpu_ops is not None
+            )
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+        quant_config = build_quant_config(self.quantization, cpu_ops, self.dtype)
+        self.model = load_model(model_config, self.dtype, self.device, server_args.load_format, quant_config)
+        self.weight_report = weight_report(self.model, quant_config)
+        self.weight_bytes = self.weight_report["weight_bytes"]
+        logger.info(
+            "Weights: %s, %.1f MiB resident%s",
+            ", ".join(f"{kind} {fmt}" for kind, fmt in self.weight_report["formats"].items()),
+            self.weight_bytes / 2**20,
+            f", kernels {self.weight_report['kernel_isa']}" if self.weight_report["kernel_isa"] else "",
+        )
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
-        if self.device == "cpu" and (ops := cpu_kernels.load(cache_root())) is not None:
+        if (ops := cpu_ops) is not None:
             logger.info(
                 "Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops)
             )

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from srt.model_loader.errors import ModelLoadError
-from srt.model_loader.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
+from srt.model_loader.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, write_weights
 
 logger = logging.getLogger("srt.model_loader")
 
@@ -50,13 +50,16 @@ def converted_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), "models", f"{Path(gguf_path).stem}-{key}")
 
 
-def resolve_gguf(gguf_path: str, progress: bool = True) -> str:
-    """The HF folder converted from gguf_path, converting it into the cache on first use."""
+def resolve_gguf(gguf_path: str, progress: bool = True, weights: bool = False) -> str:
+    """The HF folder converted from gguf_path (config and tokenizer; with `weights`, also the
+    dequantized model.safetensors), converting it into the cache on first use."""
     if not os.path.isfile(gguf_path):
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
     out_dir = converted_dir(gguf_path)
     if os.path.isfile(os.path.join(out_dir, MARKER_FILE)):
         logger.info("using cached conversion of %s at %s", gguf_path, out_dir)
+        if weights:
+            write_weights(out_dir, progress)
         return out_dir
     if os.path.isdir(out_dir):
         # No marker: left by something other than a finished conversion, so it cannot be trusted.
@@ -64,13 +67,15 @@ def resolve_gguf(gguf_path: str, progress: bool = True) -> str:
         shutil.rmtree(out_dir, ignore_errors=True)
     logger.info("converting %s to a Hugging Face folder at %s (first use only)", gguf_path, out_dir)
     start = time.monotonic()
-    convert_gguf_to_hf(gguf_path, out_dir, progress=progress)
+    convert_gguf_to_hf(gguf_path, out_dir, progress=progress, weights=False)
     logger.info("converted %s in %.1f s", os.path.basename(gguf_path), time.monotonic() - start)
+    if weights:
+        write_weights(out_dir, progress)
     return out_dir
 
 
-def resolve_default_model(progress: bool = True) -> str:
-    return resolve_gguf(default_gguf_path(), progress=progress)
+def resolve_default_model(progress: bool = True, weights: bool = False) -> str:
+    return resolve_gguf(default_gguf_path(), progress=progress, weights=weights)
 
 
 def resolve_model_path(model_path: str | None) -> str:

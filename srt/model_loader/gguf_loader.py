@@ -1,7 +1,10 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model folder.
+"""Read a GGUF file (llama, qwen2 or qwen3 architecture) as a Hugging Face model folder.
 
-The folder holds config.json, generation_config.json, model.safetensors (float32, HF Llama names)
-and tokenizer files, so the rest of the runtime only ever loads plain HF folders.
+The folder holds config.json, generation_config.json and tokenizer files, so the rest of the
+runtime only ever reads plain HF folders. The weights are either read straight from the GGUF file,
+still quantized (`iterate_gguf_weights`, for `--quantization gguf`), or written once into the folder
+as model.safetensors (float32, HF names; `write_weights`) for the dequantized path and for HF
+transformers.
 """
 
 from __future__ import annotations
@@ -13,15 +16,17 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import GenerationConfig, LlamaConfig
+from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.gguf_tokenizer import special_token_ids, write_tokenizer_files
@@ -29,7 +34,7 @@ from srt.model_loader.gguf_tokenizer import special_token_ids, write_tokenizer_f
 logger = logging.getLogger("srt.model_loader")
 
 # Bump when the output of the conversion changes, so cached conversions are redone.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 # Written last into a converted folder; its presence means the folder is complete.
 MARKER_FILE = "radixserve_conversion.json"
 
@@ -48,7 +53,17 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# GGUF architecture -> (HF config class, HF architecture, whether llama.cpp permuted Q/K rows).
+# llama.cpp's converter interleaves the rotary halves only for llama; qwen models keep NeoX order.
+ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM", True),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
+}
+WEIGHTS_FILE = "model.safetensors"
 # Tensors llama.cpp adds that an HF Llama folder does not hold (rope_freqs: precomputed llama3 rope).
 _IGNORED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -92,7 +107,8 @@ def _f32(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _rope_parameters(meta: dict[str, Any]) -> dict[str, Any]:
+def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    meta = {k.replace(f"{arch}.", "llama.", 1): v for k, v in meta.items()}
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0))}
     kind = meta.get("llama.rope.scaling.type")
     factor = meta.get("llama.rope.scaling.factor")
@@ -106,54 +122,104 @@ def _rope_parameters(meta: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def build_config(meta: dict[str, Any], tensor_names: set[str], path: str) -> LlamaConfig:
+def build_config(meta: dict[str, Any], tensor_names: set[str], path: str) -> PretrainedConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; only llama is supported")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    config_cls: Any = ARCHITECTURES[arch][0]  # each takes the Llama-style keyword arguments below
+    hf_arch = ARCHITECTURES[arch][1]
 
     def need(key: str) -> int:
-        if key not in meta:
-            raise ModelLoadError(f"{path}: GGUF metadata has no {key}")
-        return int(meta[key])
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return int(meta[f"{arch}.{key}"])
 
-    hidden, n_head = need("llama.embedding_length"), need("llama.attention.head_count")
-    head_dim = meta.get("llama.attention.key_length", meta.get("llama.rope.dimension_count", hidden // n_head))
-    vocab_size = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, n_head = need("embedding_length"), need("attention.head_count")
+    head_dim = get("attention.key_length", get("rope.dimension_count", hidden // n_head))
+    vocab_size = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     ids = special_token_ids(meta) if "tokenizer.ggml.tokens" in meta else {}
+    extra = {"attention_bias": "blk.0.attn_q.bias" in tensor_names} if arch != "qwen2" else {}
     try:
-        return LlamaConfig(
-            architectures=["LlamaForCausalLM"],
+        return config_cls(
+            architectures=[hf_arch],
             vocab_size=int(vocab_size),
             hidden_size=hidden,
-            intermediate_size=need("llama.feed_forward_length"),
-            num_hidden_layers=need("llama.block_count"),
+            intermediate_size=need("feed_forward_length"),
+            num_hidden_layers=need("block_count"),
             num_attention_heads=n_head,
-            num_key_value_heads=int(meta.get("llama.attention.head_count_kv", n_head)),
-            head_dim=int(head_dim),
-            max_position_embeddings=need("llama.context_length"),
-            rms_norm_eps=_f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_parameters=_rope_parameters(meta),
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            num_key_value_heads=int(get("attention.head_count_kv", n_head) or n_head),
+            head_dim=int(head_dim or hidden // n_head),
+            max_position_embeddings=need("context_length"),
+            rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_parameters=_rope_parameters(meta, arch),
             tie_word_embeddings="output.weight" not in tensor_names,
             bos_token_id=ids.get("bos_token"),
             eos_token_id=ids.get("eos_token"),
             pad_token_id=ids.get("pad_token"),
             dtype="float32",
+            **extra,
         )
     except (TypeError, ValueError) as e:
-        raise ModelLoadError(f"{path}: GGUF metadata does not make a valid Llama config: {e}") from e
+        raise ModelLoadError(f"{path}: GGUF metadata does not make a valid {hf_arch} config: {e}") from e
 
 
-def convert_tensors(reader: GGUFReader, config: LlamaConfig, path: str, progress: bool) -> dict[str, torch.Tensor]:
-    """Dequantized float32 tensors under HF Llama names, with Q/K rows back in HF order."""
-    n_heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+def _rotary_heads(config: PretrainedConfig, arch: str) -> dict[str, int]:
+    """Heads per projection whose rows llama.cpp permuted (none for architectures it leaves alone)."""
+    if not ARCHITECTURES[arch][2]:
+        return {}
+    return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+
+def iterate_gguf_weights(path: str, progress: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) for every weight in the file, Q/K rows in HF order. Quantized tensors come
+    as `GGUFWeight` (blocks, not dequantized); F32/F16/BF16 ones as float32 torch tensors."""
+    from srt.layers.quantization.gguf import GGUFWeight
+
+    reader, meta = open_gguf(path)
+    arch = str(meta.get("general.architecture"))
+    config = build_config(meta, {t.name for t in reader.tensors}, path)
+    n_heads = _rotary_heads(config, arch)
+    bar = tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor", disable=not progress)
+    for tensor in bar:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            if tensor.name not in _IGNORED:
+                logger.warning("%s: skipping GGUF tensor %s, which has no HF counterpart", path, tensor.name)
+            continue
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        hf_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        proj = name.split(".")[-2]
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            w = dequantize(tensor.data, qtype).reshape(hf_shape)
+            if proj in n_heads:
+                w = unpermute_rotary(w, n_heads[proj])
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+            continue
+        data = np.asarray(tensor.data).reshape(hf_shape[0], -1)
+        if proj in n_heads:
+            data = unpermute_rotary(data, n_heads[proj])
+        with warnings.catch_warnings():  # a read-only view of the mapped file; the layer copies its rows
+            warnings.simplefilter("ignore", UserWarning)
+            yield name, GGUFWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, hf_shape[-1])
+
+
+def convert_tensors(
+    reader: GGUFReader, config: PretrainedConfig, arch: str, path: str, progress: bool
+) -> dict[str, torch.Tensor]:
+    """Dequantized float32 tensors under HF names, with Q/K rows back in HF order."""
+    n_heads = _rotary_heads(config, arch)
     out: dict[str, torch.Tensor] = {}
     bar = tqdm(reader.tensors, desc=f"converting {os.path.basename(path)}", unit="tensor", disable=not progress)
     for tensor in bar:
         name = hf_tensor_name(tensor.name)
         if name is None:
             if tensor.name not in _IGNORED:
-                logger.warning("%s: skipping GGUF tensor %s, which has no HF Llama counterpart", path, tensor.name)
+                logger.warning("%s: skipping GGUF tensor %s, which has no HF counterpart", path, tensor.name)
             continue
         try:
             w = dequantize(tensor.data, tensor.tensor_type)
@@ -171,21 +237,58 @@ def convert_tensors(reader: GGUFReader, config: LlamaConfig, path: str, progress
     return out
 
 
-def _write_folder(reader: GGUFReader, meta: dict[str, Any], path: str, folder: str, progress: bool) -> None:
+def _write_folder(
+    reader: GGUFReader, meta: dict[str, Any], path: str, folder: str, progress: bool, weights: bool
+) -> None:
     tensor_names = {t.name for t in reader.tensors}
     config = build_config(meta, tensor_names, path)
     write_tokenizer_files(meta, folder, path, config.max_position_embeddings)
-    tensors = convert_tensors(reader, config, path, progress)
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    if weights:
+        tensors = convert_tensors(reader, config, str(meta["general.architecture"]), path, progress)
+        save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
+        del tensors
     config.save_pretrained(folder)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(folder)
 
 
-def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = True) -> None:
-    """Write a complete HF Llama folder for gguf_path at out_dir.
+def gguf_source(folder: str) -> str | None:
+    """The GGUF file a converted folder was made from (None for an ordinary HF folder)."""
+    try:
+        with open(os.path.join(folder, MARKER_FILE), encoding="utf-8") as f:
+            return json.load(f).get("source")
+    except (OSError, ValueError):
+        return None
+
+
+def write_weights(folder: str, progress: bool = True) -> None:
+    """Add the dequantized float32 model.safetensors to a folder converted without it (written to
+    a temporary file and renamed, so a concurrent writer or a crash never leaves half a file)."""
+    target = os.path.join(folder, WEIGHTS_FILE)
+    if os.path.isfile(target):
+        return
+    source = gguf_source(folder)
+    if source is None:
+        raise ModelLoadError(f"{folder} has no {WEIGHTS_FILE} and no GGUF source to convert it from")
+    start = time.monotonic()
+    reader, meta = open_gguf(source)
+    config = build_config(meta, {t.name for t in reader.tensors}, source)
+    tensors = convert_tensors(reader, config, str(meta["general.architecture"]), source, progress)
+    fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_FILE}.tmp-", dir=folder)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("wrote dequantized weights of %s in %.1f s", os.path.basename(source), time.monotonic() - start)
+
+
+def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = True, weights: bool = True) -> None:
+    """Write a complete HF folder for gguf_path at out_dir (`weights`: with model.safetensors).
 
     The folder is built in a temporary sibling and renamed into place, so out_dir is either absent
     or complete. If out_dir exists by the time we finish (a concurrent conversion won), ours is dropped.
@@ -198,7 +301,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = True) -> N
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
-        _write_folder(reader, meta, gguf_path, tmp, progress)
+        _write_folder(reader, meta, gguf_path, tmp, progress, weights)
         marker = {
             "source": os.path.abspath(gguf_path),
             "converter_version": CONVERTER_VERSION,

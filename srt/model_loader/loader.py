@@ -14,7 +14,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from srt.configs.model_config import ModelConfig
+from srt.layers.linear import process_weights_after_loading
+from srt.layers.quantization import QuantizationConfig
 from srt.model_loader.errors import ModelLoadError
+from srt.model_loader.gguf_loader import gguf_source, iterate_gguf_weights, write_weights
 from srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -70,33 +73,56 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: floa
 
 
 def load_model(
-    model_config: ModelConfig, dtype: torch.dtype, device: str, load_format: str = "auto"
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    load_format: str = "auto",
+    quant_config: QuantizationConfig | None = None,
 ) -> torch.nn.Module:
     """The model on `device` in `dtype`: weights from the folder's safetensors (`auto`), or random
-    ones (`dummy`: only config.json is read; for benchmarks of models not at hand)."""
+    ones (`dummy`: only config.json is read; for benchmarks of models not at hand). A folder
+    converted from a GGUF file reads the file itself under `--quantization gguf`, and its
+    dequantized safetensors (written on first use) otherwise."""
     cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(model_config.hf_config)
+            model = cls(model_config.hf_config, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
+    gguf_file = gguf_source(model_config.path)
     if load_format == "dummy":
+        if quant_config is not None and quant_config.get_name() == "gguf":
+            raise ModelLoadError("--load-format dummy has no GGUF blocks to load; use --quantization none")
         init_dummy_weights(model)
+        source = "dummy weights"
+    elif quant_config is not None and quant_config.get_name() == "gguf":
+        assert gguf_file is not None, "resolve_quantization only picks gguf for a GGUF model"
+        weights = iterate_gguf_weights(gguf_file, progress=True)
+        source = os.path.basename(gguf_file)
     else:
+        if gguf_file is not None:
+            write_weights(model_config.path)
+        weights = iterate_weights(model_config.path, progress=True)
+        source = model_config.path
+    if load_format != "dummy":
         try:
-            model.load_weights(iterate_weights(model_config.path, progress=True))
+            model.load_weights(weights)  # pyright: ignore[reportPossiblyUnbound]
         except KeyError as e:
-            raise ModelLoadError(f"weights in {model_config.path} do not match {cls.__name__}: {e}") from e
+            raise ModelLoadError(f"weights in {source} do not match {cls.__name__}: {e}") from e
+    try:
+        process_weights_after_loading(model)
+    except ValueError as e:
+        raise ModelLoadError(f"weights in {source} do not fill {cls.__name__}: {e}") from e
     model.eval()
     logger.info(
-        "Loaded %s (%s, %s%s) in %.1f s",
+        "Loaded %s (%s, %s, %s) in %.1f s",
         cls.__name__,
         str(dtype).removeprefix("torch."),
         device,
-        ", dummy weights" if load_format == "dummy" else "",
+        source if quant_config is None else f"{source}, {quant_config.get_name()} weights",
         time.perf_counter() - start,
     )
     return model

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -18,10 +19,14 @@ from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmb
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_config=None, prefix: str = ""):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,13 +34,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(
+        self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None, prefix: str = ""
+    ):
         super().__init__()
         self.total_num_heads = config.num_attention_heads
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_num_heads
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            self.total_num_heads,
+            self.total_num_kv_heads,
+            bias=qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -45,6 +58,8 @@ class LlamaAttention(nn.Module):
             config.hidden_size,
             bias=o_bias,
             shard=(heads.q_start * self.head_dim, self.q_size),
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
         )
         theta, scaling = rope_parameters(config)
         rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
@@ -65,10 +80,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(
+        self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None, prefix: str = ""
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = LlamaAttention(
+            config, layer_id, qkv_bias, o_bias, qk_norm, quant_config=quant_config, prefix=f"{prefix}.self_attn"
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, quant_config=quant_config, prefix=f"{prefix}.mlp"
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -84,11 +105,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="model.embed_tokens"
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(
+                config, i, qkv_bias, o_bias, qk_norm, quant_config=quant_config, prefix=f"model.layers.{i}"
+            )
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -112,16 +138,18 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj", ".gate_up_proj", 1),
     ]
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
-        self.model = LlamaModel(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(
+            config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm, quant_config=quant_config
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             self.model.embed_tokens
             if self.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size)
+            else ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
         )
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
@@ -137,7 +165,16 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        """Checkpoint tensors (HF names) into place: layers with a weight format take their weight
+        through `load_weight(tensor, shard_id)`, other parameters through their `weight_loader`."""
+        targets: dict[str, Callable] = {}
+        for prefix, module in self.named_modules():
+            if callable(load := getattr(module, "load_weight", None)):
+                targets[f"{prefix}.weight"] = load
+        for name, param in self.named_parameters():
+            if name not in targets:
+                loader = getattr(param, "weight_loader", _default_loader)
+                targets[name] = functools.partial(loader, param)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
@@ -145,19 +182,15 @@ class LlamaForCausalLM(nn.Module):
             for ckpt, ours, shard in self.stacked_params:
                 if ckpt in name:
                     target = name.replace(ckpt, ours)
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard)  # pyright: ignore[reportAttributeAccessIssue]
+                    targets[target](tensor, shard)
                     break
             else:
                 target = name
-                if target not in params:
+                if target not in targets:
                     raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-                param = params[target]
-                getattr(param, "weight_loader", _default_loader)(param, tensor)
+                targets[target](tensor)
             loaded.add(target)
-        missing = set(params) - loaded
-        if self.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+        missing = set(targets) - loaded
         if missing:
             raise KeyError(f"checkpoint has no tensors for {sorted(missing)[:6]}")
 

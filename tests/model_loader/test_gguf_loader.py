@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from srt.model_loader import default_model
 from srt.model_loader.default_model import resolve_default_model, resolve_model_path
 from srt.model_loader.errors import ModelLoadError
-from srt.model_loader.gguf_loader import MARKER_FILE, convert_gguf_to_hf
+from srt.model_loader.gguf_loader import MARKER_FILE, convert_gguf_to_hf, gguf_source, write_weights
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64  # rows of 256: K-quant blocks
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -198,8 +198,8 @@ def test_corrupt_and_truncated_files_name_the_path(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_and_tokenizer(tmp_path: Path) -> None:
     qwen = tmp_path / "qwen.gguf"
-    write_tiny_gguf(qwen, {}, arch="qwen2")
-    with pytest.raises(ModelLoadError, match="'qwen2' is not supported; only llama is supported"):
+    write_tiny_gguf(qwen, {}, arch="gemma2")
+    with pytest.raises(ModelLoadError, match="'gemma2' is not supported; supported: llama, qwen2, qwen3"):
         convert_gguf_to_hf(str(qwen), str(tmp_path / "out-qwen"), progress=False)
     spm = tmp_path / "spm.gguf"
     write_tiny_gguf(spm, hf_weights(), tokenizer_model="llama")
@@ -286,7 +286,11 @@ def test_existing_out_dir_wins_the_race(tiny_f32: tuple[Path, dict[str, np.ndarr
 def test_gguf_path_is_converted_into_the_cache(tiny_f32: tuple[Path, dict[str, np.ndarray]], cache_dir: Path) -> None:
     folder = resolve_model_path(str(tiny_f32[0]))
     assert Path(folder).parent == cache_dir / "models" and Path(folder).name.startswith("tiny-f32-")
-    assert (Path(folder) / MARKER_FILE).is_file() and (Path(folder) / "model.safetensors").is_file()
+    # config and tokenizer at once; the dequantized weights only when a dense load asks for them
+    assert (Path(folder) / MARKER_FILE).is_file() and not (Path(folder) / "model.safetensors").exists()
+    assert gguf_source(folder) == str(tiny_f32[0].resolve())
+    write_weights(folder, progress=False)
+    assert (Path(folder) / "model.safetensors").is_file()
     assert resolve_model_path(str(tiny_f32[0])) == folder
     assert resolve_model_path(folder) == folder
 
@@ -307,7 +311,7 @@ def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyP
 def default_dir(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield Path(resolve_default_model(progress=False))
+        yield Path(resolve_default_model(progress=False, weights=True))
 
 
 def test_default_model_config_and_cache(default_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,878 @@
+// Linear layers over quantized weights kept in their GGUF block layout (no repacking, no fp32 copy).
+//
+// A weight is a uint8 tensor [N, row_bytes]: row n holds K / block_size blocks of one GGML type
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Two paths, chosen per call by M (rows of x):
+//  - small M (decode): each thread takes a range of weight rows, dequantizes one row at a time into
+//    an L1/L2-resident float buffer and dots it with every row of x (ISA-specific FMA loops, one
+//    accumulator per x row). At M = 1 this streams the quantized bytes once, which is what bounds a
+//    decode step.
+//  - large M (prefill chunks): each thread dequantizes a tile of weight rows into its own float
+//    buffer and multiplies the tile with a single-threaded BLAS call, so dequantization is paid
+//    once per weight per call and amortized over M.
+// Activations stay float (fp32, or bf16/fp16 converted to fp32 in registers): the result equals
+// x @ dequantize(W).T up to summation order, the same weights `--quantization none` multiplies.
+//
+// Dot products are dispatched at run time between the variants compiled in (AVX-512, AVX2+FMA,
+// scalar); `quant_set_isa` narrows the choice (tests run every variant on one machine).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+// GGML type ids (ggml.h) and block geometry.
+enum QType : int64_t {
+  F32 = 0,
+  F16 = 1,
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
+  Q8_0 = 8,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+  BF16 = 30,
+};
+
+struct Geometry {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+Geometry geometry(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
+  }
+  return {0, 0};
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// ---- dequantization of one block into floats (loops the compiler vectorizes) ----
+
+inline void dq_q4_0(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = static_cast<float>((qs[j] & 15) - 8) * d;
+    y[j + 16] = static_cast<float>((qs[j] >> 4) - 8) * d;
+  }
+}
+
+inline void dq_q4_1(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), m = half_to_float(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = static_cast<float>(qs[j] & 15) * d + m;
+    y[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+  }
+}
+
+inline void dq_q5_0(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+    y[j] = static_cast<float>(((qs[j] & 15) | h0) - 16) * d;
+    y[j + 16] = static_cast<float>(((qs[j] >> 4) | h1) - 16) * d;
+  }
+}
+
+inline void dq_q5_1(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), m = half_to_float(b + 2);
+  uint32_t qh;
+  std::memcpy(&qh, b + 4, 4);
+  const uint8_t* qs = b + 8;
+  for (int j = 0; j < 16; ++j) {
+    const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+    y[j] = static_cast<float>((qs[j] & 15) | h0) * d + m;
+    y[j + 16] = static_cast<float>((qs[j] >> 4) | h1) * d + m;
+  }
+}
+
+inline void dq_q8_0(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
+}
+
+// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+inline void dq_q4_k(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0; j < 4; ++j) {
+    int sc, m;
+    scale_min_k4(2 * j, scales, sc, m);
+    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
+    scale_min_k4(2 * j + 1, scales, sc, m);
+    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 15) - m1;
+    for (int l = 0; l < 32; ++l) y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
+    q += 32;
+    y += 64;
+  }
+}
+
+inline void dq_q5_k(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* ql = b + 48;
+  for (int j = 0; j < 4; ++j) {
+    int sc, m;
+    scale_min_k4(2 * j, scales, sc, m);
+    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
+    scale_min_k4(2 * j + 1, scales, sc, m);
+    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    const int u1 = 1 << (2 * j), u2 = 2 << (2 * j);
+    for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>((ql[l] & 15) + ((qh[l] & u1) ? 16 : 0)) - m1;
+    for (int l = 0; l < 32; ++l) y[l + 32] = d2 * static_cast<float>((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0)) - m2;
+    ql += 32;
+    y += 64;
+  }
+}
+
+inline void dq_q6_k(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(b + 208);
+  for (int n = 0; n < 2; ++n) {
+    float s[8];
+    for (int i = 0; i < 8; ++i) s[i] = d * static_cast<float>(sc[i]);
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = s[is] * static_cast<float>(q1);
+      y[l + 32] = s[is + 2] * static_cast<float>(q2);
+      y[l + 64] = s[is + 4] * static_cast<float>(q3);
+      y[l + 96] = s[is + 6] * static_cast<float>(q4);
+    }
+    y += 128;
+    ql += 64;
+    qh += 32;
+    sc += 8;
+  }
+}
+
+template <void (*DQ)(const uint8_t*, float*), int64_t QK, int64_t BYTES>
+void dq_row_impl(const uint8_t* row, int64_t k, float* y) {
+  for (int64_t i = 0; i < k / QK; ++i) DQ(row + i * BYTES, y + i * QK);
+}
+
+using RowDequant = void (*)(const uint8_t*, int64_t, float*);
+
+RowDequant row_dequantizer(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return dq_row_impl<dq_q4_0, 32, 18>;
+    case Q4_1: return dq_row_impl<dq_q4_1, 32, 20>;
+    case Q5_0: return dq_row_impl<dq_q5_0, 32, 22>;
+    case Q5_1: return dq_row_impl<dq_q5_1, 32, 24>;
+    case Q8_0: return dq_row_impl<dq_q8_0, 32, 34>;
+    case Q4_K: return dq_row_impl<dq_q4_k, 256, 144>;
+    case Q5_K: return dq_row_impl<dq_q5_k, 256, 176>;
+    case Q6_K: return dq_row_impl<dq_q6_k, 256, 210>;
+    default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
+  }
+  return nullptr;
+}
+
+// ---- decoding a row into int8 quants and per-16 scale and offset: w = q * d[g] + m[g] ----
+//
+// Every format becomes the same intermediate: K int8 quants plus, for each group of 16 weights, a
+// scale d and an offset m (0 for symmetric formats). The loops are plain byte arithmetic the
+// compiler vectorizes; the ISA-specific dot kernels below read only this form.
+
+struct RowCodes {
+  int8_t* q;
+  float* d;
+  float* m;
+};
+
+inline void put_groups(RowCodes& c, int64_t g, int n, float d, float m) {
+  for (int i = 0; i < n; ++i) {
+    c.d[g + i] = d;
+    c.m[g + i] = m;
+  }
+}
+
+void codes_q4_0(const uint8_t* row, int64_t k, RowCodes c) {
+  for (int64_t b = 0; b < k / 32; ++b, row += 18) {
+    const uint8_t* qs = row + 2;
+    int8_t* q = c.q + b * 32;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>((qs[j] & 15) - 8);
+      q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - 8);
+    }
+    put_groups(c, b * 2, 2, half_to_float(row), 0.f);
+  }
+}
+
+void codes_q4_1(const uint8_t* row, int64_t k, RowCodes c) {
+  for (int64_t b = 0; b < k / 32; ++b, row += 20) {
+    const uint8_t* qs = row + 4;
+    int8_t* q = c.q + b * 32;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>(qs[j] & 15);
+      q[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+    }
+    put_groups(c, b * 2, 2, half_to_float(row), half_to_float(row + 2));
+  }
+}
+
+template <bool HAS_MIN>
+void codes_q5(const uint8_t* row, int64_t k, RowCodes c) {
+  constexpr int bytes = HAS_MIN ? 24 : 22, off = HAS_MIN ? 4 : 2;
+  for (int64_t b = 0; b < k / 32; ++b, row += bytes) {
+    uint32_t qh;
+    std::memcpy(&qh, row + off, 4);
+    const uint8_t* qs = row + off + 4;
+    int8_t* q = c.q + b * 32;
+    const int bias = HAS_MIN ? 0 : 16;
+    for (int j = 0; j < 16; ++j) {
+      const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
+      q[j] = static_cast<int8_t>(((qs[j] & 15) | h0) - bias);
+      q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | h1) - bias);
+    }
+    put_groups(c, b * 2, 2, half_to_float(row), HAS_MIN ? half_to_float(row + 2) : 0.f);
+  }
+}
+
+void codes_q8_0(const uint8_t* row, int64_t k, RowCodes c) {
+  for (int64_t b = 0; b < k / 32; ++b, row += 34) {
+    std::memcpy(c.q + b * 32, row + 2, 32);
+    put_groups(c, b * 2, 2, half_to_float(row), 0.f);
+  }
+}
+
+template <bool FIVE>
+void codes_qk(const uint8_t* row, int64_t k, RowCodes c) {
+  constexpr int bytes = FIVE ? 176 : 144;
+  for (int64_t b = 0; b < k / 256; ++b, row += bytes) {
+    const float d = half_to_float(row), dmin = half_to_float(row + 2);
+    const uint8_t* scales = row + 4;
+    const uint8_t* qh = row + 16;
+    const uint8_t* ql = row + (FIVE ? 48 : 16);
+    int8_t* q = c.q + b * 256;
+    for (int j = 0; j < 4; ++j) {
+      int sc, mn;
+      scale_min_k4(2 * j, scales, sc, mn);
+      put_groups(c, b * 16 + 4 * j, 2, d * static_cast<float>(sc), -dmin * static_cast<float>(mn));
+      scale_min_k4(2 * j + 1, scales, sc, mn);
+      put_groups(c, b * 16 + 4 * j + 2, 2, d * static_cast<float>(sc), -dmin * static_cast<float>(mn));
+      if (FIVE) {
+        const int u1 = 1 << (2 * j), u2 = 2 << (2 * j);
+        for (int l = 0; l < 32; ++l) {
+          q[l] = static_cast<int8_t>((ql[l] & 15) + ((qh[l] & u1) ? 16 : 0));
+          q[l + 32] = static_cast<int8_t>((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0));
+        }
+      } else {
+        for (int l = 0; l < 32; ++l) {
+          q[l] = static_cast<int8_t>(ql[l] & 15);
+          q[l + 32] = static_cast<int8_t>(ql[l] >> 4);
+        }
+      }
+      ql += 32;
+      q += 64;
+    }
+  }
+}
+
+void codes_q6_k(const uint8_t* row, int64_t k, RowCodes c) {
+  for (int64_t b = 0; b < k / 256; ++b, row += 210) {
+    const uint8_t* ql = row;
+    const uint8_t* qh = row + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
+    const float d = half_to_float(row + 208);
+    int8_t* q = c.q + b * 256;
+    for (int i = 0; i < 16; ++i) put_groups(c, b * 16 + i, 1, d * static_cast<float>(sc[i]), 0.f);
+    for (int n = 0; n < 2; ++n) {
+      for (int l = 0; l < 32; ++l) {
+        q[l] = static_cast<int8_t>(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+        q[l + 32] = static_cast<int8_t>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        q[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        q[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+      q += 128;
+      ql += 64;
+      qh += 32;
+    }
+  }
+}
+
+using RowCoder = void (*)(const uint8_t*, int64_t, RowCodes);
+
+RowCoder row_coder(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return codes_q4_0;
+    case Q4_1: return codes_q4_1;
+    case Q5_0: return codes_q5<false>;
+    case Q5_1: return codes_q5<true>;
+    case Q8_0: return codes_q8_0;
+    case Q4_K: return codes_qk<false>;
+    case Q5_K: return codes_qk<true>;
+    case Q6_K: return codes_q6_k;
+    default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
+  }
+  return nullptr;
+}
+
+// ---- out[r] = sum_i (q[i] * d[i/16] + m[i/16]) * x[r][i] for rows r < R of x; K % 16 == 0 ----
+
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+template <int R>
+void dot_codes_scalar(const RowCodes& c, int64_t k, const float* x, int64_t ldx, float* out) {
+  float acc[R][16] = {};
+  for (int64_t g = 0; g < k / 16; ++g) {
+    float w[16];
+    for (int l = 0; l < 16; ++l) w[l] = static_cast<float>(c.q[g * 16 + l]) * c.d[g] + c.m[g];
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < 16; ++l) acc[r][l] += w[l] * x[r * ldx + g * 16 + l];
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = 0.f;
+    for (int l = 0; l < 16; ++l) s += acc[r][l];
+    out[r] = s;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+void dot_codes_avx2(const RowCodes& c, int64_t k, const float* x, int64_t ldx, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / 16; ++g) {
+    const __m256 d = _mm256_broadcast_ss(c.d + g), m = _mm256_broadcast_ss(c.m + g);
+    const int8_t* q = c.q + g * 16;
+    const __m256 w0 = _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))), d, m);
+    const __m256 w1 = _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)))), d, m);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + g * 16;
+      acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
+      acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int R>
+void dot_codes_avx512(const RowCodes& c, int64_t k, const float* x, int64_t ldx, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / 16; ++g) {
+    const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.q + g * 16)));
+    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(c.d[g]), _mm512_set1_ps(c.m[g]));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + g * 16), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+// ---- fused kernels: decode blocks in registers and multiply, for the common formats ----
+//
+// `V16` holds 16 floats (one zmm, or two ymm); the decoders work on 16-byte SSE vectors of quants
+// (shared by both ISAs) and call emit(w, offset) for each 16 weights, in order, with the weights
+// already scaled. The row loop multiplies each `w` into up to 4 rows of x.
+
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+struct V512 {
+  __m512 v;
+  static V512 from_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
+  static V512 from_i8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))}; }
+  static V512 zero() { return {_mm512_setzero_ps()}; }
+  V512 scale(float d, float m) const { return {_mm512_fmadd_ps(v, _mm512_set1_ps(d), _mm512_set1_ps(m))}; }
+  V512 fma_x(const float* x, V512 acc) const { return {_mm512_fmadd_ps(v, _mm512_loadu_ps(x), acc.v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+struct V256 {
+  __m256 a, b;
+  static V256 from_u8(__m128i q) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+  }
+  static V256 from_i8(__m128i q) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+  }
+  static V256 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  V256 scale(float d, float m) const {
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    return {_mm256_fmadd_ps(a, vd, vm), _mm256_fmadd_ps(b, vd, vm)};
+  }
+  V256 fma_x(const float* x, V256 acc) const {
+    return {_mm256_fmadd_ps(a, _mm256_loadu_ps(x), acc.a), _mm256_fmadd_ps(b, _mm256_loadu_ps(x + 8), acc.b)};
+  }
+  float sum() const { return hsum256(_mm256_add_ps(a, b)); }
+};
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
+
+struct FQ4_0 {
+  static constexpr int64_t QK = 32, BYTES = 18;
+  template <class V, class E>
+  static void decode(const uint8_t* b, E&& emit) {
+    const float d = half_to_float(b);
+    const __m128i v = load16(b + 2);
+    emit(V::from_u8(low_nibbles(v)).scale(d, -8.f * d), 0);
+    emit(V::from_u8(high_nibbles(v)).scale(d, -8.f * d), 16);
+  }
+};
+
+struct FQ4_1 {
+  static constexpr int64_t QK = 32, BYTES = 20;
+  template <class V, class E>
+  static void decode(const uint8_t* b, E&& emit) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    const __m128i v = load16(b + 4);
+    emit(V::from_u8(low_nibbles(v)).scale(d, m), 0);
+    emit(V::from_u8(high_nibbles(v)).scale(d, m), 16);
+  }
+};
+
+struct FQ8_0 {
+  static constexpr int64_t QK = 32, BYTES = 34;
+  template <class V, class E>
+  static void decode(const uint8_t* b, E&& emit) {
+    const float d = half_to_float(b);
+    emit(V::from_i8(load16(b + 2)).scale(d, 0.f), 0);
+    emit(V::from_i8(load16(b + 18)).scale(d, 0.f), 16);
+  }
+};
+
+template <bool FIVE>
+struct FQK {
+  static constexpr int64_t QK = 256, BYTES = FIVE ? 176 : 144;
+  template <class V, class E>
+  static void decode(const uint8_t* b, E&& emit) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* ql = b + (FIVE ? 48 : 16);
+    const __m128i h0 = FIVE ? load16(qh) : _mm_setzero_si128(), h1 = FIVE ? load16(qh + 16) : _mm_setzero_si128();
+    const __m128i one = _mm_set1_epi8(1);
+    for (int j = 0; j < 4; ++j, ql += 32) {
+      int sc, mn;
+      scale_min_k4(2 * j, scales, sc, mn);
+      const float d1 = d * static_cast<float>(sc), m1 = -dmin * static_cast<float>(mn);
+      scale_min_k4(2 * j + 1, scales, sc, mn);
+      const float d2 = d * static_cast<float>(sc), m2 = -dmin * static_cast<float>(mn);
+      const __m128i a = load16(ql), c = load16(ql + 16);
+      __m128i lo0 = low_nibbles(a), lo1 = low_nibbles(c), hi0 = high_nibbles(a), hi1 = high_nibbles(c);
+      if (FIVE) {  // bit 2j of qh[l] is the fifth bit of low-nibble weight l, bit 2j+1 of the high one
+        const auto bit = [&](__m128i h, int shift) {
+          return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, shift), one), 4);
+        };
+        lo0 = _mm_or_si128(lo0, bit(h0, 2 * j));
+        lo1 = _mm_or_si128(lo1, bit(h1, 2 * j));
+        hi0 = _mm_or_si128(hi0, bit(h0, 2 * j + 1));
+        hi1 = _mm_or_si128(hi1, bit(h1, 2 * j + 1));
+      }
+      emit(V::from_u8(lo0).scale(d1, m1), 64 * j);
+      emit(V::from_u8(lo1).scale(d1, m1), 64 * j + 16);
+      emit(V::from_u8(hi0).scale(d2, m2), 64 * j + 32);
+      emit(V::from_u8(hi1).scale(d2, m2), 64 * j + 48);
+    }
+  }
+};
+
+struct FQ6_K {
+  static constexpr int64_t QK = 256, BYTES = 210;
+  template <class V, class E>
+  static void decode(const uint8_t* b, E&& emit) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_to_float(b + 208);
+    const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+    for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8) {
+      for (int half = 0; half < 2; ++half) {  // l in [16 * half, 16 * half + 16)
+        const int l = 16 * half;
+        const __m128i a = load16(ql + l), c = load16(ql + l + 32), h = load16(qh + l);
+        const auto up = [&](int shift) { return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, shift), m2), 4); };
+        const __m128i q1 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(a, m4), up(0)), off);
+        const __m128i q2 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(c, m4), up(2)), off);
+        const __m128i q3 = _mm_sub_epi8(_mm_or_si128(high_nibbles(a), up(4)), off);
+        const __m128i q4 = _mm_sub_epi8(_mm_or_si128(high_nibbles(c), up(6)), off);
+        emit(V::from_i8(q1).scale(d * static_cast<float>(sc[half]), 0.f), 128 * n + l);
+        emit(V::from_i8(q2).scale(d * static_cast<float>(sc[half + 2]), 0.f), 128 * n + l + 32);
+        emit(V::from_i8(q3).scale(d * static_cast<float>(sc[half + 4]), 0.f), 128 * n + l + 64);
+        emit(V::from_i8(q4).scale(d * static_cast<float>(sc[half + 6]), 0.f), 128 * n + l + 96);
+      }
+    }
+  }
+};
+
+// out[r] = dot(dequantize(row), x[r]) for r < R.
+template <class F, class V, int R>
+void fused_dot(const uint8_t* row, int64_t k, const float* x, int64_t ldx, float* out) {
+  V acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::zero();
+  for (int64_t bk = 0; bk < k / F::QK; ++bk) {
+    const float* xb = x + bk * F::QK;
+    F::template decode<V>(row + bk * F::BYTES, [&](V w, int64_t off) {
+      for (int r = 0; r < R; ++r) acc[r] = w.fma_x(xb + r * ldx + off, acc[r]);
+    });
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r].sum();
+}
+
+using FusedDot = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
+
+template <class F, class V>
+FusedDot fused_for_rows(int rows) {
+  switch (rows) {
+    case 1: return fused_dot<F, V, 1>;
+    case 2: return fused_dot<F, V, 2>;
+    case 3: return fused_dot<F, V, 3>;
+    case 4: return fused_dot<F, V, 4>;
+    case 5: return fused_dot<F, V, 5>;
+    case 6: return fused_dot<F, V, 6>;
+    case 7: return fused_dot<F, V, 7>;
+    default: return fused_dot<F, V, 8>;
+  }
+}
+
+template <class V>
+FusedDot fused_for_type(int64_t qtype, int rows) {
+  switch (qtype) {
+    case Q4_0: return fused_for_rows<FQ4_0, V>(rows);
+    case Q4_1: return fused_for_rows<FQ4_1, V>(rows);
+    case Q8_0: return fused_for_rows<FQ8_0, V>(rows);
+    case Q4_K: return fused_for_rows<FQK<false>, V>(rows);
+    case Q5_K: return fused_for_rows<FQK<true>, V>(rows);
+    case Q6_K: return fused_for_rows<FQ6_K, V>(rows);
+    default: return nullptr;
+  }
+}
+#endif
+
+// The fused kernel for `qtype` in ISA variant `isa` (up to 8 rows), or nullptr where there is none.
+using FusedDotPtr = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
+FusedDotPtr fused_kernel(int isa, int64_t qtype, int rows) {
+#if defined(__AVX512F__)
+  if (isa == 2) return fused_for_type<V512>(qtype, rows);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa == 1 || isa == 2) return fused_for_type<V256>(qtype, rows);
+#endif
+  return nullptr;
+}
+
+// w (float) = q * d + m over a row: the large-M path's tile fill.
+void codes_to_float(const RowCodes& c, int64_t k, float* w) {
+  for (int64_t g = 0; g < k / 16; ++g) {
+    const float d = c.d[g], m = c.m[g];
+    const int8_t* q = c.q + g * 16;
+    float* y = w + g * 16;
+    for (int l = 0; l < 16; ++l) y[l] = static_cast<float>(q[l]) * d + m;
+  }
+}
+
+int best_isa() {
+#if defined(__AVX512F__)
+  return AVX512;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return AVX2;
+#else
+  return SCALAR;
+#endif
+}
+
+std::atomic<int> g_isa{best_isa()};
+
+const char* isa_name(int isa) {
+  switch (isa) {
+    case AVX512: return "avx512";
+    case AVX2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+using DotCodes = void (*)(const RowCodes&, int64_t, const float*, int64_t, float*);
+
+template <template <int> class K>
+struct ByRows {
+  static DotCodes get(int rows) {
+    switch (rows) {
+      case 1: return K<1>::f;
+      case 2: return K<2>::f;
+      case 3: return K<3>::f;
+      default: return K<4>::f;
+    }
+  }
+};
+
+template <int R>
+struct ScalarK {
+  static constexpr DotCodes f = dot_codes_scalar<R>;
+};
+#if defined(__AVX2__) && defined(__FMA__)
+template <int R>
+struct Avx2K {
+  static constexpr DotCodes f = dot_codes_avx2<R>;
+};
+#endif
+#if defined(__AVX512F__)
+template <int R>
+struct Avx512K {
+  static constexpr DotCodes f = dot_codes_avx512<R>;
+};
+#endif
+
+// The kernel for up to 4 rows of x at a time, in the ISA variant `isa`.
+DotCodes dot_codes_for(int isa, int rows) {
+#if defined(__AVX512F__)
+  if (isa == AVX512) return ByRows<Avx512K>::get(rows);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= AVX2) return ByRows<Avx2K>::get(rows);
+#endif
+  return ByRows<ScalarK>::get(rows);
+}
+
+// Per-thread scratch that only grows: the hot path allocates nothing once warm.
+std::vector<float>& scratch(int which) {
+  thread_local std::vector<float> buffers[3];
+  return buffers[which];
+}
+
+float* scratch_floats(int which, int64_t n) {
+  auto& v = scratch(which);
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// A thread's buffers for one decoded row of K weights.
+RowCodes row_codes(int64_t k) {
+  thread_local std::vector<int8_t> quants;
+  if (static_cast<int64_t>(quants.size()) < k) quants.resize(k);
+  float* scales = scratch_floats(2, 2 * (k / 16));
+  return {quants.data(), scales, scales + k / 16};
+}
+
+
+// Rows of x at or below this use the decode-and-dot path (weights decoded once per 8 rows of x);
+// above, dequantized tiles and BLAS. Measured crossover on an AVX-512 EPYC: about 24 rows.
+constexpr int64_t kSmallM = 24;
+// Floats in a large-M weight tile (fits a core's L2 with room for the x panel).
+constexpr int64_t kTileFloats = 1 << 17;
+
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "quantized weight must be a contiguous uint8 [rows, row_bytes] tensor");
+  const Geometry g = geometry(qtype);
+  TORCH_CHECK(k % g.block == 0, "K=", k, " is not a multiple of the block size ", g.block, " of type ", qtype);
+  TORCH_CHECK(w.size(1) == k / g.block * g.bytes, "weight rows hold ", w.size(1), " bytes, expected ",
+              k / g.block * g.bytes, " for K=", k, " of type ", qtype);
+}
+
+// out[:, col0 : col0 + N] = xf @ dequantize(w).T, xf fp32 [M, K] contiguous; out fp32 or the
+// activation dtype, row stride ldo.
+template <typename out_t>
+void quant_matmul(const float* xf, int64_t m, int64_t k, const at::Tensor& w, int64_t qtype, out_t* out, int64_t ldo) {
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const RowCoder code = row_coder(qtype);
+  if (m <= kSmallM) {
+    const int isa = g_isa.load(std::memory_order_relaxed);
+    const int64_t grain = std::max<int64_t>(1, 16384 / k);
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      float res[kSmallM];
+      FusedDotPtr fused[8];
+      for (int rows = 1; rows <= 8; ++rows) fused[rows - 1] = fused_kernel(isa, qtype, rows);
+      if (fused[0] != nullptr) {
+        for (int64_t j = begin; j < end; ++j) {
+          for (int64_t r = 0; r < m; r += 8) {
+            const int rows = static_cast<int>(std::min<int64_t>(8, m - r));
+            fused[rows - 1](wp + j * row_bytes, k, xf + r * k, k, res + r);
+          }
+          for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
+        }
+        return;
+      }
+      RowCodes c = row_codes(k);
+      for (int64_t j = begin; j < end; ++j) {
+        code(wp + j * row_bytes, k, c);
+        for (int64_t r = 0; r < m; r += 4) {
+          const int rows = static_cast<int>(std::min<int64_t>(4, m - r));
+          dot_codes_for(isa, rows)(c, k, xf + r * k, k, res + r);
+        }
+        for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
+      }
+    });
+    return;
+  }
+  const int64_t tile = std::max<int64_t>(16, kTileFloats / k / 16 * 16);
+  const at::Tensor x = at::from_blob(const_cast<float*>(xf), {m, k}, at::kFloat);
+  at::parallel_for(0, (n + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
+    RowCodes c = row_codes(k);
+    float* buf = scratch_floats(1, tile * k);
+    float* res = std::is_same<out_t, float>::value ? nullptr : scratch_floats(0, m * tile);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile, nb = std::min(tile, n - n0);
+      for (int64_t j = 0; j < nb; ++j) {
+        code(wp + (n0 + j) * row_bytes, k, c);
+        codes_to_float(c, k, buf + j * k);
+      }
+      const at::Tensor wt = at::from_blob(buf, {nb, k}, at::kFloat);
+      if constexpr (std::is_same<out_t, float>::value) {
+        at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kFloat);
+        at::mm_out(dst, x, wt.t());
+      } else {
+        at::Tensor dst = at::from_blob(res, {m, nb}, at::kFloat);
+        at::mm_out(dst, x, wt.t());
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t j = 0; j < nb; ++j) out[r * ldo + n0 + j] = static_cast<out_t>(res[r * nb + j]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] (float, bfloat16 or half) times several weights stacked along N, each a quantized
+// uint8 [N_i, row_bytes] tensor of GGML type qtypes[i], or a dense [N_i, K] tensor (qtypes[i] is
+// F32, F16 or BF16). Returns [M, sum N_i] in x's dtype.
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [M, K]");
+  TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "quant_linear: one qtype per weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  int64_t n_total = 0;
+  for (const auto& w : weights) n_total += w.size(0);
+  at::Tensor out = at::empty({m, n_total}, x.options());
+  if (m == 0) return out;
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  int64_t col = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const int64_t qtype = qtypes[i];
+    if (qtype == F32 || qtype == F16 || qtype == BF16) {
+      TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "quant_linear: dense weight must be [N, K]");
+      out.narrow(1, col, w.size(0)).copy_(at::mm(xf, w.to(at::kFloat).t()));
+    } else {
+      check_weight(w, qtype, k);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
+        quant_matmul<scalar_t>(xp, m, k, w, qtype, out.data_ptr<scalar_t>() + col, n_total);
+      });
+    }
+    col += w.size(0);
+  }
+  return out;
+}
+
+// The float32 [N, K] weight (tests, and layers that cannot run quantized).
+at::Tensor quant_dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
+  check_weight(w, qtype, k);
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const RowDequant dq = row_dequantizer(qtype);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) dq(wp + j * row_bytes, k, op + j * k);
+  });
+  return out;
+}
+
+// Rows `ids` of a quantized [V, K] embedding table, dequantized to `dtype`.
+at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t k, at::ScalarType dtype) {
+  check_weight(w, qtype, k);
+  const at::Tensor idx = ids.to(at::kLong).contiguous().view(-1);
+  const int64_t t = idx.numel(), v = w.size(0), row_bytes = w.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < v, "quant_embedding: id ", ip[i], " out of range");
+  at::Tensor out = at::empty({t, k}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const RowDequant dq = row_dequantizer(qtype);
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dq(wp + ip[i] * row_bytes, k, op + i * k);
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+// The dot-product variant in use: "avx512", "avx2" or "scalar". An empty `isa` only reads it;
+// otherwise the variant is set to `isa` if it is compiled in for this CPU (else an error).
+std::string quant_isa(const std::string& isa) {
+  if (!isa.empty()) {
+    int want = isa == "avx512" ? AVX512 : isa == "avx2" ? AVX2 : isa == "scalar" ? SCALAR : -1;
+    TORCH_CHECK(want >= 0, "unknown ISA '", isa, "' (avx512, avx2 or scalar)");
+    TORCH_CHECK(want <= best_isa(), "ISA ", isa, " is not available on this CPU (best: ", isa_name(best_isa()), ")");
+    g_isa.store(want);
+  }
+  return isa_name(g_isa.load());
+}
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("quant_linear(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
+  m.def("quant_dequantize(Tensor w, int qtype, int k) -> Tensor");
+  m.def("quant_embedding(Tensor ids, Tensor w, int qtype, int k, ScalarType dtype) -> Tensor");
+  m.def("quant_isa(str isa) -> str", &quant_isa);
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_embedding", &quant_embedding);
+}

@@ -1,0 +1,180 @@
+"""The C++ quantized-weight kernels against the `gguf` package's reference dequantization.
+
+Weights are random bytes in each GGML block layout (with finite fp16 scales), so every bit
+pattern of the quants is exercised; the reference is `gguf.quants.dequantize` then a float64
+matmul.
+
+Tolerances: the kernels dequantize to the same float32 weights as the reference (at most one
+rounding apart: the compiler may fuse scale * q + min into one FMA) and sum K products in float32
+in a different order. Recursive summation of K terms errs by at most about K * 2^-24 * sum|x_i w_i|
+(Higham's gamma_K), so each output is checked against 2 * K * 2^-24 * (|x| @ |W|.T) plus a tiny
+absolute floor. bf16 activations are exact in float32; only the bf16 output rounding (2^-8
+relative) is added.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kernels import cpu as cpu_kernels
+from srt.model_loader.default_model import cache_root
+
+# type -> byte offsets of the fp16 scale fields in a block (set to finite values; the rest is random)
+SCALE_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
+TYPES = list(SCALE_FIELDS)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu_kernels.load(cache_root())
+    if loaded is None:
+        pytest.skip("no C++ compiler: the runtime falls back to dequantized weights")
+    return loaded
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [n, row_bytes]: random quants with fp16 scales in [0.001, 0.02] (mins signed)."""
+    qtype = GGMLQuantizationType[type_name]
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * (k // block), nbytes), dtype=np.uint8)
+    for i, off in enumerate(SCALE_FIELDS[type_name]):
+        scale = rng.uniform(0.001, 0.02, size=blocks.shape[0]).astype(np.float16)
+        if i == 1 and type_name in ("Q4_1", "Q5_1"):
+            scale = (scale * rng.choice([-4, 4], size=scale.shape)).astype(np.float16)  # a signed min
+        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def reference(x: torch.Tensor, blocks: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64))
+    xd = x.double()
+    return xd @ w.T, xd.abs() @ w.abs().T
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, k: int, bf16: bool = False) -> None:
+    tol = 2 * k * 2.0**-24 * bound + 1e-6
+    if bf16:
+        tol = tol + ref.abs() * 2.0**-8
+    err = (out.double() - ref).abs()
+    worst = (err - tol).max().item()
+    assert worst <= 0, f"max error {err.max().item():.3g} exceeds the bound by {worst:.3g}"
+
+
+def k_values(type_name: str) -> list[int]:
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    return [256, 512] if block == 256 else [96, 512]  # 96: not a multiple of 256
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_matches_gguf(ops, type_name):
+    qtype = GGMLQuantizationType[type_name]
+    for k in k_values(type_name):
+        blocks = random_blocks(type_name, 37, k, seed=k)
+        ours = ops.quant_dequantize(torch.from_numpy(blocks), int(qtype), k)
+        ref = torch.from_numpy(dequantize(blocks, qtype).astype(np.float32))
+        # one float32 rounding apart at most (an FMA for scale * q + min)
+        torch.testing.assert_close(ours, ref, rtol=2**-23, atol=1e-7)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_linear_matches_reference(ops, type_name, m):
+    qtype = int(GGMLQuantizationType[type_name])
+    for k in k_values(type_name):
+        blocks = random_blocks(type_name, 40, k, seed=m * 7 + k)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+        ref, bound = reference(x, blocks, type_name)
+        out = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+        assert out.dtype == torch.float32 and out.shape == (m, 40)
+        check(out, ref, bound, k)
+        out_bf16 = ops.quant_linear(x.bfloat16(), [torch.from_numpy(blocks)], [qtype])
+        assert out_bf16.dtype == torch.bfloat16
+        ref16, bound16 = reference(x.bfloat16().float(), blocks, type_name)
+        check(out_bf16, ref16, bound16, k, bf16=True)
+
+
+def available_isas(ops) -> list[str]:
+    best = ops.quant_isa("")
+    return ["scalar", "avx2", "avx512"][: ["scalar", "avx2", "avx512"].index(best) + 1]
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_every_compiled_isa(ops, type_name):
+    """Each dot-product variant this CPU can run gives the same answer (the default uses the best)."""
+    best = ops.quant_isa("")
+    qtype = int(GGMLQuantizationType[type_name])
+    k = 512
+    blocks = torch.from_numpy(random_blocks(type_name, 24, k, seed=5))
+    try:
+        for isa in available_isas(ops):
+            assert ops.quant_isa(isa) == isa
+            for m in (1, 2, 3, 5, 8):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                ref, bound = reference(x, blocks.numpy(), type_name)
+                check(ops.quant_linear(x, [blocks], [qtype]), ref, bound, k)
+    finally:
+        ops.quant_isa(best)
+    with pytest.raises(RuntimeError, match="unknown ISA"):
+        ops.quant_isa("sse9")
+
+
+def test_stacked_segments_of_mixed_types(ops):
+    """A fused projection whose parts are stored in different types (Q4_K_M files mix Q4_K and
+    Q6_K) and a dense part: one call, outputs side by side."""
+    k = 512
+    parts = [("Q4_K", 16), ("Q6_K", 8), ("Q8_0", 24)]
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    weights, qtypes, refs, bounds = [], [], [], []
+    for i, (name, n) in enumerate(parts):
+        blocks = random_blocks(name, n, k, seed=i)
+        weights.append(torch.from_numpy(blocks))
+        qtypes.append(int(GGMLQuantizationType[name]))
+        r, b = reference(x, blocks, name)
+        refs.append(r)
+        bounds.append(b)
+    dense = torch.randn(6, k, generator=torch.Generator().manual_seed(9))
+    weights.append(dense)
+    qtypes.append(int(GGMLQuantizationType.F32))
+    refs.append(x.double() @ dense.double().T)
+    bounds.append(x.double().abs() @ dense.double().abs().T)
+    for xs in (x, x.repeat(20, 1)):  # the small-M and the tiled path
+        out = ops.quant_linear(xs, weights, qtypes)
+        reps = xs.shape[0] // x.shape[0]
+        check(out, torch.cat(refs, 1).repeat(reps, 1), torch.cat(bounds, 1).repeat(reps, 1), k)
+
+
+def test_embedding_rows(ops):
+    k = 96
+    blocks = random_blocks("Q8_0", 50, k, seed=3)
+    table = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0).astype(np.float32))
+    ids = torch.tensor([0, 49, 7, 7, 23])
+    out = ops.quant_embedding(ids, torch.from_numpy(blocks), int(GGMLQuantizationType.Q8_0), k, torch.float32)
+    torch.testing.assert_close(out, table[ids], rtol=2**-23, atol=1e-7)
+    out16 = ops.quant_embedding(ids, torch.from_numpy(blocks), int(GGMLQuantizationType.Q8_0), k, torch.bfloat16)
+    assert out16.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.quant_embedding(
+            torch.tensor([50]), torch.from_numpy(blocks), int(GGMLQuantizationType.Q8_0), k, torch.float32
+        )
+
+
+def test_bad_shapes_are_errors(ops):
+    blocks = torch.from_numpy(random_blocks("Q4_0", 4, 64, seed=0))
+    with pytest.raises(RuntimeError, match="not a multiple of the block size"):
+        ops.quant_linear(torch.randn(1, 48), [blocks], [int(GGMLQuantizationType.Q4_0)])
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.quant_linear(torch.randn(1, 96), [blocks], [int(GGMLQuantizationType.Q4_0)])
+    with pytest.raises(RuntimeError, match="unsupported quantized weight type"):
+        ops.quant_linear(torch.randn(1, 64), [blocks], [int(GGMLQuantizationType.Q2_K)])

@@ -1,0 +1,140 @@
+"""`--quantization gguf`: GGUF weights kept quantized and multiplied by the C++ kernels, through the
+server, against the same server with `--quantization none` (the file dequantized to float32).
+
+Tiny GGUF files are written here with the `gguf` package: random weights in every type the kernels
+multiply (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), mixed inside fused projections (Q, K and V
+of one layer in three types), plus Q2_K, which has no kernel and is dequantized at load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import requests
+from gguf import GGMLQuantizationType as Q
+from test_gguf_loader import CHATML, MERGES, TOKENS, TYPES, llama_cpp_permute
+
+HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
+VOCAB = len(TOKENS)
+
+# Per layer: the GGML type of each projection (fused QKV and gate/up mix types on purpose).
+LAYER_TYPES = [
+    {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q5_0,
+     "ffn_gate": Q.Q4_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q5_K},
+    {"attn_q": Q.Q5_1, "attn_k": Q.Q5_1, "attn_v": Q.Q5_1, "attn_output": Q.Q8_0,
+     "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q2_K},
+]  # fmt: skip
+# Byte offsets of the fp16 scale fields of the K-quant blocks written as random bytes, and a scale
+# that keeps the random weights around 0.05 so activations stay finite and logits spread out.
+K_SCALES = {Q.Q4_K: ([0, 2], 3e-4), Q.Q5_K: ([0, 2], 1.5e-4), Q.Q6_K: ([208], 3e-5), Q.Q2_K: ([80, 82], 3e-3)}
+
+
+def quantized(rng: np.random.Generator, shape: tuple[int, int], qtype: Q) -> np.ndarray:
+    if qtype in K_SCALES:  # gguf cannot quantize to K-quants: random blocks with sane scales
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+        offsets, scale = K_SCALES[qtype]
+        for off in offsets:
+            value = rng.uniform(0.5 * scale, scale, blocks.shape[:2] + (1,)).astype(np.float16)
+            blocks[..., off : off + 2] = value.view(np.uint8)
+        return blocks.reshape(shape[0], -1)
+    return gguf.quants.quantize((rng.standard_normal(shape) * 0.08).astype(np.float32), qtype)
+
+
+def write_quantized_gguf(path: Path, arch: str, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(1024)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(VOCAB)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types(TYPES)
+    w.add_token_merges([" ".join(m) for m in MERGES])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    def add(name: str, shape: tuple[int, int], qtype: Q, heads: int | None = None) -> None:
+        data = quantized(rng, shape, qtype)
+        if heads and arch == "llama":  # llama.cpp's row order for Q and K (rows are whole blocks)
+            data = llama_cpp_permute(data, heads)
+        w.add_tensor(name, data, raw_dtype=qtype)
+
+    add("token_embd.weight", (VOCAB, HIDDEN), Q.Q8_0)
+    if arch == "llama":  # Qwen3's output projection stays tied to the embedding
+        add("output.weight", (VOCAB, HIDDEN), Q.Q6_K)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    for i, types in enumerate(LAYER_TYPES):
+        b = f"blk.{i}"
+        add(f"{b}.attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), types["attn_q"], HEADS)
+        add(f"{b}.attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), types["attn_k"], KV_HEADS)
+        add(f"{b}.attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), types["attn_v"])
+        add(f"{b}.attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), types["attn_output"])
+        add(f"{b}.ffn_gate.weight", (FFN, HIDDEN), types["ffn_gate"])
+        add(f"{b}.ffn_up.weight", (FFN, HIDDEN), types["ffn_up"])
+        add(f"{b}.ffn_down.weight", (HIDDEN, FFN), types["ffn_down"])
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"{b}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        if arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"{b}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HEAD_DIM)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("quantized-gguf")
+    return {arch: str(write_quantized_gguf(folder / f"tiny-{arch}.gguf", arch)) for arch in ("llama", "qwen3")}
+
+
+PROMPTS = [[5 + (7 * i + 3 * j) % (VOCAB - 10) for j in range(12 + 5 * i)] for i in range(4)]
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+# float32 activations on both sides: the comparison is of the weights' arithmetic, not of bf16 rounding
+FLAGS = ("--dtype", "float32", "--max-total-tokens", "2048")
+
+
+def greedy_ids(server) -> list[list[int]]:
+    return [server.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_quantized_server_matches_dequantized(server_factory, gguf_files, arch):
+    path = gguf_files[arch]
+    quant = server_factory("--model-path", path, "--quantization", "gguf", *FLAGS)
+    info = requests.get(f"{quant.url}/server_info", timeout=30).json()
+    assert info["quantization"] == "gguf"
+    kernel_types = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert set(info["weight_formats"]["linear"].split("+")) == kernel_types | {"float32"}  # Q2_K -> float32
+    assert info["weight_formats"]["embedding"] == "Q8_0"
+    assert info["kernel_isa"] in ("avx512", "avx2", "scalar")
+    assert "Q2_K" not in info["weight_formats"]["linear"]  # no kernel: dequantized at load, said in the log
+    assert "Q2_K has no CPU kernel" in quant.log_text()
+    ours = greedy_ids(quant)
+    quant.stop()
+
+    dense = server_factory("--model-path", path, "--quantization", "none", *FLAGS)
+    info_dense = requests.get(f"{dense.url}/server_info", timeout=30).json()
+    assert info_dense["quantization"] == "none"
+    assert info_dense["weight_bytes"] > 3 * info["weight_bytes"]
+    assert greedy_ids(dense) == ours
+    dense.stop()
