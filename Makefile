@@ -11,7 +11,7 @@ ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test lint stress soak install bench bench-runtime clean
+.PHONY: serve test lint stress soak install bench bench-runtime llama-cpp clean
 
 serve: $(STAMP)
 	$(PY) -m srt.launch_server --host $(HOST) --port $(PORT) $(ARGS)
@@ -36,6 +36,11 @@ bench: $(STAMP)
 
 bench-runtime: $(STAMP)
 	$(PY) benchmark/bench_runtime.py $(ARGS)
+
+# Native llama.cpp (llama-bench + llama-server) for benchmark/bench_quant.py and bench_capacity.py: from the
+# llama-cpp-python sdist on PyPI, built once into .llama.cpp/ (git-ignored; about 7 min with -j2 on 2 cores).
+llama-cpp: $(STAMP)
+	$(PY) benchmark/llama_cpp.py build
 
 install: $(STAMP)
 

@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [os.path.join(CSRC, name) for name in ("cpu_attention.cpp", "cpu_norm_act.cpp", "cpu_quant.cpp")]
 HEADERS = [os.path.join(CSRC, "cpu_common.h")]
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17"]
+# -fopenmp: ATen's parallel_for is a header template that runs serially unless the extension itself
+# is compiled with OpenMP; linking it resolves to the libgomp.so.1 torch already loaded.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
 _state: dict = {}
 
 
@@ -81,6 +84,7 @@ def load(cache_root: str):
                 build_directory=directory,
                 is_python_module=False,
                 extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
                 extra_include_paths=[CSRC],
                 verbose=False,
             )

@@ -1,0 +1,479 @@
+"""Native llama.cpp as a peer: build `llama-bench` and `llama-server` once, from a PyPI sdist, and run them.
+
+    python benchmark/llama_cpp.py build                      # download + configure + build (once)
+    python benchmark/llama_cpp.py bench FILE.gguf            # llama-bench pp512 / tg128
+    python benchmark/llama_cpp.py bench FILE.gguf --threads 2 -p 512 -n 128 -r 3 --json out.json
+    python benchmark/llama_cpp.py serve FILE.gguf --parallel 4   # llama-server until Ctrl-C
+
+Source: the `llama-cpp-python` sdist on PyPI (pinned: LLAMA_CPP_PYTHON_VERSION) carries llama.cpp as
+`vendor/llama.cpp` together with the submodule's git metadata, so the exact upstream commit is known
+without network access to GitHub. `pip download --no-deps --no-binary :all:` fetches it into
+`.llama.cpp/sdist/` (git-ignored), it is unpacked into `.llama.cpp/src/` and built in `.llama.cpp/build/`
+(Release, GGML_NATIVE=ON, static, CPU only: no CUDA/Metal/Vulkan, no OpenSSL/curl, no tests, examples or
+web UI download), `cmake --build -j2 --target llama-bench llama-server` only. `.llama.cpp/build-info.json`
+records what was built; a second call with the same flags is a no-op.
+
+Built and checked on the development host (2-core AMD EPYC, Zen 4: avx2, avx512f/bw/vl/vnni/bf16, no
+AMX) from llama-cpp-python 0.3.36 = llama.cpp commit 0c1e57098bba43ac29e6e3b677cdceebdd22334f
+("webgpu: fix SSM_SCAN binding aliasing (#29750)"); the sdist's submodule is a shallow clone, so
+upstream's `bNNNN` build number is not known (llama-bench reports build_number 1). No CPU code path
+crashed there (llama-bench on Q4_1, Q4_0 and Q8_0 weights, llama-server with 1 and 4 slots), so no GGML_*
+feature is switched off; add one to EXTRA_CMAKE_FLAGS (or pass `--cmake-flag -DGGML_...=OFF` to `build`) if a
+host needs it. Build: 7 min with -j2. Reference figures there, default SmolLM2-135M Q4_1, 2 threads, idle
+host: pp512 330-345 tok/s, tg128 120-132 tok/s (with other load on the 2 cores, tg128 falls to 3-37: ggml's
+spinning thread pool stalls whenever one of its threads is descheduled, so measure on a quiet machine).
+
+Library use (benchmark/bench_quant.py, benchmark/bench_capacity.py):
+
+    from llama_cpp import ensure_built, run_llama_bench, llama_server
+    bins = ensure_built()                                    # {"llama-bench": path, "llama-server": path}
+    r = run_llama_bench(gguf, threads=2)                     # r["pp_tok_s"], r["tg_tok_s"], stddevs, commit
+    with llama_server(gguf, threads=2, parallel=16, ctx_per_slot=1024, port=31000) as base_url:
+        ...                                                  # OpenAI-compatible /v1/completions
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.environ.get("RADIXSERVE_LLAMA_CPP_DIR") or os.path.join(REPO, ".llama.cpp")
+SDIST_DIR = os.path.join(ROOT, "sdist")
+SRC_DIR = os.path.join(ROOT, "src")
+BUILD_DIR = os.path.join(ROOT, "build")
+BUILD_INFO = os.path.join(ROOT, "build-info.json")
+BUILD_LOG = os.path.join(ROOT, "build.log")
+
+PACKAGE = "llama-cpp-python"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+TARGETS = ("llama-bench", "llama-server")
+
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=ON",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_METAL=OFF",
+    "-DGGML_VULKAN=OFF",
+    "-DGGML_BACKEND_DL=OFF",
+    "-DLLAMA_CURL=OFF",  # deprecated (a warning) in recent llama.cpp, still honoured by older ones
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # else the web UI is fetched from Hugging Face at build time
+    "-DLLAMA_LLGUIDANCE=OFF",
+    "-DGGML_CCACHE=OFF",
+]
+# Host-specific workarounds (e.g. "-DGGML_AVX512=OFF" if a CPU path crashes); none were needed so far.
+EXTRA_CMAKE_FLAGS: list[str] = []
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[llama.cpp] {msg}", file=sys.stderr, flush=True)
+
+
+# -- source ----------------------------------------------------------------------------------------
+
+
+def _sdist_path(version: str) -> str | None:
+    if not os.path.isdir(SDIST_DIR):
+        return None
+    for name in sorted(os.listdir(SDIST_DIR)):
+        if name.startswith(f"llama_cpp_python-{version}.") and name.endswith((".tar.gz", ".zip")):
+            return os.path.join(SDIST_DIR, name)
+    return None
+
+
+def download_sdist(version: str = LLAMA_CPP_PYTHON_VERSION, progress: bool = True) -> str:
+    """The llama-cpp-python sdist in .llama.cpp/sdist/, downloaded with pip when missing."""
+    path = _sdist_path(version)
+    if path:
+        return path
+    os.makedirs(SDIST_DIR, exist_ok=True)
+    _log(progress, f"downloading the {PACKAGE}=={version} sdist (about 75 MB) with pip")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    cmd += ["-d", SDIST_DIR, f"{PACKAGE}=={version}"]
+    # pip also prepares the sdist's metadata (scikit-build-core in an isolated env); that step can fail
+    # after the download succeeded, so the file decides, not the exit status.
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = _sdist_path(version)
+    if not path:
+        raise RuntimeError(f"pip download of {PACKAGE}=={version} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return path
+
+
+def _extract(sdist: str, progress: bool) -> str:
+    """Unpack vendor/llama.cpp and its submodule git metadata; return the llama.cpp source folder."""
+    top = os.path.basename(sdist).removesuffix(".tar.gz")
+    src = os.path.join(SRC_DIR, top, "vendor", "llama.cpp")
+    if os.path.isfile(os.path.join(src, "CMakeLists.txt")) and os.path.isfile(os.path.join(SRC_DIR, top, ".done")):
+        return src
+    _log(progress, f"unpacking vendor/llama.cpp from {os.path.basename(sdist)}")
+    shutil.rmtree(os.path.join(SRC_DIR, top), ignore_errors=True)
+    os.makedirs(SRC_DIR, exist_ok=True)
+    keep = (f"{top}/vendor/llama.cpp", f"{top}/.git/modules/vendor/llama.cpp")
+    with tarfile.open(sdist) as tf:
+        members = [m for m in tf.getmembers() if m.name.startswith(keep)]
+        if not members:
+            raise RuntimeError(f"{sdist} has no vendor/llama.cpp")
+        if hasattr(tarfile, "data_filter"):
+            tf.extractall(SRC_DIR, members=members, filter="data")
+        else:  # Python < 3.10.12
+            tf.extractall(SRC_DIR, members=members)
+    open(os.path.join(SRC_DIR, top, ".done"), "w").close()
+    return src
+
+
+def source_info(src: str) -> dict:
+    """The llama.cpp commit the sdist vendors, read from the submodule's git metadata (no git needed)."""
+    info: dict = {"commit": None, "commit_date": None, "commit_subject": None}
+    gitfile = os.path.join(src, ".git")
+    gitdir = None
+    if os.path.isfile(gitfile):
+        with open(gitfile) as f:
+            line = f.read().strip()
+        if line.startswith("gitdir:"):
+            gitdir = os.path.normpath(os.path.join(src, line.split(":", 1)[1].strip()))
+    elif os.path.isdir(gitfile):
+        gitdir = gitfile
+    if gitdir and os.path.isfile(os.path.join(gitdir, "HEAD")):
+        with open(os.path.join(gitdir, "HEAD")) as f:
+            head = f.read().strip()
+        if head.startswith("ref:"):
+            ref = head.split(None, 1)[1]
+            ref_path = os.path.join(gitdir, ref)
+            head = open(ref_path).read().strip() if os.path.isfile(ref_path) else ""
+        info["commit"] = head or None
+    if gitdir and shutil.which("git"):
+        # GIT_CEILING_DIRECTORIES: never fall through to the radixserve repository around .llama.cpp/.
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": os.path.dirname(src)}
+        out = subprocess.run(
+            ["git", "log", "-1", "--format=%cI%n%s"], cwd=src, env=env, capture_output=True, text=True
+        ).stdout.splitlines()
+        if len(out) >= 2:
+            info["commit_date"], info["commit_subject"] = out[0], out[1]
+    return info
+
+
+# -- build -----------------------------------------------------------------------------------------
+
+
+def _binaries(build_dir: str = BUILD_DIR) -> dict[str, str]:
+    return {t: os.path.join(build_dir, "bin", t) for t in TARGETS}
+
+
+def build_info() -> dict | None:
+    """What ensure_built recorded, or None when nothing usable is built."""
+    try:
+        with open(BUILD_INFO) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not all(os.access(p, os.X_OK) for p in info.get("binaries", {}).values()):
+        return None
+    return info
+
+
+def _run_streamed(cmd: list[str], cwd: str, log, progress: bool, desc: str, env: dict | None = None) -> None:
+    """Run cmd, its output appended to log; with progress, a tqdm bar fed from ninja/make's [n/N] or [ n%]."""
+    log.write(f"\n$ {' '.join(cmd)}\n")
+    log.flush()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=100, desc=desc, unit="step", file=sys.stderr)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    tail: list[str] = []
+    for line in proc.stdout:
+        log.write(line)
+        tail = (tail + [line])[-40:]
+        if bar is None:
+            continue
+        m = re.match(r"\[(\d+)/(\d+)\]", line)  # ninja
+        if m:
+            bar.total = int(m.group(2))
+            bar.n = int(m.group(1))
+            bar.refresh()
+            continue
+        m = re.match(r"\[\s*(\d+)%\]", line)  # make
+        if m:
+            bar.total, bar.n = 100, int(m.group(1))
+            bar.refresh()
+    rc = proc.wait()
+    if bar is not None:
+        bar.close()
+    log.flush()
+    if rc != 0:
+        raise RuntimeError(f"{desc} failed (exit {rc}); last lines (full log {BUILD_LOG}):\n{''.join(tail)}")
+
+
+def ensure_built(
+    progress: bool = True, jobs: int = 2, extra_flags: list[str] | None = None, force: bool = False
+) -> dict[str, str]:
+    """Paths of the llama-bench and llama-server binaries, building them first if needed (idempotent)."""
+    flags = CMAKE_FLAGS + EXTRA_CMAKE_FLAGS + list(extra_flags or [])
+    info = build_info()
+    if (
+        info
+        and not force
+        and info.get("cmake_flags") == flags
+        and info.get("llama_cpp_python") == LLAMA_CPP_PYTHON_VERSION
+    ):
+        return dict(info["binaries"])
+    for tool in ("cmake",):
+        if not shutil.which(tool):
+            raise RuntimeError(f"{tool} is needed to build llama.cpp (apt-get install cmake ninja-build g++)")
+    sdist = download_sdist(LLAMA_CPP_PYTHON_VERSION, progress)
+    src = _extract(sdist, progress)
+    meta = source_info(src)
+    _log(progress, f"llama.cpp commit {meta['commit']} ({meta['commit_date']}: {meta['commit_subject']})")
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    configure = ["cmake", "-S", src, "-B", BUILD_DIR, *flags]
+    if shutil.which("ninja") and not os.path.isfile(os.path.join(BUILD_DIR, "Makefile")):
+        configure[1:1] = ["-G", "Ninja"]
+    build = ["cmake", "--build", BUILD_DIR, "--config", "Release", f"-j{jobs}", "--target", *TARGETS]
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": os.path.dirname(src)}
+    start = time.monotonic()
+    with open(BUILD_LOG, "a") as log:
+        _log(progress, f"configuring (log: {BUILD_LOG})")
+        _run_streamed(configure, ROOT, log, False, "cmake configure", env)
+        _log(progress, f"building {', '.join(TARGETS)} with -j{jobs} (about 7 min on 2 cores, once)")
+        _run_streamed(build, ROOT, log, progress, "cmake build", env)
+    bins = _binaries()
+    missing = [p for p in bins.values() if not os.access(p, os.X_OK)]
+    if missing:
+        raise RuntimeError(f"build finished but {missing} are missing; see {BUILD_LOG}")
+    info = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        **meta,
+        "cmake_flags": flags,
+        "binaries": bins,
+        "build_seconds": round(time.monotonic() - start, 1),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    with open(BUILD_INFO, "w") as f:
+        json.dump(info, f, indent=2)
+    _log(progress, f"built in {info['build_seconds']:.0f} s: {bins}")
+    return bins
+
+
+def version_info() -> dict:
+    """llama.cpp version fields for output records (empty values when not built)."""
+    info = build_info() or {}
+    return {
+        "llama_cpp_python": info.get("llama_cpp_python"),
+        "llama_cpp_commit": info.get("commit"),
+        "llama_cpp_commit_date": info.get("commit_date"),
+    }
+
+
+# -- llama-bench -----------------------------------------------------------------------------------
+
+
+def run_llama_bench(
+    gguf: str,
+    threads: int,
+    n_prompt: int = 512,
+    n_gen: int = 128,
+    reps: int = 3,
+    extra_args: list[str] | None = None,
+    progress: bool = True,
+    timeout: float | None = None,
+) -> dict:
+    """llama-bench pp{n_prompt} and tg{n_gen} on gguf: tok/s (mean over reps) and their stddev."""
+    bins = ensure_built(progress=progress)
+    cmd = [bins["llama-bench"], "-m", gguf, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen)]
+    cmd += ["-r", str(reps), "-o", "json", *(extra_args or [])]
+    _log(progress, f"llama-bench pp{n_prompt}/tg{n_gen}, {threads} threads, {reps} reps: {os.path.basename(gguf)}")
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"llama-bench exited {proc.returncode} ({_signal_name(proc.returncode)}):\n{proc.stderr[-3000:]}"
+        )
+    out = proc.stdout
+    records = json.loads(out[out.index("[") :])
+    result: dict = {
+        "engine": "llama.cpp llama-bench",
+        "gguf": gguf,
+        "threads": threads,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "reps": reps,
+        "wall_s": round(time.monotonic() - start, 1),
+        **version_info(),
+    }
+    for r in records:
+        key = "pp" if r.get("n_prompt") and not r.get("n_gen") else "tg" if r.get("n_gen") else None
+        if key is None:
+            continue
+        result[f"{key}_tok_s"] = r.get("avg_ts")
+        result[f"{key}_stddev"] = r.get("stddev_ts")
+        result[f"{key}_samples"] = r.get("samples_ts")
+    first = records[0] if records else {}
+    for k in ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size", "model_n_params"):
+        if k in first:
+            result[k] = first[k]
+    return result
+
+
+def _signal_name(rc: int) -> str:
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-rc).name
+    return "error"
+
+
+# -- llama-server ----------------------------------------------------------------------------------
+
+
+def _server_help(binary: str) -> str:
+    try:
+        p = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+        return p.stdout + p.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+class ServerURL(str):
+    """The base URL llama_server yields; `.pid` is the llama-server process (for RSS)."""
+
+    pid: int
+
+
+@contextlib.contextmanager
+def llama_server(
+    gguf: str,
+    threads: int,
+    parallel: int,
+    ctx_per_slot: int,
+    port: int,
+    host: str = "127.0.0.1",
+    extra_args: list[str] | None = None,
+    ready_timeout: float = 600,
+    progress: bool = True,
+) -> Iterator[ServerURL]:
+    """Run llama-server with -np parallel slots of ctx_per_slot tokens each and continuous batching; yields
+    its base URL (a str with .pid) once /health answers 200, and stops it (SIGTERM, then SIGKILL) on exit."""
+    bins = ensure_built(progress=progress)
+    binary = bins["llama-server"]
+    help_text = _server_help(binary)
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-np", str(parallel)]
+    cmd += ["-c", str(ctx_per_slot * parallel), "--host", host, "--port", str(port)]
+    if "--cont-batching" in help_text or not help_text:
+        cmd.append("-cb")  # the default in recent versions; older ones need it
+    if "--kv-unified" in help_text:
+        # one KV buffer shared by the slots, as our radix cache shares its pool; the per-slot limit stays
+        # ctx_per_slot because -c is ctx_per_slot * parallel
+        cmd.append("--kv-unified")
+    if "--no-webui" in help_text:
+        cmd.append("--no-webui")
+    cmd += list(extra_args or [])
+    base_url = ServerURL(f"http://{host}:{port}")
+    log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+    _log(progress, f"llama-server -np {parallel} on {base_url} (log {log.name})")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url.pid = proc.pid
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                log.flush()
+                log.seek(0)
+                raise RuntimeError(
+                    f"llama-server exited {proc.returncode} ({_signal_name(proc.returncode)}) before it was "
+                    f"ready:\n{log.read()[-3000:]}"
+                )
+            try:
+                with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"llama-server not healthy after {ready_timeout:.0f} s; log {log.name}")
+            time.sleep(0.5)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(log.name)
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="download the sdist and build llama-bench + llama-server (once)")
+    b.add_argument("-j", "--jobs", type=int, default=2)
+    b.add_argument("--force", action="store_true", help="reconfigure and rebuild even when built")
+    b.add_argument("--cmake-flag", action="append", default=[], help="extra cmake -D flag (repeatable)")
+    r = sub.add_parser("bench", help="llama-bench pp/tg on a GGUF file")
+    r.add_argument("gguf")
+    r.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    r.add_argument("-p", "--n-prompt", type=int, default=512)
+    r.add_argument("-n", "--n-gen", type=int, default=128)
+    r.add_argument("-r", "--reps", type=int, default=3)
+    r.add_argument("--json", default=None, help="write the result here")
+    s = sub.add_parser("serve", help="run llama-server in the foreground until Ctrl-C")
+    s.add_argument("gguf")
+    s.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    s.add_argument("--parallel", type=int, default=1)
+    s.add_argument("--ctx-per-slot", type=int, default=2048)
+    s.add_argument("--port", type=int, default=31000)
+    args = p.parse_args(argv)
+    if args.cmd == "build":
+        bins = ensure_built(progress=True, jobs=args.jobs, extra_flags=args.cmake_flag, force=args.force)
+        print(json.dumps({**version_info(), "binaries": bins}, indent=2))
+    elif args.cmd == "bench":
+        res = run_llama_bench(args.gguf, args.threads, args.n_prompt, args.n_gen, args.reps)
+        print(
+            f"llama.cpp {str(res.get('llama_cpp_commit'))[:10]} ({res.get('cpu_info', '?')}), {args.threads} threads, "
+            f"{os.path.basename(args.gguf)}\n"
+            f"  pp{args.n_prompt}: {res['pp_tok_s']:,.1f} ± {res['pp_stddev']:.1f} tok/s\n"
+            f"  tg{args.n_gen}: {res['tg_tok_s']:,.1f} ± {res['tg_stddev']:.1f} tok/s"
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+    else:
+        with llama_server(args.gguf, args.threads, args.parallel, args.ctx_per_slot, args.port) as url:
+            print(f"llama-server ready at {url} (Ctrl-C stops it)", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
