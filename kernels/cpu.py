@@ -20,7 +20,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("cpu_attention.cpp", "cpu_norm_act.cpp", "cpu_quant.cpp")]
+SOURCES = [
+    os.path.join(CSRC, name)
+    for name in ("cpu_attention.cpp", "cpu_norm_act.cpp", "cpu_quant.cpp", "cpu_decode_layer.cpp")
+]
 HEADERS = [os.path.join(CSRC, "cpu_common.h")]
 # -fopenmp: ATen's parallel_for is a header template that runs serially unless the extension itself
 # is compiled with OpenMP; linking it resolves to the libgomp.so.1 torch already loaded.

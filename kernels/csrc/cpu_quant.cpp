@@ -26,6 +26,7 @@
 #endif
 
 #include <atomic>
+#include <utility>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -62,10 +63,13 @@ Geometry geometry(int64_t qtype) {
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
+    case BF16: return {32, 64};  // dense bfloat16 rows, multiplied by the same kernels
     default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
   }
   return {0, 0};
 }
+
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -200,6 +204,14 @@ inline void dq_q6_k(const uint8_t* b, float* y) {
   }
 }
 
+inline void dq_bf16(const uint8_t* b, float* y) {
+  for (int j = 0; j < 32; ++j) {
+    uint32_t bits = static_cast<uint32_t>(b[2 * j]) | (static_cast<uint32_t>(b[2 * j + 1]) << 8);
+    bits <<= 16;
+    std::memcpy(y + j, &bits, 4);
+  }
+}
+
 template <void (*DQ)(const uint8_t*, float*), int64_t QK, int64_t BYTES>
 void dq_row_impl(const uint8_t* row, int64_t k, float* y) {
   for (int64_t i = 0; i < k / QK; ++i) DQ(row + i * BYTES, y + i * QK);
@@ -217,170 +229,49 @@ RowDequant row_dequantizer(int64_t qtype) {
     case Q4_K: return dq_row_impl<dq_q4_k, 256, 144>;
     case Q5_K: return dq_row_impl<dq_q5_k, 256, 176>;
     case Q6_K: return dq_row_impl<dq_q6_k, 256, 210>;
+    case BF16: return dq_row_impl<dq_bf16, 32, 64>;
     default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
   }
   return nullptr;
 }
 
-// ---- decoding a row into int8 quants and per-16 scale and offset: w = q * d[g] + m[g] ----
+int best_isa() {
+#if defined(__AVX512F__)
+  return AVX512;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return AVX2;
+#else
+  return SCALAR;
+#endif
+}
+
+std::atomic<int> g_isa{best_isa()};
+
+const char* isa_name(int isa) {
+  switch (isa) {
+    case AVX512: return "avx512";
+    case AVX2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+// Per-thread scratch that only grows: the hot path allocates nothing once warm.
+std::vector<float>& scratch(int which) {
+  thread_local std::vector<float> buffers[3];
+  return buffers[which];
+}
+
+float* scratch_floats(int which, int64_t n) {
+  auto& v = scratch(which);
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+// ---- fused kernels: decode blocks in registers and multiply, for the common formats ----
 //
-// Every format becomes the same intermediate: K int8 quants plus, for each group of 16 weights, a
-// scale d and an offset m (0 for symmetric formats). The loops are plain byte arithmetic the
-// compiler vectorizes; the ISA-specific dot kernels below read only this form.
-
-struct RowCodes {
-  int8_t* q;
-  float* d;
-  float* m;
-};
-
-inline void put_groups(RowCodes& c, int64_t g, int n, float d, float m) {
-  for (int i = 0; i < n; ++i) {
-    c.d[g + i] = d;
-    c.m[g + i] = m;
-  }
-}
-
-void codes_q4_0(const uint8_t* row, int64_t k, RowCodes c) {
-  for (int64_t b = 0; b < k / 32; ++b, row += 18) {
-    const uint8_t* qs = row + 2;
-    int8_t* q = c.q + b * 32;
-    for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<int8_t>((qs[j] & 15) - 8);
-      q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - 8);
-    }
-    put_groups(c, b * 2, 2, half_to_float(row), 0.f);
-  }
-}
-
-void codes_q4_1(const uint8_t* row, int64_t k, RowCodes c) {
-  for (int64_t b = 0; b < k / 32; ++b, row += 20) {
-    const uint8_t* qs = row + 4;
-    int8_t* q = c.q + b * 32;
-    for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<int8_t>(qs[j] & 15);
-      q[j + 16] = static_cast<int8_t>(qs[j] >> 4);
-    }
-    put_groups(c, b * 2, 2, half_to_float(row), half_to_float(row + 2));
-  }
-}
-
-template <bool HAS_MIN>
-void codes_q5(const uint8_t* row, int64_t k, RowCodes c) {
-  constexpr int bytes = HAS_MIN ? 24 : 22, off = HAS_MIN ? 4 : 2;
-  for (int64_t b = 0; b < k / 32; ++b, row += bytes) {
-    uint32_t qh;
-    std::memcpy(&qh, row + off, 4);
-    const uint8_t* qs = row + off + 4;
-    int8_t* q = c.q + b * 32;
-    const int bias = HAS_MIN ? 0 : 16;
-    for (int j = 0; j < 16; ++j) {
-      const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
-      q[j] = static_cast<int8_t>(((qs[j] & 15) | h0) - bias);
-      q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | h1) - bias);
-    }
-    put_groups(c, b * 2, 2, half_to_float(row), HAS_MIN ? half_to_float(row + 2) : 0.f);
-  }
-}
-
-void codes_q8_0(const uint8_t* row, int64_t k, RowCodes c) {
-  for (int64_t b = 0; b < k / 32; ++b, row += 34) {
-    std::memcpy(c.q + b * 32, row + 2, 32);
-    put_groups(c, b * 2, 2, half_to_float(row), 0.f);
-  }
-}
-
-template <bool FIVE>
-void codes_qk(const uint8_t* row, int64_t k, RowCodes c) {
-  constexpr int bytes = FIVE ? 176 : 144;
-  for (int64_t b = 0; b < k / 256; ++b, row += bytes) {
-    const float d = half_to_float(row), dmin = half_to_float(row + 2);
-    const uint8_t* scales = row + 4;
-    const uint8_t* qh = row + 16;
-    const uint8_t* ql = row + (FIVE ? 48 : 16);
-    int8_t* q = c.q + b * 256;
-    for (int j = 0; j < 4; ++j) {
-      int sc, mn;
-      scale_min_k4(2 * j, scales, sc, mn);
-      put_groups(c, b * 16 + 4 * j, 2, d * static_cast<float>(sc), -dmin * static_cast<float>(mn));
-      scale_min_k4(2 * j + 1, scales, sc, mn);
-      put_groups(c, b * 16 + 4 * j + 2, 2, d * static_cast<float>(sc), -dmin * static_cast<float>(mn));
-      if (FIVE) {
-        const int u1 = 1 << (2 * j), u2 = 2 << (2 * j);
-        for (int l = 0; l < 32; ++l) {
-          q[l] = static_cast<int8_t>((ql[l] & 15) + ((qh[l] & u1) ? 16 : 0));
-          q[l + 32] = static_cast<int8_t>((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0));
-        }
-      } else {
-        for (int l = 0; l < 32; ++l) {
-          q[l] = static_cast<int8_t>(ql[l] & 15);
-          q[l + 32] = static_cast<int8_t>(ql[l] >> 4);
-        }
-      }
-      ql += 32;
-      q += 64;
-    }
-  }
-}
-
-void codes_q6_k(const uint8_t* row, int64_t k, RowCodes c) {
-  for (int64_t b = 0; b < k / 256; ++b, row += 210) {
-    const uint8_t* ql = row;
-    const uint8_t* qh = row + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
-    const float d = half_to_float(row + 208);
-    int8_t* q = c.q + b * 256;
-    for (int i = 0; i < 16; ++i) put_groups(c, b * 16 + i, 1, d * static_cast<float>(sc[i]), 0.f);
-    for (int n = 0; n < 2; ++n) {
-      for (int l = 0; l < 32; ++l) {
-        q[l] = static_cast<int8_t>(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
-        q[l + 32] = static_cast<int8_t>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-        q[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-        q[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-      }
-      q += 128;
-      ql += 64;
-      qh += 32;
-    }
-  }
-}
-
-using RowCoder = void (*)(const uint8_t*, int64_t, RowCodes);
-
-RowCoder row_coder(int64_t qtype) {
-  switch (qtype) {
-    case Q4_0: return codes_q4_0;
-    case Q4_1: return codes_q4_1;
-    case Q5_0: return codes_q5<false>;
-    case Q5_1: return codes_q5<true>;
-    case Q8_0: return codes_q8_0;
-    case Q4_K: return codes_qk<false>;
-    case Q5_K: return codes_qk<true>;
-    case Q6_K: return codes_q6_k;
-    default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
-  }
-  return nullptr;
-}
-
-// ---- out[r] = sum_i (q[i] * d[i/16] + m[i/16]) * x[r][i] for rows r < R of x; K % 16 == 0 ----
-
-enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
-
-template <int R>
-void dot_codes_scalar(const RowCodes& c, int64_t k, const float* x, int64_t ldx, float* out) {
-  float acc[R][16] = {};
-  for (int64_t g = 0; g < k / 16; ++g) {
-    float w[16];
-    for (int l = 0; l < 16; ++l) w[l] = static_cast<float>(c.q[g * 16 + l]) * c.d[g] + c.m[g];
-    for (int r = 0; r < R; ++r)
-      for (int l = 0; l < 16; ++l) acc[r][l] += w[l] * x[r * ldx + g * 16 + l];
-  }
-  for (int r = 0; r < R; ++r) {
-    float s = 0.f;
-    for (int l = 0; l < 16; ++l) s += acc[r][l];
-    out[r] = s;
-  }
-}
+// `V16` holds 16 floats (one zmm, or two ymm); the decoders work on 16-byte SSE vectors of quants
+// (shared by both ISAs) and call emit(w, offset) for each 16 weights, in order, with the weights
+// already scaled. The row loop multiplies each `w` into up to 4 rows of x.
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum256(__m256 v) {
@@ -390,48 +281,10 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int R>
-void dot_codes_avx2(const RowCodes& c, int64_t k, const float* x, int64_t ldx, float* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < k / 16; ++g) {
-    const __m256 d = _mm256_broadcast_ss(c.d + g), m = _mm256_broadcast_ss(c.m + g);
-    const int8_t* q = c.q + g * 16;
-    const __m256 w0 = _mm256_fmadd_ps(
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))), d, m);
-    const __m256 w1 = _mm256_fmadd_ps(
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)))), d, m);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * ldx + g * 16;
-      acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
-      acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
-}
-#endif
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
 
-#if defined(__AVX512F__)
-template <int R>
-void dot_codes_avx512(const RowCodes& c, int64_t k, const float* x, int64_t ldx, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < k / 16; ++g) {
-    const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.q + g * 16)));
-    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(c.d[g]), _mm512_set1_ps(c.m[g]));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * ldx + g * 16), acc[r]);
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-#endif
-
-// ---- fused kernels: decode blocks in registers and multiply, for the common formats ----
-//
-// `V16` holds 16 floats (one zmm, or two ymm); the decoders work on 16-byte SSE vectors of quants
-// (shared by both ISAs) and call emit(w, offset) for each 16 weights, in order, with the weights
-// already scaled. The row loop multiplies each `w` into up to 4 rows of x.
-
-#if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
 struct V512 {
   __m512 v;
@@ -440,6 +293,24 @@ struct V512 {
   static V512 zero() { return {_mm512_setzero_ps()}; }
   V512 scale(float d, float m) const { return {_mm512_fmadd_ps(v, _mm512_set1_ps(d), _mm512_set1_ps(m))}; }
   V512 fma_x(const float* x, V512 acc) const { return {_mm512_fmadd_ps(v, _mm512_loadu_ps(x), acc.v)}; }
+  // 4-bit quants by table lookup: the 16 possible weights q * d + m of a block are computed once
+  // (one FMA, the same arithmetic as converting each quant), then each 16 weights are one permute
+  // instead of a convert and an FMA.
+  struct Table {
+    __m512 t;
+  };
+  static Table nibble_table(float d, float m) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return {_mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m))};
+  }
+  static V512 from_nibbles(__m128i q, const Table& table) {
+    return {_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), table.t)};
+  }
+  static V512 from_bf16(const uint8_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  void store(float* y) const { _mm512_storeu_ps(y, v); }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #endif
@@ -457,15 +328,26 @@ struct V256 {
     const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
     return {_mm256_fmadd_ps(a, vd, vm), _mm256_fmadd_ps(b, vd, vm)};
   }
+  struct Table {
+    float d, m;
+  };
+  static Table nibble_table(float d, float m) { return {d, m}; }
+  static V256 from_nibbles(__m128i q, const Table& table) { return from_u8(q).scale(table.d, table.m); }
+  static V256 from_bf16(const uint8_t* p) {
+    const __m128i lo = load16(p), hi = load16(p + 16);
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16))};
+  }
+  void store(float* y) const {
+    _mm256_storeu_ps(y, a);
+    _mm256_storeu_ps(y + 8, b);
+  }
   V256 fma_x(const float* x, V256 acc) const {
     return {_mm256_fmadd_ps(a, _mm256_loadu_ps(x), acc.a), _mm256_fmadd_ps(b, _mm256_loadu_ps(x + 8), acc.b)};
   }
   float sum() const { return hsum256(_mm256_add_ps(a, b)); }
 };
 
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
-inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
 
 struct FQ4_0 {
   static constexpr int64_t QK = 32, BYTES = 18;
@@ -473,8 +355,9 @@ struct FQ4_0 {
   static void decode(const uint8_t* b, E&& emit) {
     const float d = half_to_float(b);
     const __m128i v = load16(b + 2);
-    emit(V::from_u8(low_nibbles(v)).scale(d, -8.f * d), 0);
-    emit(V::from_u8(high_nibbles(v)).scale(d, -8.f * d), 16);
+    const auto table = V::nibble_table(d, -8.f * d);
+    emit(V::from_nibbles(low_nibbles(v), table), 0);
+    emit(V::from_nibbles(high_nibbles(v), table), 16);
   }
 };
 
@@ -484,8 +367,43 @@ struct FQ4_1 {
   static void decode(const uint8_t* b, E&& emit) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
     const __m128i v = load16(b + 4);
-    emit(V::from_u8(low_nibbles(v)).scale(d, m), 0);
-    emit(V::from_u8(high_nibbles(v)).scale(d, m), 16);
+    const auto table = V::nibble_table(d, m);
+    emit(V::from_nibbles(low_nibbles(v), table), 0);
+    emit(V::from_nibbles(high_nibbles(v), table), 16);
+  }
+};
+
+// Byte j of the result is 0x10 where bit (j + 16 * upper) of qh is set: the fifth bit of Q5_0/Q5_1.
+inline __m128i fifth_bits(uint32_t qh, int upper) {
+  const __m128i v = _mm_set1_epi32(static_cast<int>(qh));
+  const __m128i pick = upper ? _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
+                             : _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(v, pick), bit), bit);
+  return _mm_and_si128(set, _mm_set1_epi8(0x10));
+}
+
+template <bool HAS_MIN>
+struct FQ5 {
+  static constexpr int64_t QK = 32, BYTES = HAS_MIN ? 24 : 22;
+  template <class V, class E>
+  static void decode(const uint8_t* b, E&& emit) {
+    constexpr int off = HAS_MIN ? 4 : 2;
+    const float d = half_to_float(b), m = HAS_MIN ? half_to_float(b + 2) : -16.f * d;
+    uint32_t qh;
+    std::memcpy(&qh, b + off, 4);
+    const __m128i v = load16(b + off + 4);
+    emit(V::from_u8(_mm_or_si128(low_nibbles(v), fifth_bits(qh, 0))).scale(d, m), 0);
+    emit(V::from_u8(_mm_or_si128(high_nibbles(v), fifth_bits(qh, 1))).scale(d, m), 16);
+  }
+};
+
+struct FBF16 {
+  static constexpr int64_t QK = 32, BYTES = 64;
+  template <class V, class E>
+  static void decode(const uint8_t* b, E&& emit) {
+    emit(V::from_bf16(b), 0);
+    emit(V::from_bf16(b + 32), 16);
   }
 };
 
@@ -527,10 +445,18 @@ struct FQK {
         hi0 = _mm_or_si128(hi0, bit(h0, 2 * j + 1));
         hi1 = _mm_or_si128(hi1, bit(h1, 2 * j + 1));
       }
-      emit(V::from_u8(lo0).scale(d1, m1), 64 * j);
-      emit(V::from_u8(lo1).scale(d1, m1), 64 * j + 16);
-      emit(V::from_u8(hi0).scale(d2, m2), 64 * j + 32);
-      emit(V::from_u8(hi1).scale(d2, m2), 64 * j + 48);
+      if (FIVE) {
+        emit(V::from_u8(lo0).scale(d1, m1), 64 * j);
+        emit(V::from_u8(lo1).scale(d1, m1), 64 * j + 16);
+        emit(V::from_u8(hi0).scale(d2, m2), 64 * j + 32);
+        emit(V::from_u8(hi1).scale(d2, m2), 64 * j + 48);
+      } else {
+        const auto t1 = V::nibble_table(d1, m1), t2 = V::nibble_table(d2, m2);
+        emit(V::from_nibbles(lo0, t1), 64 * j);
+        emit(V::from_nibbles(lo1, t1), 64 * j + 16);
+        emit(V::from_nibbles(hi0, t2), 64 * j + 32);
+        emit(V::from_nibbles(hi1, t2), 64 * j + 48);
+      }
     }
   }
 };
@@ -563,20 +489,50 @@ struct FQ6_K {
 };
 
 // out[r] = dot(dequantize(row), x[r]) for r < R.
+// Two accumulators per row, alternated by swapping after each 16 weights, so consecutive FMAs
+// into a row do not wait on each other's latency (one chain caps a core at 4 weights per cycle).
 template <class F, class V, int R>
 void fused_dot(const uint8_t* row, int64_t k, const float* x, int64_t ldx, float* out) {
-  V acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = V::zero();
+  V acc[R], alt[R];
+  for (int r = 0; r < R; ++r) acc[r] = alt[r] = V::zero();
   for (int64_t bk = 0; bk < k / F::QK; ++bk) {
     const float* xb = x + bk * F::QK;
     F::template decode<V>(row + bk * F::BYTES, [&](V w, int64_t off) {
-      for (int r = 0; r < R; ++r) acc[r] = w.fma_x(xb + r * ldx + off, acc[r]);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = w.fma_x(xb + r * ldx + off, acc[r]);
+        std::swap(acc[r], alt[r]);
+      }
     });
   }
-  for (int r = 0; r < R; ++r) out[r] = acc[r].sum();
+  for (int r = 0; r < R; ++r) out[r] = acc[r].sum() + alt[r].sum();
 }
 
 using FusedDot = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
+
+// A row dequantized to floats (the large-M path's tile fill).
+template <class F, class V>
+void fused_fill(const uint8_t* row, int64_t k, float* y) {
+  for (int64_t bk = 0; bk < k / F::QK; ++bk) {
+    float* yb = y + bk * F::QK;
+    F::template decode<V>(row + bk * F::BYTES, [&](V w, int64_t off) { w.store(yb + off); });
+  }
+}
+
+template <class V>
+RowDequant fill_for_type(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return fused_fill<FQ4_0, V>;
+    case Q4_1: return fused_fill<FQ4_1, V>;
+    case Q5_0: return fused_fill<FQ5<false>, V>;
+    case Q5_1: return fused_fill<FQ5<true>, V>;
+    case Q8_0: return fused_fill<FQ8_0, V>;
+    case Q4_K: return fused_fill<FQK<false>, V>;
+    case Q5_K: return fused_fill<FQK<true>, V>;
+    case Q6_K: return fused_fill<FQ6_K, V>;
+    case BF16: return fused_fill<FBF16, V>;
+    default: return nullptr;
+  }
+}
 
 template <class F, class V>
 FusedDot fused_for_rows(int rows) {
@@ -597,6 +553,9 @@ FusedDot fused_for_type(int64_t qtype, int rows) {
   switch (qtype) {
     case Q4_0: return fused_for_rows<FQ4_0, V>(rows);
     case Q4_1: return fused_for_rows<FQ4_1, V>(rows);
+    case Q5_0: return fused_for_rows<FQ5<false>, V>(rows);
+    case Q5_1: return fused_for_rows<FQ5<true>, V>(rows);
+    case BF16: return fused_for_rows<FBF16, V>(rows);
     case Q8_0: return fused_for_rows<FQ8_0, V>(rows);
     case Q4_K: return fused_for_rows<FQK<false>, V>(rows);
     case Q5_K: return fused_for_rows<FQK<true>, V>(rows);
@@ -606,110 +565,43 @@ FusedDot fused_for_type(int64_t qtype, int rows) {
 }
 #endif
 
-// The fused kernel for `qtype` in ISA variant `isa` (up to 8 rows), or nullptr where there is none.
+// The fused kernel for `qtype` in ISA variant `isa` (up to 8 rows), or nullptr (scalar variant).
 using FusedDotPtr = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
 FusedDotPtr fused_kernel(int isa, int64_t qtype, int rows) {
 #if defined(__AVX512F__)
-  if (isa == 2) return fused_for_type<V512>(qtype, rows);
+  if (isa == AVX512) return fused_for_type<V512>(qtype, rows);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (isa == 1 || isa == 2) return fused_for_type<V256>(qtype, rows);
+  if (isa >= AVX2) return fused_for_type<V256>(qtype, rows);
 #endif
+  (void)isa, (void)qtype, (void)rows;
   return nullptr;
 }
 
-// w (float) = q * d + m over a row: the large-M path's tile fill.
-void codes_to_float(const RowCodes& c, int64_t k, float* w) {
-  for (int64_t g = 0; g < k / 16; ++g) {
-    const float d = c.d[g], m = c.m[g];
-    const int8_t* q = c.q + g * 16;
-    float* y = w + g * 16;
-    for (int l = 0; l < 16; ++l) y[l] = static_cast<float>(q[l]) * d + m;
-  }
-}
-
-int best_isa() {
+// Row dequantization for `isa`: the fused decoders storing floats, or the portable loops.
+RowDequant row_filler(int isa, int64_t qtype) {
 #if defined(__AVX512F__)
-  return AVX512;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return AVX2;
-#else
-  return SCALAR;
-#endif
-}
-
-std::atomic<int> g_isa{best_isa()};
-
-const char* isa_name(int isa) {
-  switch (isa) {
-    case AVX512: return "avx512";
-    case AVX2: return "avx2";
-    default: return "scalar";
-  }
-}
-
-using DotCodes = void (*)(const RowCodes&, int64_t, const float*, int64_t, float*);
-
-template <template <int> class K>
-struct ByRows {
-  static DotCodes get(int rows) {
-    switch (rows) {
-      case 1: return K<1>::f;
-      case 2: return K<2>::f;
-      case 3: return K<3>::f;
-      default: return K<4>::f;
-    }
-  }
-};
-
-template <int R>
-struct ScalarK {
-  static constexpr DotCodes f = dot_codes_scalar<R>;
-};
-#if defined(__AVX2__) && defined(__FMA__)
-template <int R>
-struct Avx2K {
-  static constexpr DotCodes f = dot_codes_avx2<R>;
-};
-#endif
-#if defined(__AVX512F__)
-template <int R>
-struct Avx512K {
-  static constexpr DotCodes f = dot_codes_avx512<R>;
-};
-#endif
-
-// The kernel for up to 4 rows of x at a time, in the ISA variant `isa`.
-DotCodes dot_codes_for(int isa, int rows) {
-#if defined(__AVX512F__)
-  if (isa == AVX512) return ByRows<Avx512K>::get(rows);
+  if (isa == AVX512) return fill_for_type<V512>(qtype);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (isa >= AVX2) return ByRows<Avx2K>::get(rows);
+  if (isa >= AVX2) return fill_for_type<V256>(qtype);
 #endif
-  return ByRows<ScalarK>::get(rows);
+  (void)isa;
+  return row_dequantizer(qtype);
 }
 
-// Per-thread scratch that only grows: the hot path allocates nothing once warm.
-std::vector<float>& scratch(int which) {
-  thread_local std::vector<float> buffers[3];
-  return buffers[which];
+// out[r] = dot(w, x[r]) for r < rows (the scalar variant; the compiler may still vectorize it).
+void dots_scalar(const float* w, const float* x, int64_t ldx, int64_t rows, int64_t k, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    float acc[16] = {0.f};
+    for (int64_t i = 0; i < k; i += 16)
+      for (int l = 0; l < 16; ++l) acc[l] += w[i + l] * xr[i + l];
+    float s = 0.f;
+    for (int l = 0; l < 16; ++l) s += acc[l];
+    out[r] = s;
+  }
 }
-
-float* scratch_floats(int which, int64_t n) {
-  auto& v = scratch(which);
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
-
-// A thread's buffers for one decoded row of K weights.
-RowCodes row_codes(int64_t k) {
-  thread_local std::vector<int8_t> quants;
-  if (static_cast<int64_t>(quants.size()) < k) quants.resize(k);
-  float* scales = scratch_floats(2, 2 * (k / 16));
-  return {quants.data(), scales, scales + k / 16};
-}
-
 
 // Rows of x at or below this use the decode-and-dot path (weights decoded once per 8 rows of x);
 // above, dequantized tiles and BLAS. Measured crossover on an AVX-512 EPYC: about 24 rows.
@@ -720,60 +612,52 @@ constexpr int64_t kTileFloats = 1 << 17;
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "quantized weight must be a contiguous uint8 [rows, row_bytes] tensor");
+  TORCH_CHECK(qtype != F32 && qtype != F16, "type ", qtype, " is a dense weight, not blocks");
   const Geometry g = geometry(qtype);
   TORCH_CHECK(k % g.block == 0, "K=", k, " is not a multiple of the block size ", g.block, " of type ", qtype);
   TORCH_CHECK(w.size(1) == k / g.block * g.bytes, "weight rows hold ", w.size(1), " bytes, expected ",
               k / g.block * g.bytes, " for K=", k, " of type ", qtype);
 }
 
-// out[:, col0 : col0 + N] = xf @ dequantize(w).T, xf fp32 [M, K] contiguous; out fp32 or the
-// activation dtype, row stride ldo.
+// out[:, :N] = xf @ dequantize(w).T for w's N rows of row_bytes bytes, xf fp32 [M, K] contiguous;
+// out is fp32 or the activation dtype, with row stride ldo.
 template <typename out_t>
-void quant_matmul(const float* xf, int64_t m, int64_t k, const at::Tensor& w, int64_t qtype, out_t* out, int64_t ldo) {
-  const int64_t n = w.size(0), row_bytes = w.size(1);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const RowCoder code = row_coder(qtype);
+void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int64_t n, int64_t row_bytes,
+                  int64_t qtype, out_t* out, int64_t ldo) {
+  const int isa = g_isa.load(std::memory_order_relaxed);
   if (m <= kSmallM) {
-    const int isa = g_isa.load(std::memory_order_relaxed);
+    FusedDotPtr fused[8];
+    for (int rows = 1; rows <= 8; ++rows) fused[rows - 1] = fused_kernel(isa, qtype, rows);
+    const RowDequant dq = fused[0] == nullptr ? row_dequantizer(qtype) : nullptr;
     const int64_t grain = std::max<int64_t>(1, 16384 / k);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       float res[kSmallM];
-      FusedDotPtr fused[8];
-      for (int rows = 1; rows <= 8; ++rows) fused[rows - 1] = fused_kernel(isa, qtype, rows);
-      if (fused[0] != nullptr) {
-        for (int64_t j = begin; j < end; ++j) {
+      float* wrow = dq != nullptr ? scratch_floats(0, k) : nullptr;
+      for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* row = wp + j * row_bytes;
+        if (dq != nullptr) {
+          dq(row, k, wrow);
+          dots_scalar(wrow, xf, k, m, k, res);
+        } else {
           for (int64_t r = 0; r < m; r += 8) {
             const int rows = static_cast<int>(std::min<int64_t>(8, m - r));
-            fused[rows - 1](wp + j * row_bytes, k, xf + r * k, k, res + r);
+            fused[rows - 1](row, k, xf + r * k, k, res + r);
           }
-          for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
-        }
-        return;
-      }
-      RowCodes c = row_codes(k);
-      for (int64_t j = begin; j < end; ++j) {
-        code(wp + j * row_bytes, k, c);
-        for (int64_t r = 0; r < m; r += 4) {
-          const int rows = static_cast<int>(std::min<int64_t>(4, m - r));
-          dot_codes_for(isa, rows)(c, k, xf + r * k, k, res + r);
         }
         for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
       }
     });
     return;
   }
+  const RowDequant fill = row_filler(isa, qtype);
   const int64_t tile = std::max<int64_t>(16, kTileFloats / k / 16 * 16);
   const at::Tensor x = at::from_blob(const_cast<float*>(xf), {m, k}, at::kFloat);
   at::parallel_for(0, (n + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-    RowCodes c = row_codes(k);
     float* buf = scratch_floats(1, tile * k);
     float* res = std::is_same<out_t, float>::value ? nullptr : scratch_floats(0, m * tile);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, nb = std::min(tile, n - n0);
-      for (int64_t j = 0; j < nb; ++j) {
-        code(wp + (n0 + j) * row_bytes, k, c);
-        codes_to_float(c, k, buf + j * k);
-      }
+      for (int64_t j = 0; j < nb; ++j) fill(wp + (n0 + j) * row_bytes, k, buf + j * k);
       const at::Tensor wt = at::from_blob(buf, {nb, k}, at::kFloat);
       if constexpr (std::is_same<out_t, float>::value) {
         at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kFloat);
@@ -807,15 +691,20 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
     const int64_t qtype = qtypes[i];
-    if (qtype == F32 || qtype == F16 || qtype == BF16) {
+    at::Tensor blocks = w;
+    if (qtype == BF16 && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) == k && k % 32 == 0) {
+      blocks = w.contiguous().view(at::kByte);  // bf16 rows read by the same kernels
+    } else if (qtype == F32 || qtype == F16 || qtype == BF16) {
       TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "quant_linear: dense weight must be [N, K]");
       out.narrow(1, col, w.size(0)).copy_(at::mm(xf, w.to(at::kFloat).t()));
-    } else {
-      check_weight(w, qtype, k);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
-        quant_matmul<scalar_t>(xp, m, k, w, qtype, out.data_ptr<scalar_t>() + col, n_total);
-      });
+      col += w.size(0);
+      continue;
     }
+    check_weight(blocks, qtype, k);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
+      quant_matmul<scalar_t>(xp, m, k, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), qtype,
+                             out.data_ptr<scalar_t>() + col, n_total);
+    });
     col += w.size(0);
   }
   return out;

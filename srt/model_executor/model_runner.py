@@ -15,6 +15,7 @@ from srt.distributed.parallel_state import all_reduce_min_int, init_distributed,
 from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
+from srt.layers.fused_decode import enable_fused_decode_layers
 from srt.layers.linear import prepack_cpu_weights
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.quantization import build_config as build_quant_config
@@ -140,6 +141,10 @@ class ModelRunner:
                 "Fused %s kernels for %d norm/activation modules", ops.name, enable_fused_gpu_ops(self.model, ops)
             )
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        if cpu_ops is not None and self.attn_backend.name == "cpu":
+            fused = enable_fused_decode_layers(self.model, cpu_ops, self.tp_size)
+            if fused:
+                logger.info("Fused decode op for %d decoder layers", fused)
         self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
         self.init_memory_pool(available_before)
         self.sampler = Sampler()

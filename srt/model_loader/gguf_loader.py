@@ -16,7 +16,6 @@ import re
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,6 +174,20 @@ def _rotary_heads(config: PretrainedConfig, arch: str) -> dict[str, int]:
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 
 
+def _read_tensor(f, offset: int, n_bytes: int) -> torch.Tensor:
+    """The tensor's bytes read into fresh memory (not a view of the mapped file: pages of a mapping
+    that were read stay resident, which would hold the file in memory a second time)."""
+    out = torch.empty(n_bytes, dtype=torch.uint8)
+    view = out.numpy().data
+    done = 0
+    while done < n_bytes:
+        got = os.preadv(f.fileno(), [view[done:]], offset + done)
+        if got <= 0:
+            raise ModelLoadError(f"{f.name}: file ends inside a tensor at byte {offset + done}")
+        done += got
+    return out
+
+
 def iterate_gguf_weights(path: str, progress: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) for every weight in the file, Q/K rows in HF order. Quantized tensors come
     as `GGUFWeight` (blocks, not dequantized); F32/F16/BF16 ones as float32 torch tensors."""
@@ -184,28 +197,35 @@ def iterate_gguf_weights(path: str, progress: bool = False) -> Iterator[tuple[st
     arch = str(meta.get("general.architecture"))
     config = build_config(meta, {t.name for t in reader.tensors}, path)
     n_heads = _rotary_heads(config, arch)
-    bar = tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor", disable=not progress)
-    for tensor in bar:
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            if tensor.name not in _IGNORED:
-                logger.warning("%s: skipping GGUF tensor %s, which has no HF counterpart", path, tensor.name)
-            continue
-        qtype = GGMLQuantizationType(tensor.tensor_type)
-        hf_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        proj = name.split(".")[-2]
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            w = dequantize(tensor.data, qtype).reshape(hf_shape)
+    tensors = [
+        (t.name, GGMLQuantizationType(t.tensor_type), t.shape.tolist(), t.data_offset, t.n_bytes)
+        for t in reader.tensors
+    ]
+    del reader  # drop the file mapping; tensors are read with pread below
+    total = sum(t[4] for t in tensors)
+    bar = tqdm(total=total, desc=f"loading {os.path.basename(path)}", unit="B", unit_scale=True, disable=not progress)
+    with open(path, "rb") as f:
+        for gguf_name, qtype, shape, offset, n_bytes in tensors:
+            bar.update(n_bytes)
+            name = hf_tensor_name(gguf_name)
+            if name is None:
+                if gguf_name not in _IGNORED:
+                    logger.warning("%s: skipping GGUF tensor %s, which has no HF counterpart", path, gguf_name)
+                continue
+            hf_shape = tuple(int(d) for d in reversed(shape))
+            proj = name.split(".")[-2]
+            raw = _read_tensor(f, offset, n_bytes)
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+                w = dequantize(raw.numpy(), qtype).reshape(hf_shape)
+                if proj in n_heads:
+                    w = unpermute_rotary(w, n_heads[proj])
+                yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+                continue
+            data = raw.view(hf_shape[0], -1)
             if proj in n_heads:
-                w = unpermute_rotary(w, n_heads[proj])
-            yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-            continue
-        data = np.asarray(tensor.data).reshape(hf_shape[0], -1)
-        if proj in n_heads:
-            data = unpermute_rotary(data, n_heads[proj])
-        with warnings.catch_warnings():  # a read-only view of the mapped file; the layer copies its rows
-            warnings.simplefilter("ignore", UserWarning)
-            yield name, GGUFWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, hf_shape[-1])
+                data = torch.from_numpy(np.ascontiguousarray(unpermute_rotary(data.numpy(), n_heads[proj])))
+            yield name, GGUFWeight(data, qtype, hf_shape[-1])
+    bar.close()
 
 
 def convert_tensors(

@@ -92,8 +92,16 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fused_decode: Callable | None = None  # set by srt.layers.fused_decode on CPU
 
     def forward(self, positions, hidden_states, forward_batch, residual):
+        if (
+            self.fused_decode is not None
+            and forward_batch.forward_mode.is_decode()
+            and not torch.compiler.is_dynamo_compiling()
+            and (out := self.fused_decode(positions, hidden_states, forward_batch, residual)) is not None
+        ):
+            return out
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

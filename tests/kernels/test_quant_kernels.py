@@ -110,7 +110,7 @@ def available_isas(ops) -> list[str]:
     return ["scalar", "avx2", "avx512"][: ["scalar", "avx2", "avx512"].index(best) + 1]
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", TYPES)
 def test_every_compiled_isa(ops, type_name):
     """Each dot-product variant this CPU can run gives the same answer (the default uses the best)."""
     best = ops.quant_isa("")
@@ -128,6 +128,24 @@ def test_every_compiled_isa(ops, type_name):
         ops.quant_isa(best)
     with pytest.raises(RuntimeError, match="unknown ISA"):
         ops.quant_isa("sse9")
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_bf16_weights(ops, m):
+    """Dense bfloat16 weights (`--dtype bfloat16` storage on CPUs without fast bf16 matmuls) go
+    through the same kernels: bf16 -> fp32 is exact, so the bound is the summation one."""
+    k, n = 160, 48
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+    best = ops.quant_isa("")
+    try:
+        for isa in available_isas(ops):
+            ops.quant_isa(isa)
+            out = ops.quant_linear(x, [w], [int(GGMLQuantizationType.BF16)])
+            wd = w.double()
+            check(out, x.double() @ wd.T, x.double().abs() @ wd.abs().T, k)
+    finally:
+        ops.quant_isa(best)
 
 
 def test_stacked_segments_of_mixed_types(ops):

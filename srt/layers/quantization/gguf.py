@@ -120,7 +120,10 @@ class GGUFLinearMethod(LinearMethodBase):
                 continue
             if p.cols is not None:
                 rows = rows.narrow(1, *p.cols)
-            self.segments.append(_Segment(p.dst_row, int(loaded.qtype), rows.data.contiguous().clone()))
+            data = rows.data
+            if not data.is_contiguous() or data.untyped_storage().nbytes() != data.numel():
+                data = data.contiguous().clone()  # this rank's part only, so the whole tensor can go
+            self.segments.append(_Segment(p.dst_row, int(loaded.qtype), data))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         out_rows, k = self.shape

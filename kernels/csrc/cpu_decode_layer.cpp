@@ -1,0 +1,100 @@
+// One decoder layer of a decode step (Llama family: Llama, Mistral, Qwen2, Qwen3) in a single op.
+//
+// At batch 1 a decode step of a small model costs more in per-op dispatch and Python than in
+// arithmetic: about 15 torch ops per layer. This op runs the same kernels in the same order as the
+// Python layer (srt/models/llama.py with the fused CPU ops and quantized linears), so its output
+// is identical, from one call per layer:
+//   residual += hidden; h = rmsnorm(residual)            (first layer: residual = hidden)
+//   q, k, v = split(h @ Wqkv.T + b); QK-norm per head (Qwen3); NeoX rotary on q and k
+//   K/V written to the layer's pool slots; paged decode attention
+//   o = attn @ Wo.T + b; residual += o; h = rmsnorm(residual)
+//   returns silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+// Kernels of the other translation units of this extension.
+void rms_norm(at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void rotary_neox(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_cache,
+                 const at::Tensor& sin_cache, int64_t head_dim);
+void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                      at::Tensor& out, double scale, int64_t num_splits);
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes);
+
+namespace {
+
+at::Tensor project(const at::Tensor& x, at::TensorList w, at::IntArrayRef t, const c10::optional<at::Tensor>& bias) {
+  at::Tensor out = quant_linear(x, w, t);
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
+
+// Per-head RMSNorm of a [T, heads * head_dim] slice, returned contiguous.
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, int64_t head_dim, double eps) {
+  at::Tensor flat = x.reshape({-1, head_dim}).clone();
+  rms_norm(flat, c10::nullopt, weight, eps);
+  return flat.view(x.sizes());
+}
+
+}  // namespace
+
+at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool first, const at::Tensor& ln1,
+                        const at::Tensor& ln2, double eps, at::TensorList qkv_w, at::IntArrayRef qkv_t,
+                        const c10::optional<at::Tensor>& qkv_bias, int64_t q_size, int64_t kv_size,
+                        const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                        const at::Tensor& positions, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
+                        int64_t head_dim, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                        const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+                        const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale,
+                        int64_t num_splits, at::TensorList o_w, at::IntArrayRef o_t,
+                        const c10::optional<at::Tensor>& o_bias, at::TensorList gate_up_w, at::IntArrayRef gate_up_t,
+                        at::TensorList down_w, at::IntArrayRef down_t) {
+  TORCH_CHECK(hidden.dim() == 2 && residual.sizes() == hidden.sizes() && residual.is_contiguous(),
+              "decode_layer: hidden and residual must be [T, hidden_size]");
+  const int64_t tokens = hidden.size(0);
+  at::Tensor h = hidden.contiguous().clone();
+  if (first) {
+    residual.copy_(hidden);
+    rms_norm(h, c10::nullopt, ln1, eps);
+  } else {
+    rms_norm(h, residual, ln1, eps);  // residual += h; h = norm(residual)
+  }
+  at::Tensor qkv = project(h, qkv_w, qkv_t, qkv_bias);
+  at::Tensor q = qkv.narrow(1, 0, q_size);
+  at::Tensor k = qkv.narrow(1, q_size, kv_size);
+  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
+  if (q_norm.has_value() && q_norm->defined()) {
+    q = head_norm(q, *q_norm, head_dim, eps);
+    k = head_norm(k, *k_norm, head_dim, eps);
+  }
+  rotary_neox(q, positions, cos_cache, sin_cache, head_dim);
+  rotary_neox(k, positions, cos_cache, sin_cache, head_dim);
+  const int64_t kv_heads = kv_size / head_dim, q_heads = q_size / head_dim;
+  k_buffer.index_copy_(0, out_cache_loc, k.reshape({tokens, kv_heads, head_dim}).to(k_buffer.scalar_type()));
+  v_buffer.index_copy_(0, out_cache_loc, v.view({tokens, kv_heads, head_dim}).to(v_buffer.scalar_type()));
+  at::Tensor q3 = q.reshape({tokens, q_heads, head_dim}).contiguous();
+  at::Tensor attn = at::empty_like(q3);
+  decode_attention(q3, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn, scale, num_splits);
+  at::Tensor o = project(attn.view({tokens, q_size}), o_w, o_t, o_bias);
+  rms_norm(o, residual, ln2, eps);  // residual += o; o = norm(residual)
+  at::Tensor gate_up = quant_linear(o, gate_up_w, gate_up_t);
+  at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
+  silu_and_mul(act, gate_up);
+  return quant_linear(act, down_w, down_t);
+}
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def(
+      "decode_layer(Tensor hidden, Tensor(a!) residual, bool first, Tensor ln1, Tensor ln2, float eps, "
+      "Tensor[] qkv_w, int[] qkv_t, Tensor? qkv_bias, int q_size, int kv_size, Tensor? q_norm, Tensor? k_norm, "
+      "Tensor positions, Tensor cos_cache, Tensor sin_cache, int head_dim, Tensor(b!) k_buffer, "
+      "Tensor(c!) v_buffer, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+      "float scale, int num_splits, Tensor[] o_w, int[] o_t, Tensor? o_bias, Tensor[] gate_up_w, int[] gate_up_t, "
+      "Tensor[] down_w, int[] down_t) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -1,0 +1,109 @@
+"""One C++ call per decoder layer for CPU decode steps (kernels/csrc/cpu_decode_layer.cpp).
+
+At batch 1 the default model's eager decode step spent more time in Python and per-op dispatch
+(~15 torch ops per layer, 30 layers) than in its 4-bit matmuls. A layer whose pieces the fused op
+covers (quantized GGUF linears, the C++ norm/rotary kernels, the cpu attention backend, one
+tensor-parallel rank) runs its decode step as one op with the same kernels in the same order, so
+its output is unchanged. Extend batches, compiled graphs and other backends take the Python path.
+`RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off (for A/B measurements).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from srt.layers.attention.cpu_backend import CpuAttnBackend
+from srt.layers.quantization.gguf import GGUFLinearMethod
+
+
+class FusedDecodeLayer:
+    def __init__(self, layer: Any, ops):  # a LlamaDecoderLayer
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ops = ops
+        self.layer_id = attn.attn.layer_id
+        self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        self.qkv, self.o = attn.qkv_proj.quant_method, attn.o_proj.quant_method
+        self.gate_up, self.down = mlp.gate_up_proj.quant_method, mlp.down_proj.quant_method
+        self.qkv_bias, self.o_bias = attn.qkv_proj.bias, attn.o_proj.bias
+        self.q_size, self.kv_size, self.head_dim = attn.q_size, attn.kv_size, attn.head_dim
+        self.q_norm = attn.q_norm.weight if attn.qk_norm else None
+        self.k_norm = attn.k_norm.weight if attn.qk_norm else None
+        self.cos, self.sin = attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache
+        self.scaling = attn.attn.scaling
+
+    def __call__(self, positions, hidden: torch.Tensor, fb, residual):
+        backend = fb.attn_backend
+        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2:
+            return None
+        first = residual is None
+        if first:
+            residual = torch.empty_like(hidden)
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
+        out = self.ops.decode_layer(
+            hidden,
+            residual,
+            first,
+            self.ln1,
+            self.ln2,
+            self.eps,
+            self.qkv.qweights,
+            self.qkv.qtypes,
+            self.qkv_bias,
+            self.q_size,
+            self.kv_size,
+            self.q_norm,
+            self.k_norm,
+            positions,
+            self.cos,
+            self.sin,
+            self.head_dim,
+            k_buf,
+            v_buf,
+            fb.out_cache_loc,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            self.scaling,
+            backend.num_splits,
+            self.o.qweights,
+            self.o.qtypes,
+            self.o_bias,
+            self.gate_up.qweights,
+            self.gate_up.qtypes,
+            self.down.qweights,
+            self.down.qtypes,
+        )
+        return out, residual
+
+
+def _eligible(layer: Any, tp_size: int) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or tp_size != 1:
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not all(isinstance(m.quant_method, GGUFLinearMethod) for m in linears):
+        return False
+    rot = attn.rotary_emb
+    if rot.fused_ops is None or not rot.is_neox_style:
+        return False
+    eps = {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon}
+    if attn.qk_norm:
+        eps |= {attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon}
+    return len(eps) == 1 and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+
+
+def enable_fused_decode_layers(model: nn.Module, ops, tp_size: int) -> int:
+    """Give every eligible decoder layer its fused decode call; returns how many got one."""
+    if os.environ.get("RADIXSERVE_DISABLE_FUSED_DECODE") or not hasattr(ops, "decode_layer"):
+        return 0
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "fused_decode") and _eligible(module, tp_size):
+            setattr(module, "fused_decode", FusedDecodeLayer(module, ops))  # noqa: B010 - a plain attribute
+            count += 1
+    return count
