@@ -2,10 +2,11 @@
 
 At batch 1 the default model's eager decode step spent more time in Python and per-op dispatch
 (~15 torch ops per layer, 30 layers) than in its 4-bit matmuls. A layer whose pieces the fused op
-covers (quantized GGUF linears, the C++ norm/rotary kernels, the cpu attention backend, one
-tensor-parallel rank) runs its decode step as one op with the same kernels in the same order, so
-its output is unchanged. Extend batches, compiled graphs and other backends take the Python path.
-`RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off (for A/B measurements).
+covers (linears the C++ `quant_linear` runs: GGUF blocks or bf16 rows; the C++ norm and rotary
+kernels; the cpu attention backend; one tensor-parallel rank) runs its decode step as one op with
+the same kernels in the same order, so its output is unchanged. Extend batches, compiled graphs
+and other backends take the Python path. `RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off (for
+A/B measurements).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from torch import nn
 
 from srt.layers.attention.cpu_backend import CpuAttnBackend
-from srt.layers.quantization.gguf import GGUFLinearMethod
 
 
 class FusedDecodeLayer:
@@ -27,8 +27,10 @@ class FusedDecodeLayer:
         self.layer_id = attn.attn.layer_id
         self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.variance_epsilon
-        self.qkv, self.o = attn.qkv_proj.quant_method, attn.o_proj.quant_method
-        self.gate_up, self.down = mlp.gate_up_proj.quant_method, mlp.down_proj.quant_method
+        self.qkv = attn.qkv_proj.quant_method.kernel_weights(attn.qkv_proj)
+        self.o = attn.o_proj.quant_method.kernel_weights(attn.o_proj)
+        self.gate_up = mlp.gate_up_proj.quant_method.kernel_weights(mlp.gate_up_proj)
+        self.down = mlp.down_proj.quant_method.kernel_weights(mlp.down_proj)
         self.qkv_bias, self.o_bias = attn.qkv_proj.bias, attn.o_proj.bias
         self.q_size, self.kv_size, self.head_dim = attn.q_size, attn.kv_size, attn.head_dim
         self.q_norm = attn.q_norm.weight if attn.qk_norm else None
@@ -51,8 +53,7 @@ class FusedDecodeLayer:
             self.ln1,
             self.ln2,
             self.eps,
-            self.qkv.qweights,
-            self.qkv.qtypes,
+            *self.qkv,
             self.qkv_bias,
             self.q_size,
             self.kv_size,
@@ -70,13 +71,10 @@ class FusedDecodeLayer:
             fb.seq_lens,
             self.scaling,
             backend.num_splits,
-            self.o.qweights,
-            self.o.qtypes,
+            *self.o,
             self.o_bias,
-            self.gate_up.qweights,
-            self.gate_up.qtypes,
-            self.down.qweights,
-            self.down.qtypes,
+            *self.gate_up,
+            *self.down,
         )
         return out, residual
 
@@ -86,7 +84,7 @@ def _eligible(layer: Any, tp_size: int) -> bool:
     if attn is None or mlp is None or tp_size != 1:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not all(isinstance(m.quant_method, GGUFLinearMethod) for m in linears):
+    if any(m.quant_method.kernel_weights(m) is None for m in linears):
         return False
     rot = attn.rotary_emb
     if rot.fused_ops is None or not rot.is_neox_style:

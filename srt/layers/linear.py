@@ -57,7 +57,8 @@ def prepack_cpu_weights(model: nn.Module, keep_dense: bool = False) -> int:
         is_linear = isinstance(module, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear))
         if not (is_linear or module is lm_head):
             continue
-        if not isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedLinearMethod) or method.bf16_ops is not None:
             continue
         weight = module.weight
         assert isinstance(weight, torch.Tensor)
@@ -72,6 +73,25 @@ def prepack_cpu_weights(model: nn.Module, keep_dense: bool = False) -> int:
         if is_linear and not keep_dense:
             weight.data = torch.empty(0, dtype=weight.dtype)
         count += 1
+    return count
+
+
+def use_bf16_weight_kernels(model: nn.Module, ops) -> int:
+    """Run every dense bfloat16 linear weight (and a bf16 LM head) through the C++ kernels, which
+    read bf16 rows and multiply in float32 registers; for CPUs without AMX / AVX512-BF16, where
+    bf16 matmuls are several times slower than float32. Returns the number of layers switched."""
+    lm_head = getattr(model, "lm_head", None)
+    count = 0
+    for module in model.modules():
+        if not (isinstance(module, LinearBase) or module is lm_head):
+            continue
+        method = getattr(module, "quant_method", None)
+        weight = getattr(module, "weight", None)
+        if not isinstance(method, UnquantizedLinearMethod) or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 32 == 0:
+            method.use_bf16_kernels(ops)
+            count += 1
     return count
 
 

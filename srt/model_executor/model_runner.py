@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import psutil
 import torch
@@ -16,7 +17,7 @@ from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
 from srt.layers.fused_decode import enable_fused_decode_layers
-from srt.layers.linear import prepack_cpu_weights
+from srt.layers.linear import prepack_cpu_weights, use_bf16_weight_kernels
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.quantization import build_config as build_quant_config
 from srt.layers.quantization import resolve_quantization, weight_report
@@ -30,12 +31,21 @@ from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.gguf_loader import gguf_source
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
-from srt.utils import available_memory_bytes, resolve_dtype, set_random_seed, set_torch_threads
+from srt.utils import available_memory_bytes, cpu_has_fast_bf16, resolve_dtype, set_random_seed, set_torch_threads
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEM_FRACTION = {"cuda": 0.88, "cpu": 0.4}
 MAX_RUNNING_CAP = {"cuda": 4096, "cpu": 1024}
+
+
+def bf16_weight_kernels_wanted() -> bool:
+    """bf16 weights go through the C++ kernels on CPUs without AMX / AVX512-BF16 (oneDNN's bf16
+    GEMMs are slow there); RADIXSERVE_BF16_WEIGHT_KERNELS=1 / 0 forces the choice either way."""
+    forced = os.environ.get("RADIXSERVE_BF16_WEIGHT_KERNELS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not cpu_has_fast_bf16()
 
 
 def memory_info(device: str) -> tuple[int, int]:
@@ -121,6 +131,12 @@ class ModelRunner:
             raise ModelLoadError(str(e)) from e
         quant_config = build_quant_config(self.quantization, cpu_ops, self.dtype)
         self.model = load_model(model_config, self.dtype, self.device, server_args.load_format, quant_config)
+        if cpu_ops is not None and self.dtype == torch.bfloat16 and bf16_weight_kernels_wanted():
+            logger.info(
+                "bfloat16 weights without fast bf16 matmuls on this CPU: %d layers run on the C++ kernels "
+                "(bf16 rows, float32 compute)",
+                use_bf16_weight_kernels(self.model, cpu_ops),
+            )
         self.weight_report = weight_report(self.model, quant_config)
         self.weight_bytes = self.weight_report["weight_bytes"]
         logger.info(

@@ -59,6 +59,11 @@ class LinearMethodBase(ABC):
         weight = getattr(layer, "weight", None)
         return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else 0
 
+    def kernel_weights(self, layer: nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The (weights, GGML types) the C++ `quant_linear` multiplies for this layer, or None when
+        the layer is not run by those kernels (the fused decode op needs them)."""
+        return None
+
     def describe(self, layer: nn.Module) -> str:
         """The format as reported at start-up and in /server_info (e.g. "Q4_1", "int8")."""
         return self.name

@@ -180,6 +180,9 @@ class GGUFLinearMethod(LinearMethodBase):
     def weight_bytes(self, layer: nn.Module) -> int:
         return sum(w.numel() * w.element_size() for w in self.qweights)
 
+    def kernel_weights(self, layer: nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
+        return self.qweights, self.qtypes
+
     def describe(self, layer: nn.Module) -> str:
         names = {int(GGMLQuantizationType.F32): "float32", int(GGMLQuantizationType.BF16): "bfloat16"}
         return "+".join(names.get(t, GGMLQuantizationType(t).name) for t in dict.fromkeys(self.qtypes))

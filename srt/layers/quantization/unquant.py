@@ -8,6 +8,8 @@ from torch import nn
 
 from srt.layers.quantization.base_config import LinearMethodBase, Piece
 
+BF16_QTYPE = 30  # GGML's id for bfloat16 rows, which the C++ kernels also multiply
+
 
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     weight = layer.weight
@@ -23,6 +25,16 @@ def dense_rows(loaded) -> torch.Tensor:
 class UnquantizedLinearMethod(LinearMethodBase):
     def __init__(self, dtype_name: str | None = None):
         self.dtype_name = dtype_name
+        # bfloat16 weights on a CPU without fast bf16 matmuls: the C++ kernels read the bf16 rows
+        # and multiply in float32 registers (half the bytes of float32, none of the slow bf16 GEMMs).
+        self.bf16_ops = None
+
+    def use_bf16_kernels(self, ops) -> None:
+        self.bf16_ops = ops
+        self.dtype_name = "bfloat16 (float32 compute)"
+
+    def kernel_weights(self, layer: nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
+        return ([dense_weight(layer)], [BF16_QTYPE]) if self.bf16_ops is not None else None
 
     @property
     def name(self) -> str:  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -42,6 +54,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
             dst.narrow(0, p.dst_row, p.rows).copy_(part)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.bf16_ops is not None:
+            shape = x.shape
+            out = self.bf16_ops.quant_linear(x.reshape(-1, shape[-1]), [dense_weight(layer)], [BF16_QTYPE])
+            out = out.view(*shape[:-1], out.shape[-1])
+            return out if bias is None else out + bias
         packed = getattr(layer, "packed_weight", None)
         if packed is not None and not torch.compiler.is_dynamo_compiling():  # inductor packs its own copy
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
