@@ -42,6 +42,10 @@ def _worker(rank: int, world: int, addr: str, use_shm: bool, out_dir: str) -> No
         results.append(ps.tensor_model_parallel_all_gather(torch.randn(3, n // 100 + 1, generator=g)))
     results.append(ps.tensor_model_parallel_all_reduce(torch.ones(5000) * (rank + 1)))  # 20 KB: gloo
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    # Leave together: a rank exiting while the other's gloo threads still talk to it can abort
+    # ("terminate called without an active exception") under load.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _run(world: int, use_shm: bool, tmp_path) -> list[list[torch.Tensor]]:
