@@ -124,8 +124,10 @@ class ModelRunner:
         available_before = available_memory_bytes(self.device)
         cpu_ops = cpu_kernels.load(cache_root()) if self.device == "cpu" else None
         try:
+            # random weights (--load-format dummy) have no GGUF blocks: dense unless asked otherwise
+            gguf_file = gguf_source(model_config.path) if server_args.load_format != "dummy" else None
             self.quantization = resolve_quantization(
-                server_args.quantization, gguf_source(model_config.path), self.device, cpu_ops is not None
+                server_args.quantization, gguf_file, self.device, cpu_ops is not None
             )
         except ValueError as e:
             raise ModelLoadError(str(e)) from e

@@ -225,3 +225,13 @@ def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, ar
     assert [r.output_ids for r in with_op] == [r.output_ids for r in without]
     for a, b in zip(with_op, without):
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-6)
+
+
+def test_bad_quantization_choices_name_the_flag(tiny_model_factory, runner_factory):
+    from srt.model_loader.errors import ModelLoadError
+    from srt.server_args import ServerArgs
+
+    with pytest.raises(ModelLoadError, match="--quantization gguf needs a .gguf model file"):
+        runner_factory(tiny_model_factory("LlamaForCausalLM"), quantization="gguf")
+    with pytest.raises(ValueError, match="--quantization must be one of none, gguf; got 'int3'"):
+        ServerArgs(quantization="int3")
