@@ -246,6 +246,8 @@ int best_isa() {
 }
 
 std::atomic<int> g_isa{best_isa()};
+// Whether bf16 GEMMs are fast on this CPU (set from Python, which reads the CPU flags).
+std::atomic<bool> g_fast_bf16{false};
 
 const char* isa_name(int isa) {
   switch (isa) {
@@ -621,9 +623,10 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 
 // out[:, :N] = xf @ dequantize(w).T for w's N rows of row_bytes bytes, xf fp32 [M, K] contiguous;
 // out is fp32 or the activation dtype, with row stride ldo.
+// `x16`: the bf16 activations when prefill tiles should be multiplied in bf16 (else undefined).
 template <typename out_t>
 void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int64_t n, int64_t row_bytes,
-                  int64_t qtype, out_t* out, int64_t ldo) {
+                  int64_t qtype, out_t* out, int64_t ldo, const at::Tensor& x16) {
   const int isa = g_isa.load(std::memory_order_relaxed);
   if (m <= kSmallM) {
     FusedDotPtr fused[8];
@@ -659,6 +662,13 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
       const int64_t n0 = t * tile, nb = std::min(tile, n - n0);
       for (int64_t j = 0; j < nb; ++j) fill(wp + (n0 + j) * row_bytes, k, buf + j * k);
       const at::Tensor wt = at::from_blob(buf, {nb, k}, at::kFloat);
+      if constexpr (std::is_same<out_t, at::BFloat16>::value) {
+        if (x16.defined()) {  // bf16 activations on a CPU with fast bf16 GEMMs: the tile in bf16 too
+          at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kBFloat16);
+          at::mm_out(dst, x16, wt.to(at::kBFloat16).t());
+          continue;
+        }
+      }
       if constexpr (std::is_same<out_t, float>::value) {
         at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kFloat);
         at::mm_out(dst, x, wt.t());
@@ -686,6 +696,10 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   at::Tensor out = at::empty({m, n_total}, x.options());
   if (m == 0) return out;
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  // Large bf16 batches multiply bf16 tiles where bf16 GEMMs are fast (AMX / AVX512-BF16): the
+  // weights are then rounded to bf16 like the dense bf16 path's; decode rows stay exact.
+  const at::Tensor x16 =
+      x.scalar_type() == at::kBFloat16 && m > kSmallM && g_fast_bf16.load() ? x.contiguous() : at::Tensor();
   const float* xp = xf.data_ptr<float>();
   int64_t col = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -703,7 +717,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     check_weight(blocks, qtype, k);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
       quant_matmul<scalar_t>(xp, m, k, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), qtype,
-                             out.data_ptr<scalar_t>() + col, n_total);
+                             out.data_ptr<scalar_t>() + col, n_total, x16);
     });
     col += w.size(0);
   }
@@ -753,7 +767,14 @@ std::string quant_isa(const std::string& isa) {
   return isa_name(g_isa.load());
 }
 
+// Whether prefill-sized bf16 batches may multiply bf16 tiles (CPUs with AMX / AVX512-BF16).
+bool quant_fast_bf16(bool enable) {
+  g_fast_bf16.store(enable);
+  return enable;
+}
+
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("quant_fast_bf16(bool enable) -> bool", &quant_fast_bf16);
   m.def("quant_linear(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
   m.def("quant_dequantize(Tensor w, int qtype, int k) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor w, int qtype, int k, ScalarType dtype) -> Tensor");

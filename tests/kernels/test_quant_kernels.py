@@ -148,6 +148,25 @@ def test_bf16_weights(ops, m):
         ops.quant_isa(best)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
+def test_bf16_prefill_tiles(ops, type_name):
+    """With fast bf16 GEMMs (AMX / AVX512-BF16), prefill-sized bf16 batches multiply bf16 tiles: the
+    weights are rounded to bf16 (2^-8 relative), so the bound is 2^-7 * (|x| @ |W|.T) plus the
+    output rounding; decode-sized batches are unaffected."""
+    qtype = int(GGMLQuantizationType[type_name])
+    k = 512
+    blocks = random_blocks(type_name, 40, k, seed=11)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref, bound = reference(x.float(), blocks, type_name)
+    try:
+        ops.quant_fast_bf16(True)
+        out = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+    finally:
+        ops.quant_fast_bf16(False)
+    err = (out.double() - ref).abs()
+    assert (err <= 2.0**-7 * bound + ref.abs() * 2.0**-8 + 1e-6).all(), err.max()
+
+
 def test_stacked_segments_of_mixed_types(ops):
     """A fused projection whose parts are stored in different types (Q4_K_M files mix Q4_K and
     Q6_K) and a dense part: one call, outputs side by side."""
