@@ -84,6 +84,12 @@ def compute_inv_freq(base: float, dim: int, scaling: dict | None, max_position: 
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, dynamic, llama3, yarn")
 
 
+# (rotary_dim, max_position, base, scaling, neox) -> (cos, sin): the tables the layers of a model share
+# (read-only, float32). A few entries at most per process; cleared past 16 so tests that build many
+# models do not accumulate them.
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 class RotaryEmbedding(nn.Module):
     cos_cache: torch.Tensor  # registered buffers, one row per position
     sin_cache: torch.Tensor
@@ -99,15 +105,29 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.head_dim, self.rotary_dim, self.is_neox_style = head_dim, rotary_dim, is_neox_style
+        # Every layer of a model has the same tables: build them once and share them (for an 8k
+        # context and 128-dim heads they are 8 MB per layer).
+        key = (rotary_dim, max_position, base, repr(sorted((scaling or {}).items())), is_neox_style)
+        device = torch.empty(0).device
+        cached = _TABLES.get(key)
+        if cached is None or cached[0].device != device:
+            cached = self._tables(rotary_dim, max_position, base, scaling, is_neox_style)
+            if len(_TABLES) >= 16:
+                _TABLES.clear()
+            _TABLES[key] = cached
+        self.register_buffer("cos_cache", cached[0], persistent=False)
+        self.register_buffer("sin_cache", cached[1], persistent=False)
+
+    @classmethod
+    def _tables(cls, rotary_dim, max_position, base, scaling, is_neox_style) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq, attention_factor = compute_inv_freq(base, rotary_dim, scaling, max_position)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         if (scaling or {}).get("rope_type") == "dynamic":
-            freqs = self._dynamic_tail(freqs, base, rotary_dim, scaling, max_position)
+            freqs = cls._dynamic_tail(freqs, base, rotary_dim, scaling, max_position)
         if is_neox_style:
             freqs = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", (freqs.cos() * attention_factor), persistent=False)
-        self.register_buffer("sin_cache", (freqs.sin() * attention_factor), persistent=False)
+        return freqs.cos() * attention_factor, freqs.sin() * attention_factor
 
     @staticmethod
     def _dynamic_tail(freqs, base, dim, scaling, max_position):
