@@ -38,7 +38,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
+import llama_cpp  # noqa: E402  (benchmark/llama_cpp.py; builds nothing on import)
 import psutil  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -218,15 +218,7 @@ def our_server(
         server.ready_s = time.monotonic() - started
         yield server
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        llama_cpp.stop_process_group(proc, grace_s=60)
         log.close()
         with contextlib.suppress(OSError):
             os.unlink(log.name)
@@ -640,8 +632,6 @@ def main() -> None:
                 res["ours"][name]["inprocess"] = err(e)
 
     if not args.skip_llama_cpp:
-        import llama_cpp
-
         ll: dict = {}
         try:
             llama_cpp.ensure_built(progress=not args.quiet)

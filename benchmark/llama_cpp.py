@@ -415,18 +415,24 @@ def llama_server(
             time.sleep(0.5)
         yield base_url
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc, grace_s=15)
         log.close()
         with contextlib.suppress(OSError):
             os.unlink(log.name)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM a server started in its own process group, then SIGKILL it after grace_s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # -- CLI -------------------------------------------------------------------------------------------

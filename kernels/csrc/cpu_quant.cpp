@@ -101,27 +101,19 @@ inline void dq_q4_1(const uint8_t* b, float* y) {
   }
 }
 
-inline void dq_q5_0(const uint8_t* b, float* y) {
-  const float d = half_to_float(b);
+// Q5_0: (q - 16) * d; Q5_1: q * d + m. Bit j of qh is the fifth bit of weight j.
+template <bool HAS_MIN>
+inline void dq_q5(const uint8_t* b, float* y) {
+  constexpr int off = HAS_MIN ? 4 : 2;
+  const float d = half_to_float(b), m = HAS_MIN ? half_to_float(b + 2) : 0.f;
   uint32_t qh;
-  std::memcpy(&qh, b + 2, 4);
-  const uint8_t* qs = b + 6;
+  std::memcpy(&qh, b + off, 4);
+  const uint8_t* qs = b + off + 4;
+  const int bias = HAS_MIN ? 0 : 16;
   for (int j = 0; j < 16; ++j) {
     const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
-    y[j] = static_cast<float>(((qs[j] & 15) | h0) - 16) * d;
-    y[j + 16] = static_cast<float>(((qs[j] >> 4) | h1) - 16) * d;
-  }
-}
-
-inline void dq_q5_1(const uint8_t* b, float* y) {
-  const float d = half_to_float(b), m = half_to_float(b + 2);
-  uint32_t qh;
-  std::memcpy(&qh, b + 4, 4);
-  const uint8_t* qs = b + 8;
-  for (int j = 0; j < 16; ++j) {
-    const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
-    y[j] = static_cast<float>((qs[j] & 15) | h0) * d + m;
-    y[j + 16] = static_cast<float>((qs[j] >> 4) | h1) * d + m;
+    y[j] = static_cast<float>(((qs[j] & 15) | h0) - bias) * d + m;
+    y[j + 16] = static_cast<float>(((qs[j] >> 4) | h1) - bias) * d + m;
   }
 }
 
@@ -223,8 +215,8 @@ RowDequant row_dequantizer(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return dq_row_impl<dq_q4_0, 32, 18>;
     case Q4_1: return dq_row_impl<dq_q4_1, 32, 20>;
-    case Q5_0: return dq_row_impl<dq_q5_0, 32, 22>;
-    case Q5_1: return dq_row_impl<dq_q5_1, 32, 24>;
+    case Q5_0: return dq_row_impl<dq_q5<false>, 32, 22>;
+    case Q5_1: return dq_row_impl<dq_q5<true>, 32, 24>;
     case Q8_0: return dq_row_impl<dq_q8_0, 32, 34>;
     case Q4_K: return dq_row_impl<dq_q4_k, 256, 144>;
     case Q5_K: return dq_row_impl<dq_q5_k, 256, 176>;
@@ -259,7 +251,7 @@ const char* isa_name(int isa) {
 
 // Per-thread scratch that only grows: the hot path allocates nothing once warm.
 std::vector<float>& scratch(int which) {
-  thread_local std::vector<float> buffers[3];
+  thread_local std::vector<float> buffers[2];  // 0: a row / results, 1: a prefill tile
   return buffers[which];
 }
 

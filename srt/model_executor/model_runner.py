@@ -150,9 +150,9 @@ class ModelRunner:
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
-        if (ops := cpu_ops) is not None:
+        if cpu_ops is not None:
             logger.info(
-                "Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, ops)
+                "Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, cpu_ops)
             )
         if self.device == "cuda" and (ops := gpu_ops.load()) is not None:
             logger.info(

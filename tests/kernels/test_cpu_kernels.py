@@ -9,16 +9,6 @@ from kernels import cpu as cpu_kernels
 from kernels import reference
 from srt.model_loader.default_model import cache_root
 
-
-@pytest.fixture(scope="module")
-def ops():
-    """The compiled kernels, built (or loaded from the on-disk cache) on first use, not at collection."""
-    loaded = cpu_kernels.load(cache_root())
-    if loaded is None:
-        pytest.skip("no C++ compiler: the runtime falls back to torch_native")
-    return loaded
-
-
 D = 32
 
 

@@ -18,9 +18,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels import cpu as cpu_kernels
-from srt.model_loader.default_model import cache_root
-
 # type -> byte offsets of the fp16 scale fields in a block (set to finite values; the rest is random)
 SCALE_FIELDS = {
     "Q4_0": [0],
@@ -33,14 +30,6 @@ SCALE_FIELDS = {
     "Q6_K": [208],
 }
 TYPES = list(SCALE_FIELDS)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    loaded = cpu_kernels.load(cache_root())
-    if loaded is None:
-        pytest.skip("no C++ compiler: the runtime falls back to dequantized weights")
-    return loaded
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:

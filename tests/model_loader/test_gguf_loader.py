@@ -103,6 +103,20 @@ def random_k_quant(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q) -
     return blocks.reshape(shape[0], -1)
 
 
+def add_tokenizer(w: gguf.GGUFWriter, tokenizer_model: str = "gpt2", add_bos: bool = False) -> None:
+    """The tiny byte-level BPE tokenizer and ChatML template, as llama.cpp stores them."""
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types(TYPES)
+    w.add_token_merges([" ".join(m) for m in MERGES])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHATML)
+
+
 def write_tiny_gguf(
     path: Path,
     weights: dict[str, np.ndarray],
@@ -124,16 +138,7 @@ def write_tiny_gguf(
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(len(TOKENS))
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types(TYPES)
-    w.add_token_merges([" ".join(m) for m in MERGES])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(add_bos)
-    w.add_chat_template(CHATML)
+    add_tokenizer(w, tokenizer_model, add_bos)
     for hf_name, arr in weights.items():
         name = GGUF_NAMES[hf_name]
         if n_head_for(hf_name):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import requests
 from gguf import GGMLQuantizationType as Q
-from test_gguf_loader import CHATML, MERGES, TOKENS, TYPES, llama_cpp_permute
+from test_gguf_loader import TOKENS, add_tokenizer, llama_cpp_permute
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
 VOCAB = len(TOKENS)
@@ -59,16 +59,7 @@ def write_quantized_gguf(path: Path, arch: str, seed: int = 0) -> Path:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types(TYPES)
-    w.add_token_merges([" ".join(m) for m in MERGES])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    add_tokenizer(w)
 
     def add(name: str, shape: tuple[int, int], qtype: Q, heads: int | None = None) -> None:
         data = quantized(rng, shape, qtype)

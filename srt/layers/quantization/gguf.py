@@ -55,7 +55,7 @@ class GGUFWeight:
         if dim == 0:
             return GGUFWeight(self.data.narrow(0, start, length), self.qtype, self.cols)
         size, nbytes = self.block
-        if start % size or length % size:
+        if not self.col_aligned(start, length):
             raise ValueError(f"columns [{start}, {start + length}) do not fall on {self.qtype.name} blocks of {size}")
         return GGUFWeight(self.data.narrow(1, start // size * nbytes, length // size * nbytes), self.qtype, length)
 
