@@ -80,6 +80,20 @@ def runner_factory():
     return make_runner
 
 
+@pytest.fixture(scope="module")
+def ops():
+    """The compiled C++ CPU kernels, built (or loaded from the on-disk cache) on first use, not at
+    collection; skipped without a compiler (the runtime then falls back to torch_native attention
+    and dequantized weights)."""
+    from kernels import cpu as cpu_kernels
+    from srt.model_loader.default_model import cache_root
+
+    loaded = cpu_kernels.load(cache_root())
+    if loaded is None:
+        pytest.skip("no C++ compiler: the runtime falls back to torch_native and dequantized weights")
+    return loaded
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The embedded SmolLM2-135M-Instruct, converted once into the user's cache."""
