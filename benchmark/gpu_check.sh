@@ -4,7 +4,8 @@
 #   (a) tests on CUDA: the Triton kernels against the references (real shapes, bf16), the triton
 #       attention backend against torch_native, greedy outputs identical across backends and with
 #       CUDA graphs on and off, in process and through the Engine (overlap scheduler), float32 and
-#       bf16, on the default model (or its shape with random weights, see below);
+#       bf16, on the default model (or its shape with random weights, see below); --quantization fp8
+#       (torch._scaled_mm) against bf16, and a GGUF file dequantized at load on CUDA;
 #   (b) a Llama-3.1-8B-shaped model (--load-format dummy, bf16) through the Engine: batch-1 decode
 #       tokens/s against the HBM ceiling (4.8 TB/s / bytes of weights a step reads), and output
 #       throughput at 64 and 256 concurrent requests (random 256-token prompts, 256 new tokens).
@@ -28,7 +29,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 WHEELS="pyzmq orjson fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
-opentelemetry-api uvicorn xgrammar apache-tvm-ffi gguf"
+opentelemetry-api uvicorn xgrammar apache-tvm-ffi gguf requests urllib3 idna certifi charset-normalizer"
 
 prepare() {
   local py=${VENV_PYTHON:-.venv/bin/python}
@@ -131,7 +132,7 @@ fi
 stage pytest 140 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -m "not slow and not soak" -rfE --timeout 120 \
   tests/model_executor/test_cuda_graph_runner.py tests/layers/test_triton_backend.py \
   tests/kernels/test_triton_kernels.py tests/layers/test_gpu_ops.py tests/model_executor/test_kv_pool_sizing.py \
-  tests/model_loader/test_dummy_load.py \
+  tests/model_loader/test_dummy_load.py tests/model_loader/test_gpu_quantization.py \
   || FAILED=1
 # (b) Llama-3.1-8B shape, dummy weights, bf16
 stage bench 180 "$PY" benchmark/gpu_check.py bench "$RES/bench.json" || FAILED=1

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from srt.configs.runtime_choices import (
     ATTENTION_BACKEND_NAMES,
+    INT4_GROUP_SIZES,
     QUANTIZATION_METHODS,
     SCHEDULE_POLICIES,
     resolve_device,
@@ -45,6 +46,8 @@ class ServerArgs:
     device: str = "auto"
     load_format: str = "auto"  # dummy: random weights, only config.json (and a tokenizer) needed
     quantization: str | None = None  # None: gguf for a .gguf model on CPU, else dense weights
+    quantization_group_size: int = 128  # int4_weight_only: inputs per scale/minimum
+    torchao_config: str | None = None  # SGLang's spelling of int4_weight_only: int4wo-<group size>
     random_seed: int = 42
     # Memory
     mem_fraction_static: float | None = None
@@ -134,6 +137,13 @@ class ServerArgs:
             raise ValueError(f"--cuda-graph-max-bs must be in [1, 4096], got {self.cuda_graph_max_bs}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if self.torchao_config is not None:
+            self._apply_torchao_config()
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"--quantization-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
+                f"got {self.quantization_group_size}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}"
@@ -160,6 +170,19 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
         if self.api_key is not None and not all(self.api_keys):
             raise ValueError("--api-key must not be empty (or contain an empty key between commas)")
+
+    def _apply_torchao_config(self) -> None:
+        name = self.torchao_config or ""
+        group = name.removeprefix("int4wo-")
+        if not name.startswith("int4wo-") or not group.isdigit() or int(group) not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"--torchao-config supports int4wo-<group size> with a group size in "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))}; got {name!r} (for int8 use --quantization w8a8_int8)"
+            )
+        if self.quantization not in (None, "int4_weight_only"):
+            raise ValueError(f"--torchao-config {name} contradicts --quantization {self.quantization}")
+        self.quantization = "int4_weight_only"
+        self.quantization_group_size = int(group)
 
     def public_dict(self) -> dict:
         """The arguments as /server_info shows them: secrets redacted."""
@@ -281,6 +304,18 @@ class ServerArgs:
             choices=QUANTIZATION_METHODS,
             help="weight format: gguf keeps a GGUF file's quantized blocks and multiplies them with the C++ "
             "CPU kernels (the default for a .gguf model on CPU); none dequantizes to --dtype at load",
+        )
+        g.add_argument(
+            "--quantization-group-size",
+            type=int,
+            default=d.quantization_group_size,
+            help=f"int4_weight_only: weights per scale and minimum along the input ({INT4_GROUP_SIZES})",
+        )
+        g.add_argument(
+            "--torchao-config",
+            default=d.torchao_config,
+            help="SGLang's name for 4-bit weights: int4wo-32, int4wo-64 or int4wo-128 "
+            "(= --quantization int4_weight_only --quantization-group-size N)",
         )
         g.add_argument("--random-seed", type=int, default=d.random_seed)
         g = parser.add_argument_group("memory")

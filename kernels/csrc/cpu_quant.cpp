@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_int8.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -46,6 +47,8 @@ enum QType : int64_t {
   Q5_K = 13,
   Q6_K = 14,
   BF16 = 30,
+  // Not a GGML type: int8 rows with a per-row scale, multiplied with int8 activations (cpu_int8.h).
+  W8A8 = 256,
 };
 
 struct Geometry {
@@ -64,6 +67,7 @@ Geometry geometry(int64_t qtype) {
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
     case BF16: return {32, 64};  // dense bfloat16 rows, multiplied by the same kernels
+    case W8A8: return {1, 1};    // plus a header per row (radixserve_int8::row_bytes)
     default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
   }
   return {0, 0};
@@ -222,6 +226,7 @@ RowDequant row_dequantizer(int64_t qtype) {
     case Q5_K: return dq_row_impl<dq_q5_k, 256, 176>;
     case Q6_K: return dq_row_impl<dq_q6_k, 256, 210>;
     case BF16: return dq_row_impl<dq_bf16, 32, 64>;
+    case W8A8: return radixserve_int8::dequantize_row;
     default: TORCH_CHECK(false, "unsupported quantized weight type ", qtype);
   }
   return nullptr;
@@ -607,6 +612,11 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "quantized weight must be a contiguous uint8 [rows, row_bytes] tensor");
   TORCH_CHECK(qtype != F32 && qtype != F16, "type ", qtype, " is a dense weight, not blocks");
+  if (qtype == W8A8) {
+    TORCH_CHECK(w.size(1) == radixserve_int8::row_bytes(k), "int8 weight rows hold ", w.size(1),
+                " bytes, expected ", radixserve_int8::row_bytes(k), " for K=", k);
+    return;
+  }
   const Geometry g = geometry(qtype);
   TORCH_CHECK(k % g.block == 0, "K=", k, " is not a multiple of the block size ", g.block, " of type ", qtype);
   TORCH_CHECK(w.size(1) == k / g.block * g.bytes, "weight rows hold ", w.size(1), " bytes, expected ",
@@ -693,6 +703,24 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   const at::Tensor x16 =
       x.scalar_type() == at::kBFloat16 && m > kSmallM && g_fast_bf16.load() ? x.contiguous() : at::Tensor();
   const float* xp = xf.data_ptr<float>();
+  // int8 weights multiply int8 activations, quantized per row once for all such weights.
+  radixserve_int8::Acts acts{nullptr, nullptr, nullptr, m, k};
+  int int8_variant = radixserve_int8::kScalar;
+  for (const int64_t qtype : qtypes) {
+    if (qtype != W8A8 || acts.q != nullptr) continue;
+    const int isa = g_isa.load(std::memory_order_relaxed);
+    int8_variant = isa == AVX512 && radixserve_int8::have_vnni() ? radixserve_int8::kVnni
+                   : isa >= AVX2                                 ? radixserve_int8::kAvx2
+                                                                 : radixserve_int8::kScalar;
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<uint8_t> aux;
+    thread_local std::vector<float> scale;
+    if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k), aux.resize(m * k);
+    if (static_cast<int64_t>(scale.size()) < m) scale.resize(m);
+    radixserve_int8::quantize_rows(xp, m, k, int8_variant == radixserve_int8::kVnni, q.data(), aux.data(),
+                                   scale.data());
+    acts = {q.data(), aux.data(), scale.data(), m, k};
+  }
   int64_t col = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
@@ -707,6 +735,14 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
       continue;
     }
     check_weight(blocks, qtype, k);
+    if (qtype == W8A8) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
+        radixserve_int8::gemm<scalar_t>(acts, int8_variant, blocks.data_ptr<uint8_t>(), blocks.size(0),
+                                        out.data_ptr<scalar_t>() + col, n_total);
+      });
+      col += w.size(0);
+      continue;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
       quant_matmul<scalar_t>(xp, m, k, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), qtype,
                              out.data_ptr<scalar_t>() + col, n_total, x16);

@@ -43,4 +43,5 @@ def triton_unavailable_reason(device: str) -> str | None:
 
 
 # --quantization: dense weights, or a GGUF file's blocks kept quantized (srt/layers/quantization/).
-QUANTIZATION_METHODS = ("none", "gguf")
+QUANTIZATION_METHODS = ("none", "gguf", "w8a8_int8", "int4_weight_only", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128)

@@ -131,7 +131,9 @@ class ModelRunner:
             )
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
-        quant_config = build_quant_config(self.quantization, cpu_ops, self.dtype)
+        quant_config = build_quant_config(
+            self.quantization, cpu_ops, self.dtype, self.device, server_args.quantization_group_size
+        )
         self.model = load_model(model_config, self.dtype, self.device, server_args.load_format, quant_config)
         if cpu_ops is not None and self.dtype == torch.bfloat16 and bf16_weight_kernels_wanted():
             logger.info(

@@ -94,8 +94,11 @@ def load_model(
         torch.set_default_dtype(previous)
     gguf_file = gguf_source(model_config.path)
     if load_format == "dummy":
-        if quant_config is not None and quant_config.get_name() == "gguf":
-            raise ModelLoadError("--load-format dummy has no GGUF blocks to load; use --quantization none")
+        if quant_config is not None:
+            raise ModelLoadError(
+                f"--load-format dummy makes random dense weights; --quantization {quant_config.get_name()} "
+                "needs a checkpoint (use --quantization none)"
+            )
         init_dummy_weights(model)
         source = "dummy weights"
     elif quant_config is not None and quant_config.get_name() == "gguf":

@@ -204,3 +204,67 @@ def test_bad_shapes_are_errors(ops):
         ops.quant_linear(torch.randn(1, 96), [blocks], [int(GGMLQuantizationType.Q4_0)])
     with pytest.raises(RuntimeError, match="unsupported quantized weight type"):
         ops.quant_linear(torch.randn(1, 64), [blocks], [int(GGMLQuantizationType.Q2_K)])
+
+
+# -- w8a8_int8: int8 weights per channel x int8 activations per token ------------------------------
+
+
+def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The formula: activations quantized per row (round half to even, like the kernel's
+    nearbyint), the int8 products summed exactly, then both scales applied."""
+    xf = x.float().double()
+    xs = xf.abs().amax(dim=1, keepdim=True) / 127
+    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+    xq = torch.round(xf / xs).clamp(-127, 127)
+    return (xq @ q.double().T) * xs * scale.double()[None]
+
+
+@pytest.mark.parametrize("k", [64, 100, 576])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_int8_linear_matches_formula(ops, m, k):
+    """Every compiled variant (VNNI, AVX2, scalar), fp32 and bf16 activations, K not a multiple of
+    the vector width (100). The int32 sums are exact, so the only differences are float32 rounding
+    of the activation scale and the final product: relative 1e-5 of the output's magnitude. bf16
+    activations are converted to fp32 exactly, so the same reference holds for them."""
+    from srt.layers.quantization.w8a8_int8 import W8A8_QTYPE, pack_rows, quantize_rows
+
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    w = torch.randn(37, k, generator=gen)  # 37 rows: 9 groups of 4 and a tail of 1
+    q, scale = quantize_rows(w)
+    rows = pack_rows(q, scale)
+    best = ops.quant_isa("")
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+            x[0, : k // 2] = 0  # a zero run (and, for m = 1, half the row zero)
+            ref = int8_reference(x, q, scale)
+            for isa in available_isas(ops):
+                ops.quant_isa(isa)
+                out = ops.quant_linear(x, [rows], [W8A8_QTYPE])
+                assert out.dtype == dtype
+                err = (out.double() - ref).abs().max().item()
+                bound = 1e-5 * ref.abs().max().item() + (0 if dtype == torch.float32 else 0.01 * ref.abs().max().item())
+                assert err <= bound, (isa, dtype, err, bound)
+    finally:
+        ops.quant_isa(best)
+
+
+def test_int8_rows_mixed_with_gguf_blocks_and_embedding(ops):
+    """An int8 segment stacked with a Q4_0 one in one call, an all-zero activation row (scale 1,
+    output 0), dequantization for embedding lookups, and a wrong row size named in the error."""
+    from srt.layers.quantization.w8a8_int8 import W8A8_QTYPE, pack_rows, quantize_rows
+
+    k = 128
+    q, scale = quantize_rows(torch.randn(8, k))
+    rows = pack_rows(q, scale)
+    blocks = torch.from_numpy(random_blocks("Q4_0", 5, k, seed=1))
+    x = torch.randn(2, k)
+    x[1] = 0
+    out = ops.quant_linear(x, [rows, blocks], [W8A8_QTYPE, int(GGMLQuantizationType.Q4_0)])
+    assert out.shape == (2, 13)
+    torch.testing.assert_close(out[:, :8], ops.quant_linear(x, [rows], [W8A8_QTYPE]))
+    torch.testing.assert_close(out[:, 8:], ops.quant_linear(x, [blocks], [int(GGMLQuantizationType.Q4_0)]))
+    assert out[1].abs().max().item() == 0
+    torch.testing.assert_close(ops.quant_dequantize(rows, W8A8_QTYPE, k), q.float() * scale[:, None])
+    with pytest.raises(RuntimeError, match="int8 weight rows hold 136 bytes, expected 104 for K=96"):
+        ops.quant_linear(torch.randn(1, 96), [rows], [W8A8_QTYPE])

@@ -224,5 +224,7 @@ def test_bad_quantization_choices_name_the_flag(tiny_model_factory, runner_facto
 
     with pytest.raises(ModelLoadError, match="--quantization gguf needs a .gguf model file"):
         runner_factory(tiny_model_factory("LlamaForCausalLM"), quantization="gguf")
-    with pytest.raises(ValueError, match="--quantization must be one of none, gguf; got 'int3'"):
+    with pytest.raises(
+        ValueError, match="--quantization must be one of none, gguf, w8a8_int8, int4_weight_only, fp8; got 'int3'"
+    ):
         ServerArgs(quantization="int3")

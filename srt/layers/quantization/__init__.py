@@ -2,6 +2,11 @@
 
 none              dense weights in --dtype (GGUF files are dequantized at load)
 gguf              GGUF blocks kept quantized, C++ CPU kernels (default for a .gguf on CPU)
+w8a8_int8         int8 weights per channel x int8 activations per token, C++ CPU kernels
+int4_weight_only  4-bit asymmetric groups of --quantization-group-size, C++ CPU kernels
+fp8               float8 e4m3 weights and activations, torch._scaled_mm (fp8 GPUs; slow on CPU)
+
+The last three quantize a float checkpoint at load (a GGUF file is dequantized first).
 """
 
 from __future__ import annotations
@@ -39,10 +44,19 @@ def resolve_quantization(requested: str | None, gguf_file: str | None, device: s
             )
         if not ops_available:
             raise ValueError("--quantization gguf needs the C++ CPU kernels, which could not be built here")
+    if requested in ("w8a8_int8", "int4_weight_only"):
+        if device != "cpu":
+            raise ValueError(
+                f"--quantization {requested} runs on the C++ CPU kernels; on {device} use --quantization fp8"
+            )
+        if not ops_available:
+            raise ValueError(f"--quantization {requested} needs the C++ CPU kernels, which could not be built here")
     return requested
 
 
-def build_config(name: str, ops, dtype: torch.dtype) -> QuantizationConfig | None:
+def build_config(
+    name: str, ops, dtype: torch.dtype, device: str = "cpu", group_size: int = 128
+) -> QuantizationConfig | None:
     """The QuantizationConfig for a resolved method name (None for dense weights)."""
     if name == "none":
         return None
@@ -50,6 +64,18 @@ def build_config(name: str, ops, dtype: torch.dtype) -> QuantizationConfig | Non
         from srt.layers.quantization.gguf import GGUFConfig
 
         return GGUFConfig(ops, dtype)
+    if name == "w8a8_int8":
+        from srt.layers.quantization.w8a8_int8 import W8A8Int8Config
+
+        return W8A8Int8Config(ops)
+    if name == "int4_weight_only":
+        from srt.layers.quantization.int4 import Int4WeightOnlyConfig
+
+        return Int4WeightOnlyConfig(ops, dtype, group_size)
+    if name == "fp8":
+        from srt.layers.quantization.fp8 import Fp8Config
+
+        return Fp8Config(device)
     raise ValueError(f"unknown quantization method {name!r}")
 
 
