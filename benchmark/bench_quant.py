@@ -4,11 +4,13 @@
     python benchmark/bench_quant.py --configs none --skip-serving     # in-process figures of the fp32 path only
     python benchmark/bench_quant.py --threads 2 --json quant.json --num-prompts 32
 
-Our engine runs in up to three configurations (--configs):
+Our engine runs in these configurations (--configs; gguf, none and bf16 by default):
 
     gguf  --quantization gguf                       GGUF blocks kept quantized (the default for .gguf on CPU)
     none  --quantization none --dtype float32       today's path: dequantized to fp32
     bf16  --quantization none --dtype bfloat16      dequantized, stored as bf16
+    w8a8  --quantization w8a8_int8                  re-quantized to int8 (not run by default)
+    int4  --quantization int4_weight_only           re-quantized to int4, groups of 128 (not run by default)
 
 For each: batch-1 decode tok/s (a 16-token prompt, 128 new tokens, like llama-bench's tg128) and
 prefill tok/s of a 1024-token prompt, in-process (ModelRunner + StaticBatchGenerator, as
@@ -69,6 +71,8 @@ CONFIGS = {
     "gguf": Config("gguf", "gguf", "auto", "gguf"),
     "none": Config("none", "none", "float32", "none fp32"),
     "bf16": Config("bf16", "none", "bfloat16", "none bf16"),
+    "w8a8": Config("w8a8", "w8a8_int8", "float32", "w8a8_int8"),
+    "int4": Config("int4", "int4_weight_only", "float32", "int4 g128"),
 }
 GOALS = {"decode": 1.0, "prefill": 1.5, "serving": 3.0, "weights": 1.15}
 

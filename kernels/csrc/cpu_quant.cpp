@@ -12,14 +12,17 @@
 // Activations stay float (fp32, or bf16/fp16 converted to fp32 in registers): the result equals
 // x @ dequantize(W).T up to summation order, the same weights `--quantization none` multiplies.
 //
-// Dot products are dispatched at run time between the variants compiled in (AVX-512, AVX2+FMA,
-// scalar); `quant_set_isa` narrows the choice (tests run every variant on one machine).
+// Dot products are dispatched at run time between the variants compiled in (AVX-512 with BF16 dot
+// products for Q4_0 / Q4_1 at decode sizes (cpu_bf16x2.h), AVX-512, AVX2+FMA, scalar); `quant_isa`
+// narrows the choice (tests run every variant on one machine). Int8 weights (w8a8_int8) multiply
+// int8 activations (cpu_int8.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_bf16x2.h"
 #include "cpu_int8.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -73,7 +76,8 @@ Geometry geometry(int64_t qtype) {
   return {0, 0};
 }
 
-enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+// AVX512_BF16: AVX-512 plus the bf16 dot products of cpu_bf16x2.h for Q4_0 / Q4_1 at decode sizes.
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -233,7 +237,9 @@ RowDequant row_dequantizer(int64_t qtype) {
 }
 
 int best_isa() {
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_HAVE_BF16X2)
+  return AVX512_BF16;
+#elif defined(__AVX512F__)
   return AVX512;
 #elif defined(__AVX2__) && defined(__FMA__)
   return AVX2;
@@ -248,6 +254,7 @@ std::atomic<bool> g_fast_bf16{false};
 
 const char* isa_name(int isa) {
   switch (isa) {
+    case AVX512_BF16: return "avx512_bf16";
     case AVX512: return "avx512";
     case AVX2: return "avx2";
     default: return "scalar";
@@ -305,6 +312,14 @@ struct V512 {
   static V512 from_nibbles(__m128i q, const Table& table) {
     return {_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), table.t)};
   }
+  // Both nibbles of 16 bytes: vpermps reads only the low 4 bits of each index, so the low nibbles
+  // need no mask and the high ones one shift of the widened bytes.
+  template <class E>
+  static void emit_nibbles(__m128i bytes, const Table& lo, const Table& hi, int64_t off_lo, int64_t off_hi, E&& emit) {
+    const __m512i z = _mm512_cvtepu8_epi32(bytes);
+    emit(V512{_mm512_permutexvar_ps(z, lo.t)}, off_lo);
+    emit(V512{_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), hi.t)}, off_hi);
+  }
   static V512 from_bf16(const uint8_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
@@ -332,6 +347,11 @@ struct V256 {
   };
   static Table nibble_table(float d, float m) { return {d, m}; }
   static V256 from_nibbles(__m128i q, const Table& table) { return from_u8(q).scale(table.d, table.m); }
+  template <class E>
+  static void emit_nibbles(__m128i bytes, const Table& lo, const Table& hi, int64_t off_lo, int64_t off_hi, E&& emit) {
+    emit(from_nibbles(low_nibbles(bytes), lo), off_lo);
+    emit(from_nibbles(high_nibbles(bytes), hi), off_hi);
+  }
   static V256 from_bf16(const uint8_t* p) {
     const __m128i lo = load16(p), hi = load16(p + 16);
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
@@ -353,10 +373,8 @@ struct FQ4_0 {
   template <class V, class E>
   static void decode(const uint8_t* b, E&& emit) {
     const float d = half_to_float(b);
-    const __m128i v = load16(b + 2);
     const auto table = V::nibble_table(d, -8.f * d);
-    emit(V::from_nibbles(low_nibbles(v), table), 0);
-    emit(V::from_nibbles(high_nibbles(v), table), 16);
+    V::emit_nibbles(load16(b + 2), table, table, 0, 16, emit);
   }
 };
 
@@ -365,10 +383,8 @@ struct FQ4_1 {
   template <class V, class E>
   static void decode(const uint8_t* b, E&& emit) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
-    const __m128i v = load16(b + 4);
     const auto table = V::nibble_table(d, m);
-    emit(V::from_nibbles(low_nibbles(v), table), 0);
-    emit(V::from_nibbles(high_nibbles(v), table), 16);
+    V::emit_nibbles(load16(b + 4), table, table, 0, 16, emit);
   }
 };
 
@@ -568,7 +584,7 @@ FusedDot fused_for_type(int64_t qtype, int rows) {
 using FusedDotPtr = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
 FusedDotPtr fused_kernel(int isa, int64_t qtype, int rows) {
 #if defined(__AVX512F__)
-  if (isa == AVX512) return fused_for_type<V512>(qtype, rows);
+  if (isa >= AVX512) return fused_for_type<V512>(qtype, rows);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (isa >= AVX2) return fused_for_type<V256>(qtype, rows);
@@ -580,7 +596,7 @@ FusedDotPtr fused_kernel(int isa, int64_t qtype, int rows) {
 // Row dequantization for `isa`: the fused decoders storing floats, or the portable loops.
 RowDequant row_filler(int isa, int64_t qtype) {
 #if defined(__AVX512F__)
-  if (isa == AVX512) return fill_for_type<V512>(qtype);
+  if (isa >= AVX512) return fill_for_type<V512>(qtype);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (isa >= AVX2) return fill_for_type<V256>(qtype);
@@ -630,6 +646,33 @@ template <typename out_t>
 void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int64_t n, int64_t row_bytes,
                   int64_t qtype, out_t* out, int64_t ldo, const at::Tensor& x16) {
   const int isa = g_isa.load(std::memory_order_relaxed);
+#if defined(RADIXSERVE_HAVE_BF16X2)
+  if (m <= kSmallM && isa >= AVX512_BF16 && (qtype == Q4_0 || qtype == Q4_1)) {
+    namespace b2 = radixserve_bf16x2;
+    const int64_t pairs = b2::pairs_for(k);
+    thread_local std::vector<uint16_t> hi, lo;
+    thread_local std::vector<float> sums;
+    if (static_cast<int64_t>(hi.size()) < m * pairs * 64) hi.resize(m * pairs * 64), lo.resize(m * pairs * 64);
+    if (static_cast<int64_t>(sums.size()) < m * pairs * 4) sums.resize(m * pairs * 4);
+    for (int64_t r = 0; r < m; ++r)
+      b2::prepare_row(xf + r * k, k, hi.data() + r * pairs * 64, lo.data() + r * pairs * 64,
+                      sums.data() + r * pairs * 4);
+    const b2::Acts acts{hi.data(), lo.data(), sums.data(), pairs};
+    b2::DotFn dots[4];
+    for (int rows = 1; rows <= 4; ++rows)
+      dots[rows - 1] = qtype == Q4_1 ? b2::dot_for_rows<true>(rows) : b2::dot_for_rows<false>(rows);
+    const int64_t grain = std::max<int64_t>(1, 16384 / k);
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      float res[kSmallM];
+      for (int64_t j = begin; j < end; ++j) {
+        for (int64_t r = 0; r < m; r += 4)
+          dots[std::min<int64_t>(4, m - r) - 1](wp + j * row_bytes, k, acts, r, res + r);
+        for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
+      }
+    });
+    return;
+  }
+#endif
   if (m <= kSmallM) {
     FusedDotPtr fused[8];
     for (int rows = 1; rows <= 8; ++rows) fused[rows - 1] = fused_kernel(isa, qtype, rows);
@@ -709,7 +752,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   for (const int64_t qtype : qtypes) {
     if (qtype != W8A8 || acts.q != nullptr) continue;
     const int isa = g_isa.load(std::memory_order_relaxed);
-    int8_variant = isa == AVX512 && radixserve_int8::have_vnni() ? radixserve_int8::kVnni
+    int8_variant = isa >= AVX512 && radixserve_int8::have_vnni() ? radixserve_int8::kVnni
                    : isa >= AVX2                                 ? radixserve_int8::kAvx2
                                                                  : radixserve_int8::kScalar;
     thread_local std::vector<int8_t> q;
@@ -787,8 +830,12 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w, int64_t q
 // otherwise the variant is set to `isa` if it is compiled in for this CPU (else an error).
 std::string quant_isa(const std::string& isa) {
   if (!isa.empty()) {
-    int want = isa == "avx512" ? AVX512 : isa == "avx2" ? AVX2 : isa == "scalar" ? SCALAR : -1;
-    TORCH_CHECK(want >= 0, "unknown ISA '", isa, "' (avx512, avx2 or scalar)");
+    int want = isa == "avx512_bf16" ? AVX512_BF16
+               : isa == "avx512"    ? AVX512
+               : isa == "avx2"      ? AVX2
+               : isa == "scalar"    ? SCALAR
+                                    : -1;
+    TORCH_CHECK(want >= 0, "unknown ISA '", isa, "' (avx512_bf16, avx512, avx2 or scalar)");
     TORCH_CHECK(want <= best_isa(), "ISA ", isa, " is not available on this CPU (best: ", isa_name(best_isa()), ")");
     g_isa.store(want);
   }

@@ -93,7 +93,7 @@ class W8A8Int8Config(QuantizationConfig):
 
     def kernel_isa(self) -> str | None:
         isa = self.ops.quant_isa("")
-        return f"{isa}+vnni" if isa == "avx512" and cpu_has_vnni() else isa
+        return f"{isa}+vnni" if isa.startswith("avx512") and cpu_has_vnni() else isa
 
 
 def cpu_has_vnni() -> bool:
