@@ -89,7 +89,9 @@ inline __m512i quant_table() {
 }
 
 // out[r] = dot(row, x[r0 + r]) for r < R; row holds k / 32 blocks of Q4_1 (HAS_MIN) or Q4_0.
-template <bool HAS_MIN, int R>
+// LO = false when the activations are bfloat16 already (the model's dtype): lo is then zero and
+// skipped, and the result is exact up to float32 summation.
+template <bool HAS_MIN, int R, bool LO>
 void dot_q4(const uint8_t* row, int64_t k, const Acts& x, int64_t r0, float* out) {
   constexpr int64_t BYTES = HAS_MIN ? 20 : 18, QOFF = HAS_MIN ? 4 : 2;
   const int64_t nb = k / 32, pairs = x.pairs;
@@ -126,12 +128,14 @@ void dot_q4(const uint8_t* row, int64_t k, const Acts& x, int64_t r0, float* out
     for (int r = 0; r < R; ++r) {
       const uint16_t* xh = x.hi + (r0 + r) * stride + p * 64;
       const uint16_t* xl = x.lo + (r0 + r) * stride + p * 64;
-      // two short chains instead of one of four (vdpbf16ps latency)
       __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, as_bh(_mm512_loadu_si512(xh)));
-      __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, as_bh(_mm512_loadu_si512(xl)));
       t = _mm512_dpbf16_ps(t, wh, as_bh(_mm512_loadu_si512(xh + 32)));
-      u = _mm512_dpbf16_ps(u, wh, as_bh(_mm512_loadu_si512(xl + 32)));
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t, u), dv, acc[r]);
+      if (LO) {  // a second short chain (vdpbf16ps latency)
+        __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), wl, as_bh(_mm512_loadu_si512(xl)));
+        u = _mm512_dpbf16_ps(u, wh, as_bh(_mm512_loadu_si512(xl + 32)));
+        t = _mm512_add_ps(t, u);
+      }
+      acc[r] = _mm512_fmadd_ps(t, dv, acc[r]);
       if (HAS_MIN) macc[r] = _mm_fmadd_ps(hdr, _mm_loadu_ps(x.sums + (r0 + r) * pairs * 4 + p * 4), macc[r]);
     }
   }
@@ -148,14 +152,19 @@ void dot_q4(const uint8_t* row, int64_t k, const Acts& x, int64_t r0, float* out
 
 using DotFn = void (*)(const uint8_t*, int64_t, const Acts&, int64_t, float*);
 
-template <bool HAS_MIN>
+template <bool HAS_MIN, bool LO>
 DotFn dot_for_rows(int rows) {
   switch (rows) {
-    case 1: return dot_q4<HAS_MIN, 1>;
-    case 2: return dot_q4<HAS_MIN, 2>;
-    case 3: return dot_q4<HAS_MIN, 3>;
-    default: return dot_q4<HAS_MIN, 4>;
+    case 1: return dot_q4<HAS_MIN, 1, LO>;
+    case 2: return dot_q4<HAS_MIN, 2, LO>;
+    case 3: return dot_q4<HAS_MIN, 3, LO>;
+    default: return dot_q4<HAS_MIN, 4, LO>;
   }
+}
+
+inline DotFn dot_for(bool has_min, bool lo, int rows) {
+  if (has_min) return lo ? dot_for_rows<true, true>(rows) : dot_for_rows<true, false>(rows);
+  return lo ? dot_for_rows<false, true>(rows) : dot_for_rows<false, false>(rows);
 }
 
 }  // namespace radixserve_bf16x2

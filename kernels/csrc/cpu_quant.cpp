@@ -658,9 +658,10 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
       b2::prepare_row(xf + r * k, k, hi.data() + r * pairs * 64, lo.data() + r * pairs * 64,
                       sums.data() + r * pairs * 4);
     const b2::Acts acts{hi.data(), lo.data(), sums.data(), pairs};
+    // bf16 activations are their own hi part: lo is zero and skipped
+    const bool split = !std::is_same<out_t, at::BFloat16>::value;
     b2::DotFn dots[4];
-    for (int rows = 1; rows <= 4; ++rows)
-      dots[rows - 1] = qtype == Q4_1 ? b2::dot_for_rows<true>(rows) : b2::dot_for_rows<false>(rows);
+    for (int rows = 1; rows <= 4; ++rows) dots[rows - 1] = b2::dot_for(qtype == Q4_1, split, rows);
     const int64_t grain = std::max<int64_t>(1, 16384 / k);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       float res[kSmallM];
