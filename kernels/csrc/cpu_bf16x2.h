@@ -95,7 +95,7 @@ template <bool HAS_MIN, int R, bool LO>
 void dot_q4(const uint8_t* row, int64_t k, const Acts& x, int64_t r0, float* out) {
   constexpr int64_t BYTES = HAS_MIN ? 20 : 18, QOFF = HAS_MIN ? 4 : 2;
   const int64_t nb = k / 32, pairs = x.pairs;
-  const __m512i table = quant_table<HAS_MIN>();
+  static const __m512i table = quant_table<HAS_MIN>();  // built once, not per weight row
   // lanes 0..7 of a product belong to block A, 8..15 to B: d spread accordingly
   const __m512i didx = HAS_MIN ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
                                : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
