@@ -45,6 +45,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+CPU_ISAS = ("scalar", "avx2", "avx512", "avx512_bf16")
+
+
+def cpu_isa_cap() -> str | None:
+    """RADIXSERVE_CPU_ISA: the best instruction set the quantized kernels may use (scalar, avx2,
+    avx512, avx512_bf16), to reproduce an older CPU's code paths on a newer one; unset = the best
+    this CPU has. torch's own kernels take ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA for the same."""
+    value = os.environ.get("RADIXSERVE_CPU_ISA", "").strip().lower()
+    if not value:
+        return None
+    if value not in CPU_ISAS:
+        raise ValueError(f"RADIXSERVE_CPU_ISA must be one of {', '.join(CPU_ISAS)}; got {value!r}")
+    return value
+
+
 def _build_key() -> str:
     h = hashlib.sha256((torch.__version__ + " ".join(CFLAGS)).encode())
     for path in SOURCES + HEADERS:
@@ -102,8 +117,15 @@ def load(cache_root: str):
         time.perf_counter() - start,
         directory,
     )
-    _state["ops"] = torch.ops.radixserve
-    return _state["ops"]
+    ops = torch.ops.radixserve
+    cap = cpu_isa_cap()
+    if cap is not None:
+        best = ops.quant_isa("")
+        if CPU_ISAS.index(cap) < CPU_ISAS.index(best):
+            ops.quant_isa(cap)
+            logger.info("RADIXSERVE_CPU_ISA=%s: quantized kernels limited to %s (this CPU: %s)", cap, cap, best)
+    _state["ops"] = ops
+    return ops
 
 
 def num_decode_splits(batch: int, kv_heads: int, max_len: int) -> int:

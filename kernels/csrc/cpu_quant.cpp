@@ -661,13 +661,23 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
     // bf16 activations are their own hi part: lo is zero and skipped
     const bool split = !std::is_same<out_t, at::BFloat16>::value;
     b2::DotFn dots[4];
-    for (int rows = 1; rows <= 4; ++rows) dots[rows - 1] = b2::dot_for(qtype == Q4_1, split, rows);
-    const int64_t grain = std::max<int64_t>(1, 16384 / k);
+    for (int rows = 1; rows <= 4; ++rows) dots[rows - 1] = b2::dot_for(qtype == Q4_1, split, 1, rows);
+    const int c = b2::weight_rows_for(m, k);
+    const b2::DotFn wide = c > 1 ? b2::dot_for(qtype == Q4_1, split, c, static_cast<int>(m)) : nullptr;
+    const int64_t grain = std::max<int64_t>(4, 16384 / k / 4 * 4);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       float res[kSmallM];
-      for (int64_t j = begin; j < end; ++j) {
+      int64_t j = begin;
+      if (wide != nullptr) {
+        for (; j + c <= end; j += c) {
+          wide(wp + j * row_bytes, row_bytes, k, acts, 0, res);  // res[i * m + r]: row j + i, x row r
+          for (int i = 0; i < c; ++i)
+            for (int64_t r = 0; r < m; ++r) out[r * ldo + j + i] = static_cast<out_t>(res[i * m + r]);
+        }
+      }
+      for (; j < end; ++j) {
         for (int64_t r = 0; r < m; r += 4)
-          dots[std::min<int64_t>(4, m - r) - 1](wp + j * row_bytes, k, acts, r, res + r);
+          dots[std::min<int64_t>(4, m - r) - 1](wp + j * row_bytes, row_bytes, k, acts, r, res + r);
         for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
       }
     });

@@ -29,6 +29,7 @@ from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
 from srt.metrics.collector import render
 from srt.sampling.sampling_params import InvalidSamplingParams
 from srt.server_args import ServerArgs
+from srt.utils import release_free_heap
 from srt.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -446,6 +447,7 @@ def launch_server(server_args: ServerArgs) -> None:
     assert subs.port_args is not None, "launch_subprocesses returns with the workers' ports"
     tm = TokenizerManager(server_args, subs.port_args, subs.scheduler_info)
     app = create_app(tm, server_args)
+    release_free_heap()
     config = uvicorn.Config(
         app,
         host=server_args.host,

@@ -106,6 +106,23 @@ def test_linear_matches_reference(ops, type_name, m):
         check(out_bf16, ref16, bound16, k, bf16=True, slack=bf16x2_slack(ops, x, blocks, type_name))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_linear_long_rows(ops, type_name, m):
+    """Rows long enough (K >= 8192) that decode takes several weight rows per activation load
+    (cpu_bf16x2.h); an odd block count (K = 8224 is 257 blocks) and a row count that is not a
+    multiple of 4 exercise the partial pair and the tail rows."""
+    qtype = int(GGMLQuantizationType[type_name])
+    k = 8224
+    blocks = random_blocks(type_name, 43, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    for xin in (x, x.bfloat16()):
+        ref, bound = reference(xin.float(), blocks, type_name)
+        out = ops.quant_linear(xin, [torch.from_numpy(blocks)], [qtype])
+        assert out.dtype == xin.dtype and out.shape == (m, 43)
+        check(out, ref, bound, k, bf16=xin.dtype == torch.bfloat16, slack=bf16x2_slack(ops, x, blocks, type_name))
+
+
 def available_isas(ops) -> list[str]:
     best = ops.quant_isa("")
     names = ["scalar", "avx2", "avx512", "avx512_bf16"]
@@ -282,3 +299,24 @@ def test_int8_rows_mixed_with_gguf_blocks_and_embedding(ops):
     torch.testing.assert_close(ops.quant_dequantize(rows, W8A8_QTYPE, k), q.float() * scale[:, None])
     with pytest.raises(RuntimeError, match="int8 weight rows hold 136 bytes, expected 104 for K=96"):
         ops.quant_linear(torch.randn(1, 96), [rows], [W8A8_QTYPE])
+
+
+def test_cpu_isa_cap_env(ops):
+    """RADIXSERVE_CPU_ISA caps the kernels' instruction set (to reproduce an older CPU's paths);
+    a value that is not an ISA name is a clear error."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from kernels import cpu; from srt.model_loader.default_model import cache_root; "
+        "from srt.utils import cpu_has_fast_bf16; "
+        "print(cpu.load(cache_root()).quant_isa(''), cpu_has_fast_bf16())"
+    )
+    env = {**os.environ, "RADIXSERVE_CPU_ISA": "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["scalar", "False"]
+    env["RADIXSERVE_CPU_ISA"] = "sse9"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "RADIXSERVE_CPU_ISA must be one of" in out.stderr and "'sse9'" in out.stderr
