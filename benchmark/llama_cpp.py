@@ -230,7 +230,15 @@ def _run_streamed(cmd: list[str], cwd: str, log, progress: bool, desc: str, env:
 def ensure_built(
     progress: bool = True, jobs: int = 2, extra_flags: list[str] | None = None, force: bool = False
 ) -> dict[str, str]:
-    """Paths of the llama-bench and llama-server binaries, building them first if needed (idempotent)."""
+    """Paths of the llama-bench and llama-server binaries, building them first if needed (idempotent).
+    LLAMA_CPP_BIN_DIR names another build's bin/ folder to use as it is (e.g. one configured with
+    -DGGML_NATIVE=OFF -DGGML_AVX512=OFF to compare AVX2 paths on a newer CPU); nothing is built then."""
+    custom = os.environ.get("LLAMA_CPP_BIN_DIR")
+    if custom:
+        bins = {t: os.path.join(custom, t) for t in TARGETS}
+        if not any(os.access(p, os.X_OK) for p in bins.values()):
+            raise RuntimeError(f"LLAMA_CPP_BIN_DIR={custom} holds neither of {', '.join(TARGETS)}")
+        return bins
     flags = CMAKE_FLAGS + EXTRA_CMAKE_FLAGS + list(extra_flags or [])
     info = build_info()
     if (

@@ -24,6 +24,7 @@
 #include "cpu_common.h"
 #include "cpu_bf16x2.h"
 #include "cpu_int8.h"
+#include "cpu_i16act.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -678,6 +679,30 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
       for (; j < end; ++j) {
         for (int64_t r = 0; r < m; r += 4)
           dots[std::min<int64_t>(4, m - r) - 1](wp + j * row_bytes, row_bytes, k, acts, r, res + r);
+        for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
+      }
+    });
+    return;
+  }
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+  if (m <= kSmallM && (isa == AVX2 || isa == AVX512) && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) {
+    namespace q16 = radixserve_i16act;
+    const int64_t nb = k / 32;
+    thread_local std::vector<int16_t> q;
+    thread_local std::vector<float> ds;
+    if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
+    if (static_cast<int64_t>(ds.size()) < 2 * m * nb) ds.resize(2 * m * nb);
+    for (int64_t r = 0; r < m; ++r)
+      q16::prepare_row(xf + r * k, k, q.data() + r * k, ds.data() + r * nb, ds.data() + (m + r) * nb);
+    const q16::Acts acts{q.data(), ds.data(), ds.data() + m * nb, nb};
+    q16::DotFn dots[4];
+    for (int rows = 1; rows <= 4; ++rows) dots[rows - 1] = q16::dot_for(qtype, rows);
+    const int64_t grain = std::max<int64_t>(1, 16384 / k);
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      float res[kSmallM];
+      for (int64_t j = begin; j < end; ++j) {
+        for (int64_t r = 0; r < m; r += 4) dots[std::min<int64_t>(4, m - r) - 1](wp + j * row_bytes, acts, r, res + r);
         for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
       }
     });

@@ -8,7 +8,7 @@ Tolerances: the kernels dequantize to the same float32 weights as the reference 
 rounding apart: the compiler may fuse scale * q + min into one FMA) and sum K products in float32
 in a different order. Recursive summation of K terms errs by at most about K * 2^-24 * sum|x_i w_i|
 (Higham's gamma_K), so each output is checked against 2 * K * 2^-24 * (|x| @ |W|.T) plus a tiny
-absolute floor (and, for the bf16-split 4-bit decode kernels, the slack `bf16x2_slack` derives).
+absolute floor (and, for the decode kernels that round activations, the slack `activation_slack` derives).
 bf16 activations are exact in float32; only the bf16 output rounding (2^-8 relative) is added.
 """
 
@@ -50,6 +50,25 @@ def reference(x: torch.Tensor, blocks: np.ndarray, type_name: str) -> tuple[torc
     w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64))
     xd = x.double()
     return xd @ w.T, xd.abs() @ w.abs().T
+
+
+def activation_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
+    """How far the decode kernels' activation handling may move an output beyond float32 summation:
+    bf16-split activations on AVX512-BF16, int16 activations on AVX2 / AVX-512 (see below), else 0."""
+    return bf16x2_slack(ops, x, blocks, type_name) + i16act_slack(ops, x, blocks, type_name)
+
+
+def i16act_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
+    """Q4_0 / Q4_1 / Q8_0 at decode sizes (M <= 24) on AVX2 and AVX-512 without BF16
+    (kernels/csrc/cpu_i16act.h) quantize each 32-value block of x to int16 with d_x = max |x| / 32767:
+    every x moves by at most d_x / 2, so an output moves by at most sum_blocks d_x / 2 * sum |w|
+    over the block; the int32 block sums are exact, and the product d_w * d_x adds one rounding."""
+    if type_name not in ("Q4_0", "Q4_1", "Q8_0") or x.shape[0] > 24 or ops.quant_isa("") not in ("avx2", "avx512"):
+        return 0
+    w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64))
+    xd = x.double()
+    half_step = (xd.abs().reshape(x.shape[0], -1, 32).amax(-1, keepdim=True) / 32767 / 2).expand(-1, -1, 32)
+    return half_step.reshape(x.shape) @ w.abs().T + 2.0**-22 * (xd.abs() @ w.abs().T)
 
 
 def bf16x2_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
@@ -99,28 +118,36 @@ def test_linear_matches_reference(ops, type_name, m):
         ref, bound = reference(x, blocks, type_name)
         out = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
         assert out.dtype == torch.float32 and out.shape == (m, 40)
-        check(out, ref, bound, k, slack=bf16x2_slack(ops, x, blocks, type_name))
+        check(out, ref, bound, k, slack=activation_slack(ops, x, blocks, type_name))
         out_bf16 = ops.quant_linear(x.bfloat16(), [torch.from_numpy(blocks)], [qtype])
         assert out_bf16.dtype == torch.bfloat16
         ref16, bound16 = reference(x.bfloat16().float(), blocks, type_name)
-        check(out_bf16, ref16, bound16, k, bf16=True, slack=bf16x2_slack(ops, x, blocks, type_name))
+        slack16 = activation_slack(ops, x.bfloat16().float(), blocks, type_name)
+        check(out_bf16, ref16, bound16, k, bf16=True, slack=slack16)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_linear_long_rows(ops, type_name, m):
     """Rows long enough (K >= 8192) that decode takes several weight rows per activation load
-    (cpu_bf16x2.h); an odd block count (K = 8224 is 257 blocks) and a row count that is not a
+    (cpu_bf16x2.h), on every ISA this CPU has; an odd block count (K = 8224 is 257 blocks) and a row count that is not a
     multiple of 4 exercise the partial pair and the tail rows."""
     qtype = int(GGMLQuantizationType[type_name])
     k = 8224
     blocks = random_blocks(type_name, 43, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    for xin in (x, x.bfloat16()):
-        ref, bound = reference(xin.float(), blocks, type_name)
-        out = ops.quant_linear(xin, [torch.from_numpy(blocks)], [qtype])
-        assert out.dtype == xin.dtype and out.shape == (m, 43)
-        check(out, ref, bound, k, bf16=xin.dtype == torch.bfloat16, slack=bf16x2_slack(ops, x, blocks, type_name))
+    best = ops.quant_isa("")
+    try:
+        for isa in available_isas(ops):
+            ops.quant_isa(isa)
+            for xin in (x, x.bfloat16()):
+                ref, bound = reference(xin.float(), blocks, type_name)
+                out = ops.quant_linear(xin, [torch.from_numpy(blocks)], [qtype])
+                assert out.dtype == xin.dtype and out.shape == (m, 43)
+                slack = activation_slack(ops, xin.float(), blocks, type_name)
+                check(out, ref, bound, k, bf16=xin.dtype == torch.bfloat16, slack=slack)
+    finally:
+        ops.quant_isa(best)
 
 
 def available_isas(ops) -> list[str]:
@@ -143,7 +170,7 @@ def test_every_compiled_isa(ops, type_name):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 ref, bound = reference(x, blocks.numpy(), type_name)
                 out = ops.quant_linear(x, [blocks], [qtype])
-                check(out, ref, bound, k, slack=bf16x2_slack(ops, x, blocks.numpy(), type_name))
+                check(out, ref, bound, k, slack=activation_slack(ops, x, blocks.numpy(), type_name))
     finally:
         ops.quant_isa(best)
     with pytest.raises(RuntimeError, match="unknown ISA"):

@@ -1,0 +1,187 @@
+// Decode-sized products of Q4_0 / Q4_1 / Q8_0 GGUF blocks with activations quantized to int16, for
+// CPUs without AVX512-BF16 (AVX2 and AVX-512 F/BW); included by cpu_quant.cpp.
+//
+// Widening every weight to a float costs about four vector operations per 8 weights on AVX2, which
+// held a batch-1 4-bit GEMV to ~40% of the memory bandwidth on two cores. Here each 32-value block of
+// an activation row is quantized once per call to int16 with its own scale (d_x = max |x| / 32767),
+// and a block's dot product is two `vpmaddwd` (or `vpdpwssd` with AVX512-VNNI) over the weights
+// widened to int16: exact integer sums (|sum| < 2^24, so exact in float too), scaled by d_w * d_x.
+// Q4_1's offset m multiplies the block's float sum of x, kept exactly.
+//
+// Why int16 and not llama.cpp's int8 activations (one `vpmaddubsw` per block; measured no faster at
+// K = 4096 on Zen 4 with the AVX2 code, 26 vs 26 GB/s on two cores, and faster only for K >= 8192):
+// int8 moves each activation by up to 1/254 of its block's largest, enough to flip greedy tokens
+// against the float path on small models; int16 moves it by at most 1/65534 of it (d_x / 2), the
+// same order as the bf16-split kernels (cpu_bf16x2.h), and greedy output stays identical.
+// An output moves by at most sum_blocks (d_x / 2) * sum |w| of the block beyond float32
+// summation; tests bound exactly that.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RADIXSERVE_HAVE_I16ACT 1
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace radixserve_i16act {
+
+struct Acts {
+  const int16_t* q;  // [m, nb * 32]
+  const float* d;    // [m, nb]: the block's scale
+  const float* s;    // [m, nb]: the block's float sum of x (for Q4_1's offset)
+  int64_t nb;
+};
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One activation row of k floats (k % 32 == 0) into int16 blocks with their scales and sums.
+inline void prepare_row(const float* x, int64_t k, int16_t* q, float* d, float* s) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const float* xb = x + 32 * b;
+    __m256 v[4];
+    __m256 mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], abs_mask));
+      sm = _mm256_add_ps(sm, v[i]);
+    }
+    const float amax = hmax8(mx);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    for (int h = 0; h < 2; ++h) {  // packs work within 128-bit lanes: x0-3 x8-11 | x4-7 x12-15, then reorder
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h], inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + 1], inv));
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b + 16 * h), p);
+    }
+    d[b] = amax / 32767.f;
+    s[b] = hsum8(sm);
+  }
+}
+
+// Eight int32 lanes summing w0 * x0 + w1 * x1 (16 int16 pairs each).
+inline __m256i dot_i16(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+enum Format { Q4_0, Q4_1, Q8_0 };
+
+// A block's 32 quants as int16: weights 0..15 and 16..31.
+template <Format F>
+struct Block;
+
+template <>
+struct Block<Q4_0> {
+  static constexpr int64_t BYTES = 18;
+  static constexpr bool HAS_MIN = false;
+  static void quants(const uint8_t* b, __m256i& w0, __m256i& w1) {  // -8..7: low nibbles, then high
+    const __m128i q = load16(b + 2), m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    w0 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(q, m), eight));
+    w1 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m), eight));
+  }
+};
+
+template <>
+struct Block<Q4_1> {
+  static constexpr int64_t BYTES = 20;
+  static constexpr bool HAS_MIN = true;
+  static void quants(const uint8_t* b, __m256i& w0, __m256i& w1) {  // 0..15
+    const __m128i q = load16(b + 4), m = _mm_set1_epi8(0x0F);
+    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(q, m));
+    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m));
+  }
+};
+
+template <>
+struct Block<Q8_0> {
+  static constexpr int64_t BYTES = 34;
+  static constexpr bool HAS_MIN = false;
+  static void quants(const uint8_t* b, __m256i& w0, __m256i& w1) {
+    w0 = _mm256_cvtepi8_epi16(load16(b + 2));
+    w1 = _mm256_cvtepi8_epi16(load16(b + 18));
+  }
+};
+
+// acc[r] += (block b of row) . (block b of x[r0 + r]) * d_w * d_x for r < R (Q4_1: macc += m_w * sum x).
+template <Format F, int R>
+inline void block_dot(const uint8_t* row, const Acts& x, int64_t r0, int64_t b, __m256* acc, float* macc) {
+  using B = Block<F>;
+  const uint8_t* blk = row + b * B::BYTES;
+  __m256i w0, w1;
+  B::quants(blk, w0, w1);
+  const float dw = half_to_float(blk);
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * x.nb + b;
+    const __m256i* xq = reinterpret_cast<const __m256i*>(x.q + i * 32);
+    const __m256 p = _mm256_cvtepi32_ps(dot_i16(w0, _mm256_loadu_si256(xq), w1, _mm256_loadu_si256(xq + 1)));
+    acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * x.d[i]), acc[r]);
+    if (B::HAS_MIN) macc[r] += half_to_float(blk + 2) * x.s[i];
+  }
+}
+
+// out[r] = dot(row, x[r0 + r]) for r < R over nb blocks of format F; blocks go in pairs, one
+// accumulator chain each, to hide the FMA latency.
+template <Format F, int R>
+void dot_rows(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
+  const int64_t nb = x.nb;
+  __m256 acc0[R], acc1[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps(), macc[r] = 0.f;
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    block_dot<F, R>(row, x, r0, b, acc0, macc);
+    block_dot<F, R>(row, x, r0, b + 1, acc1, macc);
+  }
+  if (b < nb) block_dot<F, R>(row, x, r0, b, acc0, macc);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
+}
+
+using DotFn = void (*)(const uint8_t*, const Acts&, int64_t, float*);
+
+template <Format F>
+DotFn dot_for_rows(int rows) {
+  switch (rows) {
+    case 1: return dot_rows<F, 1>;
+    case 2: return dot_rows<F, 2>;
+    case 3: return dot_rows<F, 3>;
+    default: return dot_rows<F, 4>;
+  }
+}
+
+// The kernel for GGML type `qtype` (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) and up to 4 activation rows, or nullptr.
+inline DotFn dot_for(int64_t qtype, int rows) {
+  switch (qtype) {
+    case 2: return dot_for_rows<Q4_0>(rows);
+    case 3: return dot_for_rows<Q4_1>(rows);
+    case 8: return dot_for_rows<Q8_0>(rows);
+    default: return nullptr;
+  }
+}
+
+}  // namespace radixserve_i16act
+#endif
