@@ -1,5 +1,6 @@
-// Decode-sized products of Q4_0 / Q4_1 / Q8_0 GGUF blocks with activations quantized to int16, for
-// CPUs without AVX512-BF16 (AVX2 and AVX-512 F/BW); included by cpu_quant.cpp.
+// Decode-sized products of Q4_0 / Q4_1 / Q8_0 GGUF blocks with activations quantized to int16 (Q4_0 /
+// Q4_1 on CPUs without AVX512-BF16, which take cpu_bf16x2.h; Q8_0 on all from AVX2 up); included by
+// cpu_quant.cpp.
 //
 // Widening every weight to a float costs about four vector operations per 8 weights on AVX2, which
 // held a batch-1 4-bit GEMV to ~40% of the memory bandwidth on two cores. Here each 32-value block of

@@ -686,7 +686,9 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
   }
 #endif
 #if defined(RADIXSERVE_HAVE_I16ACT)
-  if (m <= kSmallM && (isa == AVX2 || isa == AVX512) && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) {
+  // Q4_0 / Q4_1 on AVX512-BF16 take the bf16 kernels above; Q8_0 comes here on every ISA from AVX2 up
+  // (on Zen 4 with 2 threads 40 GB/s against 31 for the float-widening AVX-512 kernel).
+  if (m <= kSmallM && isa >= AVX2 && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) {
     namespace q16 = radixserve_i16act;
     const int64_t nb = k / 32;
     thread_local std::vector<int16_t> q;

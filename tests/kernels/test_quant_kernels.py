@@ -54,16 +54,21 @@ def reference(x: torch.Tensor, blocks: np.ndarray, type_name: str) -> tuple[torc
 
 def activation_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
     """How far the decode kernels' activation handling may move an output beyond float32 summation:
-    bf16-split activations on AVX512-BF16, int16 activations on AVX2 / AVX-512 (see below), else 0."""
+    bf16-split or int16 activations (see below), else 0."""
     return bf16x2_slack(ops, x, blocks, type_name) + i16act_slack(ops, x, blocks, type_name)
 
 
 def i16act_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
-    """Q4_0 / Q4_1 / Q8_0 at decode sizes (M <= 24) on AVX2 and AVX-512 without BF16
-    (kernels/csrc/cpu_i16act.h) quantize each 32-value block of x to int16 with d_x = max |x| / 32767:
+    """Q8_0 on AVX2 and up, and Q4_0 / Q4_1 on AVX2 and AVX-512 without BF16, at decode sizes
+    (M <= 24; kernels/csrc/cpu_i16act.h) quantize each 32-value block of x to int16 with d_x = max |x| / 32767:
     every x moves by at most d_x / 2, so an output moves by at most sum_blocks d_x / 2 * sum |w|
     over the block; the int32 block sums are exact, and the product d_w * d_x adds one rounding."""
-    if type_name not in ("Q4_0", "Q4_1", "Q8_0") or x.shape[0] > 24 or ops.quant_isa("") not in ("avx2", "avx512"):
+    isa = ops.quant_isa("")
+    if (
+        x.shape[0] > 24
+        or isa == "scalar"
+        or type_name not in ("Q8_0",) + (("Q4_0", "Q4_1") if isa != "avx512_bf16" else ())
+    ):
         return 0
     w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64))
     xd = x.double()
