@@ -23,12 +23,12 @@ void rotary_neox(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                       at::Tensor& out, double scale, int64_t num_splits);
-at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes);
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
 
 namespace {
 
 at::Tensor project(const at::Tensor& x, at::TensorList w, at::IntArrayRef t, const c10::optional<at::Tensor>& bias) {
-  at::Tensor out = quant_linear(x, w, t);
+  at::Tensor out = quant_linear(x, w, t, false);
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
 }
@@ -81,10 +81,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
   decode_attention(q3, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn, scale, num_splits);
   at::Tensor o = project(attn.view({tokens, q_size}), o_w, o_t, o_bias);
   rms_norm(o, residual, ln2, eps);  // residual += o; o = norm(residual)
-  at::Tensor gate_up = quant_linear(o, gate_up_w, gate_up_t);
+  at::Tensor gate_up = quant_linear(o, gate_up_w, gate_up_t, false);
   at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
   silu_and_mul(act, gate_up);
-  return quant_linear(act, down_w, down_t);
+  return quant_linear(act, down_w, down_t, false);
 }
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {

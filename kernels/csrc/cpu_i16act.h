@@ -1,6 +1,6 @@
-// Decode-sized products of Q4_0 / Q4_1 / Q8_0 GGUF blocks with activations quantized to int16 (Q4_0 /
-// Q4_1 on CPUs without AVX512-BF16, which take cpu_bf16x2.h; Q8_0 on all from AVX2 up); included by
-// cpu_quant.cpp.
+// Decode-sized products of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K GGUF blocks with activations quantized to
+// int16 (Q4_0 / Q4_1 only on CPUs without AVX512-BF16, which take cpu_bf16x2.h; the others on every
+// CPU from AVX2 up); included by cpu_quant.cpp.
 //
 // Widening every weight to a float costs about four vector operations per 8 weights on AVX2, which
 // held a batch-1 4-bit GEMV to ~40% of the memory bandwidth on two cores. Here each 32-value block of
@@ -162,7 +162,105 @@ void dot_rows(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
   for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
 }
 
+inline __m256i madd_i16(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(w, x);
+#endif
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Q4_K super-blocks (256 weights, 144 bytes): d, dmin (fp16), 12 bytes of 6-bit scales and mins for
+// 8 sub-blocks of 32, then 128 bytes of nibbles; bytes 32c..32c+31 hold sub-block 2c in their low
+// nibbles and 2c + 1 in their high ones. w = d * sc_j * q - dmin * m_j.
+template <int R>
+void dot_q4k(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
+  __m256 acc0[R], acc1[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps(), macc[r] = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * 144;
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const uint8_t* s = blk + 4;
+    float sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) {
+      const int a = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+      const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      sc[j] = d * static_cast<float>(a), mn[j] = dmin * static_cast<float>(m);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load32(blk + 16 + 32 * c);
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      const __m256i a0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+      const __m256i a1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+      const __m256i b0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+      const __m256i b1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * x.nb + sb * 8 + 2 * c;  // x blocks of sub-blocks 2c and 2c + 1
+        const __m256i* xq = reinterpret_cast<const __m256i*>(x.q + i * 32);
+        const __m256 pa = _mm256_cvtepi32_ps(dot_i16(a0, _mm256_loadu_si256(xq), a1, _mm256_loadu_si256(xq + 1)));
+        const __m256 pb = _mm256_cvtepi32_ps(dot_i16(b0, _mm256_loadu_si256(xq + 2), b1, _mm256_loadu_si256(xq + 3)));
+        acc0[r] = _mm256_fmadd_ps(pa, _mm256_set1_ps(sc[2 * c] * x.d[i]), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(pb, _mm256_set1_ps(sc[2 * c + 1] * x.d[i + 1]), acc1[r]);
+        macc[r] += mn[2 * c] * x.s[i] + mn[2 * c + 1] * x.s[i + 1];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) - macc[r];
+}
+
+// Q6_K super-blocks (256 weights, 210 bytes): 128 bytes of low nibbles (ql), 64 of high 2-bit pairs
+// (qh), 16 int8 scales for sub-blocks of 16, d (fp16). Per half of 128 weights, with L0 = ql[0..31],
+// L1 = ql[32..63], H = qh[0..31]: weights 0..31 are L0 & 15 | (H & 3) << 4, 32..63 L1 & 15 | (H >> 2
+// & 3) << 4, 64..95 L0 >> 4 | (H >> 4 & 3) << 4, 96..127 L1 >> 4 | (H >> 6) << 4; w = d * sc * (q - 32).
+template <int R>
+void dot_q6k(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const float d = half_to_float(blk + 208);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk + 64 * h;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * h;
+      const __m256i l0 = load32(ql), l1 = load32(ql + 32), hb = load32(blk + 128 + 32 * h);
+      __m256i q[4];
+      q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+      q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+      for (int n = 0; n < 4; ++n) {
+        const __m256i qs = _mm256_sub_epi8(q[n], off);  // -32..31
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(qs));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(qs, 1));
+        const float s0 = d * static_cast<float>(sc[2 * n]), s1 = d * static_cast<float>(sc[2 * n + 1]);
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (r0 + r) * x.nb + sb * 8 + 4 * h + n;
+          const __m256i* xq = reinterpret_cast<const __m256i*>(x.q + i * 32);
+          const __m256 p0 = _mm256_cvtepi32_ps(madd_i16(w0, _mm256_loadu_si256(xq)));
+          const __m256 p1 = _mm256_cvtepi32_ps(madd_i16(w1, _mm256_loadu_si256(xq + 1)));
+          acc0[r] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0 * x.d[i]), acc0[r]);
+          acc1[r] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1 * x.d[i]), acc1[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
 using DotFn = void (*)(const uint8_t*, const Acts&, int64_t, float*);
+
+template <int R>
+DotFn dot_k(int64_t qtype) {
+  return qtype == 12 ? dot_q4k<R> : dot_q6k<R>;
+}
 
 template <Format F>
 DotFn dot_for_rows(int rows) {
@@ -174,12 +272,15 @@ DotFn dot_for_rows(int rows) {
   }
 }
 
-// The kernel for GGML type `qtype` (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) and up to 4 activation rows, or nullptr.
+// The kernel for GGML type `qtype` (2 = Q4_0, 3 = Q4_1, 8 = Q8_0, 12 = Q4_K, 14 = Q6_K) and up to 4
+// activation rows, or nullptr.
 inline DotFn dot_for(int64_t qtype, int rows) {
   switch (qtype) {
     case 2: return dot_for_rows<Q4_0>(rows);
     case 3: return dot_for_rows<Q4_1>(rows);
     case 8: return dot_for_rows<Q8_0>(rows);
+    case 12:
+    case 14: return rows == 1 ? dot_k<1>(qtype) : rows == 2 ? dot_k<2>(qtype) : rows == 3 ? dot_k<3>(qtype) : dot_k<4>(qtype);
     default: return nullptr;
   }
 }

@@ -645,7 +645,7 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 // `x16`: the bf16 activations when prefill tiles should be multiplied in bf16 (else undefined).
 template <typename out_t>
 void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int64_t n, int64_t row_bytes,
-                  int64_t qtype, out_t* out, int64_t ldo, const at::Tensor& x16) {
+                  int64_t qtype, out_t* out, int64_t ldo, const at::Tensor& x16, bool exact) {
   const int isa = g_isa.load(std::memory_order_relaxed);
 #if defined(RADIXSERVE_HAVE_BF16X2)
   if (m <= kSmallM && isa >= AVX512_BF16 && (qtype == Q4_0 || qtype == Q4_1)) {
@@ -686,9 +686,10 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
   }
 #endif
 #if defined(RADIXSERVE_HAVE_I16ACT)
-  // Q4_0 / Q4_1 on AVX512-BF16 take the bf16 kernels above; Q8_0 comes here on every ISA from AVX2 up
-  // (on Zen 4 with 2 threads 40 GB/s against 31 for the float-widening AVX-512 kernel).
-  if (m <= kSmallM && isa >= AVX2 && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) {
+  // Q4_0 / Q4_1 on AVX512-BF16 take the bf16 kernels above; Q8_0, Q4_K and Q6_K come here on every ISA
+  // from AVX2 up (Zen 4, 2 threads: Q8_0 40 GB/s against 31 for the float-widening AVX-512 kernel).
+  if (m <= kSmallM && isa >= AVX2 && !exact &&
+      (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K)) {
     namespace q16 = radixserve_i16act;
     const int64_t nb = k / 32;
     thread_local std::vector<int16_t> q;
@@ -770,7 +771,9 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
 // x [M, K] (float, bfloat16 or half) times several weights stacked along N, each a quantized
 // uint8 [N_i, row_bytes] tensor of GGML type qtypes[i], or a dense [N_i, K] tensor (qtypes[i] is
 // F32, F16 or BF16). Returns [M, sum N_i] in x's dtype.
-at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes) {
+// `exact`: keep float activations (the LM head: its logits see activation rounding undamped, so the
+// int16-activation kernels are not used for it; the bf16-split ones are, at 2^-17).
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [M, K]");
   TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "quant_linear: one qtype per weight");
   const int64_t m = x.size(0), k = x.size(1);
@@ -826,7 +829,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
       quant_matmul<scalar_t>(xp, m, k, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), qtype,
-                             out.data_ptr<scalar_t>() + col, n_total, x16);
+                             out.data_ptr<scalar_t>() + col, n_total, x16, exact);
     });
     col += w.size(0);
   }
@@ -888,7 +891,7 @@ bool quant_fast_bf16(bool enable) {
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("quant_fast_bf16(bool enable) -> bool", &quant_fast_bf16);
-  m.def("quant_linear(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor[] weights, int[] qtypes, bool exact=False) -> Tensor");
   m.def("quant_dequantize(Tensor w, int qtype, int k) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor w, int qtype, int k, ScalarType dtype) -> Tensor");
   m.def("quant_isa(str isa) -> str", &quant_isa);

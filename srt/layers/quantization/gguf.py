@@ -78,9 +78,11 @@ class _Segment:
 class GGUFLinearMethod(LinearMethodBase):
     name = "gguf"
 
-    def __init__(self, ops, dtype: torch.dtype):
+    def __init__(self, ops, dtype: torch.dtype, exact: bool = False):
         self.ops = ops
         self.dtype = dtype
+        # The LM head keeps float activations in its decode kernels (see quant_linear's `exact`).
+        self.exact = exact
         # One method per layer: the layer's weight lives here.
         self.shape = (0, 0)  # [output rows, input columns] on this rank
         self.segments: list[_Segment] = []  # while loading
@@ -159,7 +161,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        out = self.ops.quant_linear(x.reshape(-1, shape[-1]), self.qweights, self.qtypes)
+        out = self.ops.quant_linear(x.reshape(-1, shape[-1]), self.qweights, self.qtypes, self.exact)
         out = out.view(*shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
@@ -204,7 +206,8 @@ class GGUFConfig(QuantizationConfig):
         return "gguf"
 
     def get_method(self, layer: nn.Module, kind: str, prefix: str) -> LinearMethodBase:
-        return GGUFLinearMethod(self.ops, self.dtype)
+        # The embedding's method is also the LM head of a tied model.
+        return GGUFLinearMethod(self.ops, self.dtype, exact=kind in ("embedding", "lm_head"))
 
     def kernel_isa(self) -> str | None:
         return self.ops.quant_isa("")
@@ -221,7 +224,7 @@ def register_fake_ops() -> None:
     _fakes_registered = True
 
     @torch.library.register_fake("radixserve::quant_linear")
-    def _quant_linear(x, weights, qtypes):
+    def _quant_linear(x, weights, qtypes, exact=False):
         return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
 
     @torch.library.register_fake("radixserve::quant_embedding")
