@@ -4,6 +4,10 @@
     python benchmark/bench_quant.py --configs none --skip-serving     # in-process figures of the fp32 path only
     python benchmark/bench_quant.py --threads 2 --json quant.json --num-prompts 32
 
+An AVX2-only CPU's paths on a newer one: cap ours with RADIXSERVE_CPU_ISA=avx2 (and torch's kernels with
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2) and point LLAMA_CPP_BIN_DIR at
+a llama.cpp built with -DGGML_NATIVE=OFF -DGGML_AVX512=OFF.
+
 Our engine runs in these configurations (--configs; gguf, none and bf16 by default):
 
     gguf  --quantization gguf                       GGUF blocks kept quantized (the default for .gguf on CPU)
