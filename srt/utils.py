@@ -140,7 +140,6 @@ def start_child_process(pipe_writer, log_level: str, log_prefix: str, build, rea
     a prefix, build the worker and report ready (with `ready_info(worker)`) or the error (then exit 1)."""
     import faulthandler
     import signal
-    import sys
     import traceback
 
     die_with_parent()

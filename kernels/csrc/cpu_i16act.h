@@ -23,9 +23,14 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
+
+#include "cpu_common.h"
 
 namespace radixserve_i16act {
+
+using radixserve_cpu::half_to_float;
+using radixserve_cpu::hsum256;
+using radixserve_cpu::load16;
 
 struct Acts {
   const int16_t* q;  // [m, nb * 32]
@@ -33,13 +38,6 @@ struct Acts {
   const float* s;    // [m, nb]: the block's float sum of x (for Q4_1's offset)
   int64_t nb;
 };
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -69,7 +67,7 @@ inline void prepare_row(const float* x, int64_t k, int16_t* q, float* d, float* 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b + 16 * h), p);
     }
     d[b] = amax / 32767.f;
-    s[b] = hsum8(sm);
+    s[b] = hsum256(sm);
   }
 }
 
@@ -81,14 +79,6 @@ inline __m256i dot_i16(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
   return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 #endif
 }
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 enum Format { Q4_0, Q4_1, Q8_0 };
 
@@ -159,7 +149,7 @@ void dot_rows(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
     block_dot<F, R>(row, x, r0, b + 1, acc1, macc);
   }
   if (b < nb) block_dot<F, R>(row, x, r0, b, acc0, macc);
-  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum256(_mm256_add_ps(acc0[r], acc1[r])) + macc[r];
 }
 
 inline __m256i madd_i16(__m256i w, __m256i x) {
@@ -184,11 +174,10 @@ void dot_q4k(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
   for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
     const uint8_t* blk = row + sb * 144;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    const uint8_t* s = blk + 4;
     float sc[8], mn[8];
     for (int j = 0; j < 8; ++j) {
-      const int a = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-      const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      int a, m;
+      radixserve_cpu::scale_min_k4(j, blk + 4, a, m);
       sc[j] = d * static_cast<float>(a), mn[j] = dmin * static_cast<float>(m);
     }
     for (int c = 0; c < 4; ++c) {
@@ -209,7 +198,7 @@ void dot_q4k(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) - macc[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum256(_mm256_add_ps(acc0[r], acc1[r])) - macc[r];
 }
 
 // Q6_K super-blocks (256 weights, 210 bytes): 128 bytes of low nibbles (ql), 64 of high 2-bit pairs
@@ -252,36 +241,30 @@ void dot_q6k(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+  for (int r = 0; r < R; ++r) out[r] = hsum256(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 using DotFn = void (*)(const uint8_t*, const Acts&, int64_t, float*);
 
 template <int R>
-DotFn dot_k(int64_t qtype) {
-  return qtype == 12 ? dot_q4k<R> : dot_q6k<R>;
-}
-
-template <Format F>
-DotFn dot_for_rows(int rows) {
-  switch (rows) {
-    case 1: return dot_rows<F, 1>;
-    case 2: return dot_rows<F, 2>;
-    case 3: return dot_rows<F, 3>;
-    default: return dot_rows<F, 4>;
+DotFn kernel(int64_t qtype) {
+  switch (qtype) {  // GGML type ids
+    case 2: return dot_rows<Q4_0, R>;
+    case 3: return dot_rows<Q4_1, R>;
+    case 8: return dot_rows<Q8_0, R>;
+    case 12: return dot_q4k<R>;
+    case 14: return dot_q6k<R>;
+    default: return nullptr;
   }
 }
 
-// The kernel for GGML type `qtype` (2 = Q4_0, 3 = Q4_1, 8 = Q8_0, 12 = Q4_K, 14 = Q6_K) and up to 4
-// activation rows, or nullptr.
+// The kernel for GGML type `qtype` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and up to 4 activation rows, or nullptr.
 inline DotFn dot_for(int64_t qtype, int rows) {
-  switch (qtype) {
-    case 2: return dot_for_rows<Q4_0>(rows);
-    case 3: return dot_for_rows<Q4_1>(rows);
-    case 8: return dot_for_rows<Q8_0>(rows);
-    case 12:
-    case 14: return rows == 1 ? dot_k<1>(qtype) : rows == 2 ? dot_k<2>(qtype) : rows == 3 ? dot_k<3>(qtype) : dot_k<4>(qtype);
-    default: return nullptr;
+  switch (rows) {
+    case 1: return kernel<1>(qtype);
+    case 2: return kernel<2>(qtype);
+    case 3: return kernel<3>(qtype);
+    default: return kernel<4>(qtype);
   }
 }
 

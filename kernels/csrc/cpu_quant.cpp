@@ -80,15 +80,8 @@ Geometry geometry(int64_t qtype) {
 // AVX512_BF16: AVX-512 plus the bf16 dot products of cpu_bf16x2.h for Q4_0 / Q4_1 at decode sizes.
 enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3 };
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
+using radixserve_cpu::half_to_float;
+using radixserve_cpu::scale_min_k4;
 
 // ---- dequantization of one block into floats (loops the compiler vectorizes) ----
 
@@ -130,17 +123,6 @@ inline void dq_q8_0(const uint8_t* b, float* y) {
   const float d = half_to_float(b);
   const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
   for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
-}
-
-// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
-inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
 }
 
 inline void dq_q4_k(const uint8_t* b, float* y) {
@@ -281,14 +263,8 @@ float* scratch_floats(int which, int64_t n) {
 // already scaled. The row loop multiplies each `w` into up to 4 rows of x.
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+using radixserve_cpu::hsum256;
+using radixserve_cpu::load16;
 inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
 inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
 
@@ -640,6 +616,19 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
               k / g.block * g.bytes, " for K=", k, " of type ", qtype);
 }
 
+// The loop every decode-sized kernel shares: weight rows [begin, end) times the m rows of x, where
+// `dot(row, r, rows, res)` fills res[0, rows) for x rows r.. r + rows - 1 (rows <= step).
+template <typename out_t, class Dot>
+void small_m_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t end, int64_t m, int64_t step,
+                  out_t* out, int64_t ldo, Dot&& dot) {
+  float res[kSmallM];
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = wp + j * row_bytes;
+    for (int64_t r = 0; r < m; r += step) dot(row, r, static_cast<int>(std::min(step, m - r)), res + r);
+    for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
+  }
+}
+
 // out[:, :N] = xf @ dequantize(w).T for w's N rows of row_bytes bytes, xf fp32 [M, K] contiguous;
 // out is fp32 or the activation dtype, with row stride ldo.
 // `x16`: the bf16 activations when prefill tiles should be multiplied in bf16 (else undefined).
@@ -667,20 +656,18 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
     const b2::DotFn wide = c > 1 ? b2::dot_for(qtype == Q4_1, split, c, static_cast<int>(m)) : nullptr;
     const int64_t grain = std::max<int64_t>(4, 16384 / k / 4 * 4);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      float res[kSmallM];
       int64_t j = begin;
       if (wide != nullptr) {
+        float res[kSmallM];
         for (; j + c <= end; j += c) {
           wide(wp + j * row_bytes, row_bytes, k, acts, 0, res);  // res[i * m + r]: row j + i, x row r
           for (int i = 0; i < c; ++i)
             for (int64_t r = 0; r < m; ++r) out[r * ldo + j + i] = static_cast<out_t>(res[i * m + r]);
         }
       }
-      for (; j < end; ++j) {
-        for (int64_t r = 0; r < m; r += 4)
-          dots[std::min<int64_t>(4, m - r) - 1](wp + j * row_bytes, row_bytes, k, acts, r, res + r);
-        for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
-      }
+      small_m_rows(wp, row_bytes, j, end, m, 4, out, ldo, [&](const uint8_t* row, int64_t r, int rows, float* res) {
+        dots[rows - 1](row, row_bytes, k, acts, r, res);
+      });
     });
     return;
   }
@@ -703,11 +690,9 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
     for (int rows = 1; rows <= 4; ++rows) dots[rows - 1] = q16::dot_for(qtype, rows);
     const int64_t grain = std::max<int64_t>(1, 16384 / k);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      float res[kSmallM];
-      for (int64_t j = begin; j < end; ++j) {
-        for (int64_t r = 0; r < m; r += 4) dots[std::min<int64_t>(4, m - r) - 1](wp + j * row_bytes, acts, r, res + r);
-        for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
-      }
+      small_m_rows(wp, row_bytes, begin, end, m, 4, out, ldo, [&](const uint8_t* row, int64_t r, int rows, float* res) {
+        dots[rows - 1](row, acts, r, res);
+      });
     });
     return;
   }
@@ -718,21 +703,14 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
     const RowDequant dq = fused[0] == nullptr ? row_dequantizer(qtype) : nullptr;
     const int64_t grain = std::max<int64_t>(1, 16384 / k);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      float res[kSmallM];
       float* wrow = dq != nullptr ? scratch_floats(0, k) : nullptr;
-      for (int64_t j = begin; j < end; ++j) {
-        const uint8_t* row = wp + j * row_bytes;
-        if (dq != nullptr) {
-          dq(row, k, wrow);
-          dots_scalar(wrow, xf, k, m, k, res);
-        } else {
-          for (int64_t r = 0; r < m; r += 8) {
-            const int rows = static_cast<int>(std::min<int64_t>(8, m - r));
-            fused[rows - 1](row, k, xf + r * k, k, res + r);
-          }
-        }
-        for (int64_t r = 0; r < m; ++r) out[r * ldo + j] = static_cast<out_t>(res[r]);
-      }
+      // the scalar variant dequantizes the row once and takes all m rows of x in one step
+      small_m_rows(wp, row_bytes, begin, end, m, dq != nullptr ? m : 8, out, ldo,
+                   [&](const uint8_t* row, int64_t r, int rows, float* res) {
+                     if (dq == nullptr) return fused[rows - 1](row, k, xf + r * k, k, res);
+                     dq(row, k, wrow);
+                     dots_scalar(wrow, xf, k, m, k, res);
+                   });
     });
     return;
   }

@@ -12,6 +12,8 @@ absolute floor (and, for the decode kernels that round activations, the slack `a
 bf16 activations are exact in float32; only the bf16 output rounding (2^-8 relative) is added.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -141,43 +143,48 @@ def test_linear_long_rows(ops, type_name, m):
     k = 8224
     blocks = random_blocks(type_name, 43, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    best = ops.quant_isa("")
-    try:
-        for isa in available_isas(ops):
-            ops.quant_isa(isa)
+    with isa_variants(ops) as isas:
+        for _ in isas:
             for xin in (x, x.bfloat16()):
                 ref, bound = reference(xin.float(), blocks, type_name)
                 out = ops.quant_linear(xin, [torch.from_numpy(blocks)], [qtype])
                 assert out.dtype == xin.dtype and out.shape == (m, 43)
                 slack = activation_slack(ops, xin.float(), blocks, type_name)
                 check(out, ref, bound, k, bf16=xin.dtype == torch.bfloat16, slack=slack)
-    finally:
-        ops.quant_isa(best)
 
 
-def available_isas(ops) -> list[str]:
+@contextlib.contextmanager
+def isa_variants(ops):
+    """Iterate over the kernel ISAs this CPU can run (each set while its turn lasts); the best one
+    is restored on exit, whatever the test did."""
     best = ops.quant_isa("")
     names = ["scalar", "avx2", "avx512", "avx512_bf16"]
-    return names[: names.index(best) + 1]
+
+    def each():
+        for isa in names[: names.index(best) + 1]:
+            ops.quant_isa(isa)
+            yield isa
+
+    try:
+        yield each()
+    finally:
+        ops.quant_isa(best)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_every_compiled_isa(ops, type_name):
     """Each dot-product variant this CPU can run gives the same answer (the default uses the best)."""
-    best = ops.quant_isa("")
     qtype = int(GGMLQuantizationType[type_name])
     k = 512
     blocks = torch.from_numpy(random_blocks(type_name, 24, k, seed=5))
-    try:
-        for isa in available_isas(ops):
-            assert ops.quant_isa(isa) == isa
+    with isa_variants(ops) as isas:
+        for isa in isas:
+            assert ops.quant_isa("") == isa
             for m in (1, 2, 3, 5, 8):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 ref, bound = reference(x, blocks.numpy(), type_name)
                 out = ops.quant_linear(x, [blocks], [qtype])
                 check(out, ref, bound, k, slack=activation_slack(ops, x, blocks.numpy(), type_name))
-    finally:
-        ops.quant_isa(best)
     with pytest.raises(RuntimeError, match="unknown ISA"):
         ops.quant_isa("sse9")
 
@@ -189,15 +196,11 @@ def test_bf16_weights(ops, m):
     k, n = 160, 48
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(m)).bfloat16()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
-    best = ops.quant_isa("")
-    try:
-        for isa in available_isas(ops):
-            ops.quant_isa(isa)
+    with isa_variants(ops) as isas:
+        for _ in isas:
             out = ops.quant_linear(x, [w], [int(GGMLQuantizationType.BF16)])
             wd = w.double()
             check(out, x.double() @ wd.T, x.double().abs() @ wd.abs().T, k)
-    finally:
-        ops.quant_isa(best)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
@@ -295,21 +298,17 @@ def test_int8_linear_matches_formula(ops, m, k):
     w = torch.randn(37, k, generator=gen)  # 37 rows: 9 groups of 4 and a tail of 1
     q, scale = quantize_rows(w)
     rows = pack_rows(q, scale)
-    best = ops.quant_isa("")
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
-            x[0, : k // 2] = 0  # a zero run (and, for m = 1, half the row zero)
-            ref = int8_reference(x, q, scale)
-            for isa in available_isas(ops):
-                ops.quant_isa(isa)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+        x[0, : k // 2] = 0  # a zero run (and, for m = 1, half the row zero)
+        ref = int8_reference(x, q, scale)
+        with isa_variants(ops) as isas:
+            for isa in isas:
                 out = ops.quant_linear(x, [rows], [W8A8_QTYPE])
                 assert out.dtype == dtype
                 err = (out.double() - ref).abs().max().item()
                 bound = 1e-5 * ref.abs().max().item() + (0 if dtype == torch.float32 else 0.01 * ref.abs().max().item())
                 assert err <= bound, (isa, dtype, err, bound)
-    finally:
-        ops.quant_isa(best)
 
 
 def test_int8_rows_mixed_with_gguf_blocks_and_embedding(ops):
@@ -364,15 +363,11 @@ def test_exact_activations_for_the_lm_head(ops, type_name):
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
     x[:, 7] = 40.0  # an outlier that coarsens int16 steps of its block
     ref, bound = reference(x, blocks, type_name)
-    best = ops.quant_isa("")
-    try:
-        for isa in available_isas(ops):
-            ops.quant_isa(isa)
+    with isa_variants(ops) as isas:
+        for isa in isas:
             out = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype], True)
             check(out, ref, bound, k, slack=bf16x2_slack(ops, x, blocks, type_name))
             if isinstance(i16act_slack(ops, x, blocks, type_name), torch.Tensor):  # int16 kernels apply here
                 fast = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
                 err_exact = (out.double() - ref).abs().max().item()
                 assert err_exact * 4 < (fast.double() - ref).abs().max().item(), isa
-    finally:
-        ops.quant_isa(best)
