@@ -13,6 +13,11 @@ Prefill: one prompt of --prefill-len tokens. Decode: --batch-sizes prompts of --
 filled with random values (no prefill needed): the whole step for each attention backend, eager and
 (with --torch-compile) compiled, and the attention alone across all layers with its effective
 bandwidth (KV bytes read / attention time).
+
+    python benchmark/bench_one_batch.py --steps --dtype float32 --kv-cache-dtype auto,bfloat16,int8,fp8_e4m3
+
+--kv-cache-dtype (comma-separated) repeats every measurement with each KV cache format, in one run
+over one loaded model, and prints each format's attention time as a ratio of the first's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from srt.configs.model_config import ModelConfig  # noqa: E402
+from srt.mem_cache.memory_pool import MHATokenToKVPool, kv_format_for  # noqa: E402
 from srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from srt.model_executor.static_batch import StaticBatchGenerator  # noqa: E402
 from srt.model_loader.default_model import resolve_model_path  # noqa: E402
@@ -43,11 +49,16 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def bench_ours(path: str, dtype: str, args, backend: str | None = None) -> dict:
+def bench_ours(path: str, dtype: str, args, backend: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     max_bs = max(args.batch_sizes)
     tokens = max(max_bs * (args.input_len + args.output_len + 2), args.prefill_len + 2) + 64
     sa = ServerArgs(
-        model_path=path, dtype=dtype, max_total_tokens=tokens, max_running_requests=max_bs, attention_backend=backend
+        model_path=path,
+        dtype=dtype,
+        max_total_tokens=tokens,
+        max_running_requests=max_bs,
+        attention_backend=backend,
+        kv_cache_dtype=kv_cache_dtype,
     )
     gen = StaticBatchGenerator(ModelRunner(ModelConfig.from_path(path), sa))
     vocab = gen.runner.model_config.vocab_size
@@ -63,6 +74,23 @@ def bench_ours(path: str, dtype: str, args, backend: str | None = None) -> dict:
         t = gen.last_timings
         result["decode_tok_s"][bs] = bs * t["decode_steps"] / t["decode_s"]
     return result
+
+
+def fill_random(pool: MHATokenToKVPool, seed: int = 0) -> None:
+    """Random keys and values (so the softmax is not degenerate) in the pool's stored format; every
+    layer gets the same contents."""
+    g = torch.Generator().manual_seed(seed)
+    slots = pool.k_buffer[0].shape[0]
+    for start in range(0, slots, 8192):
+        loc = torch.arange(start, min(slots, start + 8192))
+        k, v = (torch.randn(len(loc), pool.head_num, pool.head_dim, generator=g) for _ in range(2))
+        pool.set_kv_buffer(0, loc, k, v)
+    for layer in range(1, pool.layer_num):
+        pool.k_buffer[layer].copy_(pool.k_buffer[0])
+        pool.v_buffer[layer].copy_(pool.v_buffer[0])
+        if pool.k_scale_buffer is not None and pool.v_scale_buffer is not None:
+            pool.k_scale_buffer[layer].copy_(pool.k_scale_buffer[0])
+            pool.v_scale_buffer[layer].copy_(pool.v_scale_buffer[0])
 
 
 def bench_steps(path: str, dtype: str, args) -> dict:
@@ -83,11 +111,9 @@ def bench_steps(path: str, dtype: str, args) -> dict:
     runner = ModelRunner(ModelConfig.from_path(path), sa, compile_buckets=args.batch_sizes)
     backends = {name: create_attention_backend(name, runner) for name in args.attention_backend.split(",")}
     layers = sorted((m for m in runner.model.modules() if isinstance(m, RadixAttention)), key=lambda m: m.layer_id)
-    pool = runner.token_to_kv_pool
     g = torch.Generator().manual_seed(0)
-    for buf in pool.k_buffer + pool.v_buffer:  # random keys: the softmax is not degenerate
-        buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32).to(buf.dtype))
     modes = [False]
+    compiled = None
     if args.torch_compile:
         compiled = runner.compiled_decode
         start = time.perf_counter()
@@ -102,10 +128,33 @@ def bench_steps(path: str, dtype: str, args) -> dict:
         modes.append(True)
         runner.compiled_decode = None
     cfg = runner.model_config
-    kv_bytes_per_token = pool.bytes_per_token(pool.head_num, pool.head_dim, pool.layer_num, pool.dtype)
     rows = []
-    points = [(bs, ctx) for ctx in args.contexts for bs in args.batch_sizes]
-    for bs, ctx in tqdm(points, desc="decode steps"):
+    points = [
+        (kv, bs, ctx) for kv in args.kv_cache_dtype.split(",") for ctx in args.contexts for bs in args.batch_sizes
+    ]
+    pools: dict[str, MHATokenToKVPool] = {}
+    for kv_dtype, bs, ctx in tqdm(points, desc="decode steps"):
+        if kv_dtype not in pools:  # one pool at a time, same size in tokens, in this format
+            old = runner.token_to_kv_pool
+            pools = {
+                kv_dtype: MHATokenToKVPool(
+                    old.size,
+                    old.page_size,
+                    old.dtype,
+                    old.head_num,
+                    old.head_dim,
+                    old.layer_num,
+                    old.device,
+                    kv_format_for(kv_dtype, runner.dtype),
+                )
+            }
+            del old
+            runner.token_to_kv_pool = pools[kv_dtype]
+            fill_random(runner.token_to_kv_pool)
+        pool = runner.token_to_kv_pool
+        kv_bytes_per_token = pool.bytes_per_token(
+            pool.head_num, pool.head_dim, pool.layer_num, pool.dtype, pool.kv_format
+        )
         slots = runner.req_to_token_pool.alloc(bs)
         kv = [runner.token_to_kv_pool_allocator.alloc(ctx + 1) for _ in slots]
         for s, loc in zip(slots, kv):
@@ -121,7 +170,15 @@ def bench_steps(path: str, dtype: str, args) -> dict:
                 runner.compiled_decode = compiled if on else None
                 step = _time(lambda fb=fb: runner.forward(fb), args.repeats)
                 rows.append(
-                    {"backend": name, "compile": on, "bs": bs, "ctx": ctx, "step_ms": step * 1e3, "tok_s": bs / step}
+                    {
+                        "kv": kv_dtype,
+                        "backend": name,
+                        "compile": on,
+                        "bs": bs,
+                        "ctx": ctx,
+                        "step_ms": step * 1e3,
+                        "tok_s": bs / step,
+                    }
                 )
             bound = runner.bind(fb)  # carries the pools and `backend` (runner.attn_backend now)
             backend.init_forward_metadata(bound)
@@ -130,7 +187,15 @@ def bench_steps(path: str, dtype: str, args) -> dict:
             )
             gbs = bs * (ctx + 1) * kv_bytes_per_token / attn / 1e9
             rows.append(
-                {"backend": name, "attention": True, "bs": bs, "ctx": ctx, "attn_ms": attn * 1e3, "attn_gb_s": gbs}
+                {
+                    "kv": kv_dtype,
+                    "backend": name,
+                    "attention": True,
+                    "bs": bs,
+                    "ctx": ctx,
+                    "attn_ms": attn * 1e3,
+                    "attn_gb_s": gbs,
+                }
             )
         runner.compiled_decode = None
         for loc in kv:
@@ -157,28 +222,28 @@ def print_steps(path: str, dtype: str, rows: list[dict], args) -> None:
         f"{args.repeats}\n"
     )
     points = [(bs, ctx) for ctx in args.contexts for bs in args.batch_sizes]
-    print("| backend | compiled | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
-    print("|---|---|" + "---|" * len(points))
-    steps = {(r["backend"], r["compile"], r["bs"], r["ctx"]): r for r in rows if "step_ms" in r}
-    for backend, on in dict.fromkeys((r["backend"], r["compile"]) for r in rows if "step_ms" in r):
-        cells = [steps[(backend, on, b, c)] for b, c in points]
+    print("| kv cache | backend | compiled | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
+    print("|---|---|---|" + "---|" * len(points))
+    steps = {(r["kv"], r["backend"], r["compile"], r["bs"], r["ctx"]): r for r in rows if "step_ms" in r}
+    for kv, backend, on in dict.fromkeys((r["kv"], r["backend"], r["compile"]) for r in rows if "step_ms" in r):
+        cells = [steps[(kv, backend, on, b, c)] for b, c in points]
         print(
-            f"| {backend} | {'yes' if on else 'no'} | "
+            f"| {kv} | {backend} | {'yes' if on else 'no'} | "
             + " | ".join(f"{x['step_ms']:.1f} ({x['tok_s']:.0f})" for x in cells)
             + " |"
         )
-    print("\ndecode attention over all layers: ms (effective GB/s of KV read)\n")
-    print("| backend | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
-    print("|---|" + "---|" * len(points))
-    attn = {(r["backend"], r["bs"], r["ctx"]): r for r in rows if "attn_ms" in r}
-    for backend in dict.fromkeys(r["backend"] for r in rows if "attn_ms" in r):
-        print(
-            f"| {backend} | "
-            + " | ".join(
-                f"{attn[(backend, b, c)]['attn_ms']:.1f} ({attn[(backend, b, c)]['attn_gb_s']:.1f})" for b, c in points
-            )
-            + " |"
-        )
+    print("\ndecode attention over all layers: ms (effective GB/s of KV read; time as a ratio of the first kv cache)\n")
+    print("| kv cache | backend | " + " | ".join(f"bs {b} ctx {c}" for b, c in points) + " |")
+    print("|---|---|" + "---|" * len(points))
+    attn = {(r["kv"], r["backend"], r["bs"], r["ctx"]): r for r in rows if "attn_ms" in r}
+    first = rows[0]["kv"]
+    for kv, backend in dict.fromkeys((r["kv"], r["backend"]) for r in rows if "attn_ms" in r):
+        cells = []
+        for b, c in points:
+            x = attn[(kv, backend, b, c)]
+            ratio = x["attn_ms"] / attn[(first, backend, b, c)]["attn_ms"]
+            cells.append(f"{x['attn_ms']:.1f} ({x['attn_gb_s']:.1f}; {ratio:.2f}x)")
+        print(f"| {kv} | {backend} | " + " | ".join(cells) + " |")
 
 
 def bench_hf(path: str, dtype: str, args) -> dict:
@@ -237,6 +302,11 @@ def main() -> None:
     )
     p.add_argument("--torch-compile", action="store_true", help="with --steps: also time compiled decode steps")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per point, with --steps")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="comma-separated KV cache formats to compare (auto, bfloat16, int8, fp8_e4m3, fp8_e5m2)",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     set_torch_threads()
@@ -251,8 +321,12 @@ def main() -> None:
                     f.write(json.dumps({"dtype": dtype, **vars(args), "rows": rows}, default=str) + "\n")
         return
     engines = [
-        (f"radixserve {b}", lambda p_, d_, a_, b=b: bench_ours(p_, d_, a_, b))
+        (
+            f"radixserve {b}" + (f" kv {kv}" if kv != "auto" else ""),
+            lambda p_, d_, a_, b=b, kv=kv: bench_ours(p_, d_, a_, b, kv),
+        )
         for b in args.attention_backend.split(",")
+        for kv in args.kv_cache_dtype.split(",")
     ]
     engines += [("hf", bench_hf)] if args.compare_hf else []
     results: dict[tuple[str, str], dict] = {}

@@ -3,6 +3,13 @@ precision, no shared state. Faster kernels must match these.
 
 Paged attention layout (shared by all backends): per-layer `k_buffer`/`v_buffer` of shape
 `[num_slots, kv_heads, head_dim]`; `req_to_token[req_slot, position]` is the KV slot of a token.
+
+8-bit KV caches (`--kv-cache-dtype`) store each value in one byte:
+- `int8`: symmetric, one float32 scale per (token, KV head) for K and one for V, in `[num_slots,
+  kv_heads]` tensors beside the buffers: scale = max|x| / 127, q = round-half-even(x / scale).
+- `fp8_e4m3` / `fp8_e5m2`: x / scale (one float per tensor and layer) saturated to the format's
+  range and rounded to nearest even, stored as the raw bits in uint8 buffers.
+`quantize_kv` / `dequantize_kv` below define the formats; every kernel must decode the same values.
 """
 
 from __future__ import annotations
@@ -46,6 +53,36 @@ def rotary_embedding(
             a, b = rot[:, 0::2].clone(), rot[:, 1::2].clone()
             rot[:, 0::2], rot[:, 1::2] = a * cos - b * sin, b * cos + a * sin
     return out.view_as(x)
+
+
+# kv format -> (float8 dtype of the stored bits, largest finite value)
+FP8_FORMATS = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+
+
+def quantize_kv(x: torch.Tensor, kv_format: str, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., head_dim] -> (stored values, per-row scales [...] for int8 else None)."""
+    xf = x.float()
+    if kv_format == "int8":
+        scales = xf.abs().amax(-1) / 127
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
+        q = torch.where(scales.unsqueeze(-1) > 0, xf / safe, torch.zeros_like(xf))
+        return q.round().clamp(-127, 127).to(torch.int8), scales
+    if kv_format in FP8_FORMATS:
+        dtype, limit = FP8_FORMATS[kv_format]
+        return (xf / scale).clamp(-limit, limit).to(dtype).view(torch.uint8), None
+    return x.to(getattr(torch, kv_format)), None
+
+
+def dequantize_kv(
+    data: torch.Tensor, scales: torch.Tensor | None, kv_format: str, scale: float = 1.0, dtype=torch.float32
+) -> torch.Tensor:
+    """The float values of stored rows: the inverse of quantize_kv (up to its rounding)."""
+    if kv_format == "int8":
+        assert scales is not None, "int8 KV rows need their scales"
+        return (data.float() * scales.unsqueeze(-1)).to(dtype)
+    if kv_format in FP8_FORMATS:
+        return (data.view(FP8_FORMATS[kv_format][0]).float() * scale).to(dtype)
+    return data.to(dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:

@@ -18,6 +18,15 @@ On the GPU the two matmuls take the 16-bit storage dtype (their products are exa
 accumulator; the probabilities are rounded to it for P @ V, as in flash attention); float32 inputs
 use 3xTF32 dots (float32 accuracy on tensor cores), not plain TF32. The interpreter computes
 everything in float32.
+
+8-bit KV caches (kernels/reference.py defines the formats; `kv_format` is the pool's format code) are
+read in place: the kernels load the int8 / uint8 elements, decode them to float32 in registers and
+apply the scales, never writing a dequantized copy. int8 (code 1): the per-(slot, KV head) scale
+multiplies the QK score for K and the probability for V, so the dots take the integer values (exact
+in bfloat16 and float16). fp8 (codes 2 and 3, raw float8_e4m3fn / float8_e5m2 bits in uint8): decoded
+by integer bit manipulation (identical in the interpreter and on the GPU, and exact in the 16-bit
+MMA dtypes); the per-layer K scale is folded into the softmax scale and the V scale into the output.
+`kv_format` is a compile-time constant: code 0 (plain float buffers) compiles to the float-only code.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
 MIN_TOKENS_PER_SPLIT = 256
 DECODE_BLOCK_N = 64  # positions per decode iteration; splits are whole multiples of it
+# kv_format codes (srt/mem_cache/memory_pool.py KV_FORMATS) -> the element dtype of the K/V buffers
+KV_FORMAT_DTYPES = {1: torch.int8, 2: torch.uint8, 3: torch.uint8}
+KV_FORMAT_NAMES = {0: "float", 1: "int8", 2: "fp8_e4m3", 3: "fp8_e5m2"}
 
 
 def choose_num_kv_splits(batch: int, max_seq_len: int, num_sms: int) -> int:
@@ -89,7 +101,70 @@ def _check_common(name: str, q, k_buffer, v_buffer, o, req_to_token, tokens_dim:
     check_device(*tensors.values())
 
 
+def _check_kv_format(name: str, k_buffer, v_buffer, k_scales, v_scales, kv_format: int) -> None:
+    """The stored format of the K/V buffers against kv_format, and the int8 scale tensors."""
+    if kv_format not in KV_FORMAT_NAMES:
+        raise ValueError(f"{name}: kv_format={kv_format!r} must be one of {KV_FORMAT_NAMES}")
+    fmt = KV_FORMAT_NAMES[kv_format]
+    expected = KV_FORMAT_DTYPES.get(kv_format)
+    for t_name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if expected is None and not t.dtype.is_floating_point:
+            raise ValueError(
+                f"{name}: {t_name} is {t.dtype}, but kv_format=0 reads plain float values; pass the "
+                f"format code of a quantized cache (1 int8, 2 fp8_e4m3, 3 fp8_e5m2)"
+            )
+        if expected is not None and t.dtype != expected:
+            raise ValueError(f"{name}: kv_format={kv_format} ({fmt}) stores {expected}, but {t_name} is {t.dtype}")
+    if kv_format != 1:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(
+                f"{name}: k_scales / v_scales are the per-token scales of an int8 cache (kv_format=1), "
+                f"got them with kv_format={kv_format} ({fmt})"
+            )
+        return
+    for t_name, t, buf in (("k_scales", k_scales, k_buffer), ("v_scales", v_scales, v_buffer)):
+        if t is None:
+            raise ValueError(f"{name}: kv_format=1 (int8) needs k_scales and v_scales, got no {t_name}")
+        if t.dtype != torch.float32 or t.shape != buf.shape[:2]:
+            raise ValueError(
+                f"{name}: {t_name} is {t.dtype}{tuple(t.shape)}, expected torch.float32 "
+                f"[num_slots={buf.shape[0]}, kv_heads={buf.shape[1]}]"
+            )
+    check_device(k_scales, v_scales, k_buffer)
+
+
+def _scale_log2(sm_scale: float, kv_format: int, k_scale: float) -> float:
+    """The kernels' score scale (base 2); fp8's per-layer K scale is folded into it."""
+    return sm_scale * k_scale * LOG2E if kv_format >= 2 else sm_scale * LOG2E
+
+
+def _kernel_scale_args(k_scales, v_scales) -> tuple:
+    """KS, VS and their (slot, head) strides for the kernels; None and zeros outside int8 (never read)."""
+    if k_scales is None or v_scales is None:
+        return None, None, 0, 0, 0, 0
+    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1)
+
+
 # -- decode -----------------------------------------------------------------------------------------
+
+
+@jit
+def _kv_to_float(x, KV_FORMAT: tl.constexpr):
+    """Stored 8-bit K/V elements -> their float32 values, before any scale. fp8 is decoded from the
+    bits: sign, exponent and mantissa moved into a float32 whose exponent bias is 127 instead of 7
+    (e4m3) or 15 (e5m2), then rescaled by the bias difference; exact for normals and subnormals. The
+    NaN / inf codes are never stored (writes saturate to the format's largest finite value)."""
+    if KV_FORMAT == 1:
+        f = x.to(tl.float32)
+    elif KV_FORMAT == 2:
+        u = x.to(tl.int32) & 0xFF
+        bits = ((u & 0x80) << 24) | ((u & 0x7F) << 20)
+        f = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+    else:
+        u = x.to(tl.int32) & 0xFF
+        bits = ((u & 0x80) << 24) | ((u & 0x7F) << 21)
+        f = bits.to(tl.float32, bitcast=True) * 5.192296858534828e33  # 2**112
+    return f
 
 
 @jit
@@ -97,6 +172,8 @@ def _attend_block(
     q,
     K,
     V,
+    KS,
+    VS,
     table_row,
     offs_n,
     mask_n,
@@ -110,32 +187,48 @@ def _attend_block(
     stride_kh,
     stride_vn,
     stride_vh,
+    stride_ksn,
+    stride_ksh,
+    stride_vsn,
+    stride_vsh,
     scale_log2,
     m,
     denom,
     acc,
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     """One online-softmax step over the KV positions offs_n (read through the page-table row):
-    `allowed` [rows, BLOCK_N] masks what each query row may see. Returns the updated (m, denom, acc)."""
+    `allowed` [rows, BLOCK_N] masks what each query row may see. Returns the updated (m, denom, acc).
+    Quantized K/V (KV_FORMAT > 0) are decoded in registers; the int8 scales KS / VS [slot, head] are
+    applied to the scores and the probabilities (fp8's per-layer scales are the caller's)."""
     slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-    k = tl.load(
-        K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None],
-        mask=mask_n[None, :] & mask_d[:, None],
-        other=0.0,
-    ).to(MMA_DTYPE)
-    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    k_ptrs = K + slots[None, :] * stride_kn + kv_head * stride_kh + offs_d[:, None]
+    k_mask = mask_n[None, :] & mask_d[:, None]
+    if KV_FORMAT == 0:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0).to(MMA_DTYPE)
+    else:
+        k = _kv_to_float(tl.load(k_ptrs, mask=k_mask, other=0), KV_FORMAT).to(MMA_DTYPE)
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if KV_FORMAT == 1:
+        k_scale = tl.load(KS + slots * stride_ksn + kv_head * stride_ksh, mask=mask_n, other=0.0)
+        qk = qk * (k_scale * scale_log2)[None, :]
+    else:
+        qk = qk * scale_log2
     qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m, tl.max(qk, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(qk - m_new[:, None])
     denom = denom * alpha + tl.sum(p, 1)
-    v = tl.load(
-        V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :],
-        mask=mask_n[:, None] & mask_dv[None, :],
-        other=0.0,
-    ).to(MMA_DTYPE)
+    v_ptrs = V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_dv[None, :]
+    v_mask = mask_n[:, None] & mask_dv[None, :]
+    if KV_FORMAT == 0:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(MMA_DTYPE)
+    else:
+        v = _kv_to_float(tl.load(v_ptrs, mask=v_mask, other=0), KV_FORMAT).to(MMA_DTYPE)
+    if KV_FORMAT == 1:
+        p = p * tl.load(VS + slots * stride_vsn + kv_head * stride_vsh, mask=mask_n, other=0.0)[None, :]
     # Inside a triton.jit function a tl.constexpr parameter is its value (here a tl.dtype).
     acc = acc * alpha[:, None] + tl.dot(p.to(MMA_DTYPE), v, input_precision=DOT_PRECISION)  # pyright: ignore[reportArgumentType]
     return m_new, denom, acc
@@ -146,18 +239,25 @@ def _decode_split_kernel(
     Q,
     K,
     V,
+    KS,
+    VS,
     req_to_token,
     req_pool_indices,
     seq_lens,
     MidO,
     MidLse,
     scale_log2,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kn,
     stride_kh,
     stride_vn,
     stride_vh,
+    stride_ksn,
+    stride_ksh,
+    stride_vsn,
+    stride_vsh,
     stride_table,
     stride_mb,
     stride_mh,
@@ -174,6 +274,7 @@ def _decode_split_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -206,6 +307,8 @@ def _decode_split_kernel(
                 q,
                 K,
                 V,
+                KS,
+                VS,
                 table_row,
                 offs_n,
                 mask_n,
@@ -219,15 +322,23 @@ def _decode_split_kernel(
                 stride_kh,
                 stride_vn,
                 stride_vh,
+                stride_ksn,
+                stride_ksh,
+                stride_vsn,
+                stride_vsh,
                 scale_log2,
                 m,
                 denom,
                 acc,
                 MMA_DTYPE,
                 DOT_PRECISION,
+                KV_FORMAT,
             )
         mid = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
-        tl.store(mid, acc / denom[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        out = acc / denom[:, None]
+        if KV_FORMAT >= 2:  # fp8: the V scale, applied once to the split's output
+            out = out * v_scale
+        tl.store(mid, out, mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m + tl.log2(denom), mask=mask_h)
 
 
@@ -274,7 +385,21 @@ def _decode_merge_kernel(
 
 
 def decode_attention_fwd(
-    q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, sm_scale, num_kv_splits=None
+    q,
+    k_buffer,
+    v_buffer,
+    o,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    sm_scale,
+    num_kv_splits=None,
+    *,
+    k_scales=None,
+    v_scales=None,
+    kv_format: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """One query token per request, at position seq_lens[b] - 1, attending to positions
     0..seq_lens[b] - 1 of request slot req_pool_indices[b]. q [B, H, D]; k_buffer [S, Hkv, D];
@@ -284,8 +409,14 @@ def decode_attention_fwd(
     num_kv_splits None chooses with `choose_num_kv_splits` from the batch size and the batch's
     longest context when seq_lens is on the host, else the request table's width (an upper bound
     known without a device sync). Each request splits its own context into that many ranges of
-    whole DECODE_BLOCK_N blocks, so short requests use fewer splits."""
+    whole DECODE_BLOCK_N blocks, so short requests use fewer splits.
+
+    The K/V buffers hold the pool's stored format `kv_format` (MHATokenToKVPool.kernel_args): 0 plain
+    float values; 1 int8 values times k_scales / v_scales [S, Hkv] float32; 2 / 3 the raw bits of
+    float8_e4m3fn / float8_e5m2 in uint8, times the per-layer floats k_scale / v_scale (which only the
+    fp8 formats use)."""
     _check_common("decode_attention_fwd", q, k_buffer, v_buffer, o, req_to_token, "B")
+    _check_kv_format("decode_attention_fwd", k_buffer, v_buffer, k_scales, v_scales, kv_format)
     batch, heads, head_dim = q.shape
     kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
     if req_pool_indices.shape != (batch,) or seq_lens.shape != (batch,):
@@ -308,22 +439,30 @@ def decode_attention_fwd(
 
     mid_o = torch.empty(batch, heads, num_kv_splits, head_dim_v, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, heads, num_kv_splits, dtype=torch.float32, device=q.device)
+    ks, vs, stride_ksn, stride_ksh, stride_vsn, stride_vsh = _kernel_scale_args(k_scales, v_scales)
     _decode_split_kernel[(batch, kv_heads, num_kv_splits)](
         q,
         k_buffer,
         v_buffer,
+        ks,
+        vs,
         req_to_token,
         req_pool_indices,
         seq_lens,
         mid_o,
         mid_lse,
-        sm_scale * LOG2E,
+        _scale_log2(sm_scale, kv_format, k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
         k_buffer.stride(1),
         v_buffer.stride(0),
         v_buffer.stride(1),
+        stride_ksn,
+        stride_ksh,
+        stride_vsn,
+        stride_vsh,
         req_to_token.stride(0),
         mid_o.stride(0),
         mid_o.stride(1),
@@ -339,6 +478,7 @@ def decode_attention_fwd(
         BLOCK_N=block_n,
         NUM_KV_SPLITS=num_kv_splits,
         **_dot_config(q.dtype),
+        KV_FORMAT=kv_format,
         num_warps=4,
         num_stages=2,
     )
@@ -372,6 +512,8 @@ def _extend_kernel(
     Q,
     K,
     V,
+    KS,
+    VS,
     Out,
     req_to_token,
     req_pool_indices,
@@ -379,12 +521,17 @@ def _extend_kernel(
     prefix_lens,
     start_loc,
     scale_log2,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kn,
     stride_kh,
     stride_vn,
     stride_vh,
+    stride_ksn,
+    stride_ksh,
+    stride_vsn,
+    stride_vsh,
     stride_ot,
     stride_oh,
     stride_table,
@@ -397,6 +544,7 @@ def _extend_kernel(
     BLOCK_DV: tl.constexpr,
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     head = tl.program_id(0)
     block_m = tl.program_id(1)
@@ -433,6 +581,8 @@ def _extend_kernel(
                 q,
                 K,
                 V,
+                KS,
+                VS,
                 table_row,
                 offs_n,
                 mask_n,
@@ -446,14 +596,22 @@ def _extend_kernel(
                 stride_kh,
                 stride_vn,
                 stride_vh,
+                stride_ksn,
+                stride_ksh,
+                stride_vsn,
+                stride_vsh,
                 scale_log2,
                 m,
                 denom,
                 acc,
                 MMA_DTYPE,
                 DOT_PRECISION,
+                KV_FORMAT,
             )
-        out = (acc / denom[:, None]).to(Out.dtype.element_ty)
+        out = acc / denom[:, None]
+        if KV_FORMAT >= 2:  # fp8: the V scale, applied once to the output
+            out = out * v_scale
+        out = out.to(Out.dtype.element_ty)
         tl.store(
             Out + rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
             out,
@@ -484,6 +642,12 @@ def extend_attention_fwd(
     extend_start_loc,
     sm_scale,
     max_extend_len=None,
+    *,
+    k_scales=None,
+    v_scales=None,
+    kv_format: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """Causal attention for the new tokens of each request, whose K/V are already in the pool.
 
@@ -492,8 +656,10 @@ def extend_attention_fwd(
     the token at position p attends to positions 0..p, all read through req_to_token. o [T, H, Dv] is
     written in place (and returned); rows of q that belong to no request are left untouched.
     req_pool_indices, seq_lens, extend_prefix_lens, extend_start_loc [B] (int64 or int32).
-    max_extend_len: the longest extend in the batch, from host data; None computes it (one sync)."""
+    max_extend_len: the longest extend in the batch, from host data; None computes it (one sync).
+    k_scales, v_scales, kv_format, k_scale, v_scale: the stored format, as in decode_attention_fwd."""
     _check_common("extend_attention_fwd", q, k_buffer, v_buffer, o, req_to_token, "T")
+    _check_kv_format("extend_attention_fwd", k_buffer, v_buffer, k_scales, v_scales, kv_format)
     batch = seq_lens.shape[0]
     for t_name, t in (
         ("req_pool_indices", req_pool_indices),
@@ -512,23 +678,31 @@ def extend_attention_fwd(
     block_m, block_n, warps, stages = _extend_tiles(q.dtype, max(block_d, block_dv))
     # Heads vary fastest in the grid, so a KV head's query group runs together and shares its K/V in L2.
     grid = (heads, triton.cdiv(max_extend_len, block_m), batch)
+    ks, vs, stride_ksn, stride_ksh, stride_vsn, stride_vsh = _kernel_scale_args(k_scales, v_scales)
     _extend_kernel[grid](
         q,
         k_buffer,
         v_buffer,
+        ks,
+        vs,
         o,
         req_to_token,
         req_pool_indices,
         seq_lens,
         extend_prefix_lens,
         extend_start_loc,
-        sm_scale * LOG2E,
+        _scale_log2(sm_scale, kv_format, k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
         k_buffer.stride(1),
         v_buffer.stride(0),
         v_buffer.stride(1),
+        stride_ksn,
+        stride_ksh,
+        stride_vsn,
+        stride_vsh,
         o.stride(0),
         o.stride(1),
         req_to_token.stride(0),
@@ -540,6 +714,7 @@ def extend_attention_fwd(
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         **_dot_config(q.dtype),
+        KV_FORMAT=kv_format,
         num_warps=warps,
         num_stages=stages,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from srt.configs.runtime_choices import (
     ATTENTION_BACKEND_NAMES,
     INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     SCHEDULE_POLICIES,
     resolve_device,
@@ -48,6 +49,8 @@ class ServerArgs:
     quantization: str | None = None  # None: gguf for a .gguf model on CPU, else dense weights
     quantization_group_size: int = 128  # int4_weight_only: inputs per scale/minimum
     torchao_config: str | None = None  # SGLang's spelling of int4_weight_only: int4wo-<group size>
+    kv_cache_dtype: str = "auto"  # stored KV format: auto (the model dtype), bfloat16, fp8_e4m3, fp8_e5m2, int8
+    quantization_param_path: str | None = None  # fp8 KV scales per layer, SGLang's JSON
     random_seed: int = 42
     # Memory
     mem_fraction_static: float | None = None
@@ -148,6 +151,18 @@ class ServerArgs:
             raise ValueError(
                 f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization_param_path is not None:
+            if not self.kv_cache_dtype.startswith("fp8"):
+                raise ValueError(
+                    "--quantization-param-path holds fp8 KV cache scales; it needs --kv-cache-dtype fp8_e4m3 or "
+                    f"fp8_e5m2, got {self.kv_cache_dtype}"
+                )
+            if not os.path.isfile(self.quantization_param_path):
+                raise ValueError(f"--quantization-param-path {self.quantization_param_path!r} is not a file")
         if self.attention_backend == "triton":
             reason = triton_unavailable_reason(resolve_device(self.device))
             if reason is not None:
@@ -319,6 +334,19 @@ class ServerArgs:
         )
         g.add_argument("--random-seed", type=int, default=d.random_seed)
         g = parser.add_argument_group("memory")
+        g.add_argument(
+            "--kv-cache-dtype",
+            default=d.kv_cache_dtype,
+            choices=KV_CACHE_DTYPES,
+            help="KV cache storage: auto = the model dtype; bfloat16 halves float32; int8 (a scale per token and "
+            "KV head) and fp8_e4m3 / fp8_e5m2 (a scale per layer) store one byte per value",
+        )
+        g.add_argument(
+            "--quantization-param-path",
+            default=d.quantization_param_path,
+            help='fp8 KV cache scales, SGLang\'s JSON: {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": '
+            '{"<tp_rank>": {"<layer>": scale}}}} (default scale 1.0)',
+        )
         g.add_argument(
             "--mem-fraction-static",
             type=float,

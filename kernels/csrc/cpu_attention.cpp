@@ -5,18 +5,34 @@
 // processed together, so each K and V row is read once per group (GQA without repeating K/V).
 // Softmax is computed online in float32 over tiles of positions; decode splits long contexts into
 // ranges processed in parallel and merged by log-sum-exp.
+//
+// The pool may hold an 8-bit cache (--kv-cache-dtype; formats defined in kernels/reference.py):
+// int8 values with a float32 scale per (slot, KV head), or fp8 e4m3 / e5m2 bits (uint8) with one
+// scale per tensor. Rows are decoded to float in registers as they are read: int8 scales multiply
+// each position's score and probability, fp8 scales are folded into the query and the output.
+// kv_store quantizes new tokens' K and V into the pool.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+// The ISA variant the kernels use (cpu_quant.cpp; narrowed by quant_isa / RADIXSERVE_CPU_ISA).
+int radixserve_kernel_isa();
 
 namespace {
 
@@ -28,15 +44,47 @@ constexpr int64_t kQueryBlock = 16;  // extend: query tokens per task
 constexpr int64_t kPrefetch = 8;     // positions ahead whose K/V rows are prefetched
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Stored KV formats (MHATokenToKVPool.format_code).
+enum KvFormat : int { kFloat = 0, kInt8 = 1, kFp8E4M3 = 2, kFp8E5M2 = 3 };
+
+// One layer's KV cache as the kernels read it. Scales not used by a format are 1 / null.
+struct KvView {
+  const void* k;
+  const void* v;
+  const float* ks;  // int8: [slots, kv_heads]
+  const float* vs;
+  float k_scale, v_scale;  // fp8: per tensor
+  int64_t kv_heads;
+};
+
+// A stored value as float. fp8 bits are placed into a float's exponent and mantissa fields and
+// rebased by a power of two (exact for normal and subnormal values; writes saturate, so the NaN
+// code never occurs); the compiler vectorizes these as integer shifts.
+template <int F, typename T>
+inline float kv_value(T x) {
+  if constexpr (F == kFp8E4M3 || F == kFp8E5M2) {
+    const uint32_t u = static_cast<uint8_t>(x);
+    const uint32_t bits = ((u & 0x80u) << 24) | ((u & 0x7Fu) << (F == kFp8E4M3 ? 20 : 21));
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f * (F == kFp8E4M3 ? 0x1p120f : 0x1p112f);
+  } else {
+    return to_float(x);
+  }
+}
+
 // Online-softmax attention of `rows` query rows (float, pre-scaled, [rows][d]) of one KV head over
 // positions [start, end) of one request. Row r may see positions < limit[r]. Updates the running
 // max m, sum l and unnormalized output acc ([rows][d]) of each row. kD > 0 fixes the head dim at
 // compile time (fully unrolled inner loops); 0 takes it from `dim`.
-template <typename T, int kD>
-void attend_impl(const float* q, int64_t rows, const int64_t* limit, const T* kbuf, const T* vbuf, int64_t kv_heads,
-                 int64_t head, int64_t dim, const int32_t* slots, int64_t start, int64_t end, float* m, float* l,
-                 float* acc, std::vector<float>& scores) {
+template <typename T, int F, int kD>
+void attend_impl(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head, int64_t dim,
+                 const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc,
+                 std::vector<float>& scores) {
   const int64_t d = kD > 0 ? kD : dim;
+  const int64_t kv_heads = kv.kv_heads;
+  const T* kbuf = static_cast<const T*>(kv.k);
+  const T* vbuf = static_cast<const T*>(kv.v);
   scores.resize(rows * kTile);
   float row[kD > 0 ? kD : 512];  // one K or V row converted to float, reused by every query row
   for (int64_t t0 = start; t0 < end; t0 += kTile) {
@@ -49,16 +97,22 @@ void attend_impl(const float* q, int64_t rows, const int64_t* limit, const T* kb
           __builtin_prefetch(reinterpret_cast<const char*>(kbuf + ahead) + b);
           __builtin_prefetch(reinterpret_cast<const char*>(vbuf + ahead) + b);
         }
+        if constexpr (F == kInt8) {
+          __builtin_prefetch(kv.ks + ahead / d);
+          __builtin_prefetch(kv.vs + ahead / d);
+        }
       }
-      const T* krow = kbuf + (static_cast<int64_t>(slots[pos]) * kv_heads + head) * d;
+      const int64_t kv_row = static_cast<int64_t>(slots[pos]) * kv_heads + head;
+      const T* krow = kbuf + kv_row * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) row[i] = to_float(krow[i]);
+      for (int64_t i = 0; i < d; ++i) row[i] = kv_value<F>(krow[i]);
+      const float kmul = F == kInt8 ? kv.ks[kv_row] : 1.f;
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = q + r * d;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < d; ++i) s += qr[i] * row[i];
-        scores[r * kTile + j] = pos < limit[r] ? s : kNegInf;
+        scores[r * kTile + j] = pos < limit[r] ? s * kmul : kNegInf;
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -87,11 +141,13 @@ void attend_impl(const float* q, int64_t rows, const int64_t* limit, const T* kb
       m[r] = m_new;
     }
     for (int64_t j = 0; j < n; ++j) {
-      const T* vrow = vbuf + (static_cast<int64_t>(slots[t0 + j]) * kv_heads + head) * d;
+      const int64_t kv_row = static_cast<int64_t>(slots[t0 + j]) * kv_heads + head;
+      const T* vrow = vbuf + kv_row * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) row[i] = to_float(vrow[i]);
+      for (int64_t i = 0; i < d; ++i) row[i] = kv_value<F>(vrow[i]);
+      const float vmul = F == kInt8 ? kv.vs[kv_row] : 1.f;
       for (int64_t r = 0; r < rows; ++r) {
-        const float p = scores[r * kTile + j];
+        const float p = scores[r * kTile + j] * vmul;
         if (p == 0.f) continue;
         float* a = acc + r * d;
 #pragma omp simd
@@ -101,18 +157,290 @@ void attend_impl(const float* q, int64_t rows, const int64_t* limit, const T* kb
   }
 }
 
-template <typename T>
-void attend(const float* q, int64_t rows, const int64_t* limit, const T* kbuf, const T* vbuf, int64_t kv_heads,
-            int64_t head, int64_t d, const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc,
+
+// ---- explicit SIMD variants for head_dim 64 and 128 ----
+//
+// The same online softmax as attend_impl, with K and V rows decoded straight into registers
+// (16 floats per vector: one zmm, or two ymm on AVX2) and the output rows of each block of query
+// rows kept in registers across a tile of positions.
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 16 floats as two ymm.
+struct A256 {
+  struct V {
+    __m256 a, b;
+  };
+  static constexpr int kAccBudget = 6;  // 16-float vectors of output kept in registers (16 ymm in all)
+  static V set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void storef(float* p, V v) {
+    _mm256_storeu_ps(p, v.a);
+    _mm256_storeu_ps(p + 8, v.b);
+  }
+  static V mul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  static V fma(V x, V y, V z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+  static float sum(V v) { return radixserve_cpu::hsum256(_mm256_add_ps(v.a, v.b)); }
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  // The four sums of w, x, y, z, sharing one reduction tree.
+  static __m128 sum4(V w, V x, V y, V z) {
+    return hadd4(_mm256_add_ps(w.a, w.b), _mm256_add_ps(x.a, x.b), _mm256_add_ps(y.a, y.b),
+                 _mm256_add_ps(z.a, z.b));
+  }
+  static __m128 hadd4(__m256 w, __m256 x, __m256 y, __m256 z) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(w, x), _mm256_hadd_ps(y, z));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  }
+  static __m256i widen(__m128i bytes8, bool sign) {
+    return sign ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8);
+  }
+  static __m256 fp8(__m256i z, int shift, float rebase) {
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(z, _mm256_set1_epi32(0x80)), 24),
+                                         _mm256_slli_epi32(_mm256_and_si256(z, _mm256_set1_epi32(0x7F)), shift));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(rebase));
+  }
+  // 16 stored values of format F at p, as floats.
+  template <int F, typename T>
+  static V load(const T* p) {
+    if constexpr (F == kFloat && std::is_same_v<T, float>) {
+      return loadf(p);
+    } else if constexpr (F == kFloat && std::is_same_v<T, c10::BFloat16>) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16)),
+              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16))};
+    } else if constexpr (F == kFloat && std::is_same_v<T, c10::Half>) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+    } else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m128i hi = _mm_srli_si128(b, 8);
+      if constexpr (F == kInt8) {
+        return {_mm256_cvtepi32_ps(widen(b, true)), _mm256_cvtepi32_ps(widen(hi, true))};
+      } else {
+        constexpr int shift = F == kFp8E4M3 ? 20 : 21;
+        constexpr float rebase = F == kFp8E4M3 ? 0x1p120f : 0x1p112f;
+        return {fp8(widen(b, false), shift, rebase), fp8(widen(hi, false), shift, rebase)};
+      }
+    }
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+// 16 floats as one zmm.
+struct A512 {
+  using V = __m512;
+  static constexpr int kAccBudget = 16;
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V mul(V x, V y) { return _mm512_mul_ps(x, y); }
+  static V fma(V x, V y, V z) { return _mm512_fmadd_ps(x, y, z); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static __m256 halves(V v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  static __m128 sum4(V w, V x, V y, V z) { return A256::hadd4(halves(w), halves(x), halves(y), halves(z)); }
+  template <int F, typename T>
+  static V load(const T* p) {
+    if constexpr (F == kFloat && std::is_same_v<T, float>) {
+      return loadf(p);
+    } else if constexpr (F == kFloat && std::is_same_v<T, c10::BFloat16>) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else if constexpr (F == kFloat && std::is_same_v<T, c10::Half>) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    } else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      if constexpr (F == kInt8) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+      } else {
+        constexpr int shift = F == kFp8E4M3 ? 20 : 21;
+        constexpr float rebase = F == kFp8E4M3 ? 0x1p120f : 0x1p112f;
+        const __m512i z = _mm512_cvtepu8_epi32(b);
+        const __m512i bits =
+            _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(z, _mm512_set1_epi32(0x80)), 24),
+                            _mm512_slli_epi32(_mm512_and_si512(z, _mm512_set1_epi32(0x7F)), shift));
+        return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(rebase));
+      }
+    }
+  }
+};
+#endif
+
+// attend_impl for head_dim = 16 * NC on vector type A.
+template <class A, typename T, int F, int NC>
+void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head,
+                 const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc,
+                 std::vector<float>& scores) {
+  using V = typename A::V;
+  constexpr int64_t d = 16 * NC;
+  constexpr int RB = A::kAccBudget / NC > 0 ? A::kAccBudget / NC : 1;  // query rows per output block
+  const int64_t kv_heads = kv.kv_heads;
+  const T* kbuf = static_cast<const T*>(kv.k);
+  const T* vbuf = static_cast<const T*>(kv.v);
+  scores.resize(rows * kTile);
+  float* sc = scores.data();
+  for (int64_t t0 = start; t0 < end; t0 += kTile) {
+    const int64_t n = std::min(kTile, end - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = t0 + j;
+      if (pos + kPrefetch < end) {
+        const int64_t ahead = static_cast<int64_t>(slots[pos + kPrefetch]) * kv_heads + head;
+        for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kbuf + ahead * d) + b);
+          __builtin_prefetch(reinterpret_cast<const char*>(vbuf + ahead * d) + b);
+        }
+        if constexpr (F == kInt8) {
+          __builtin_prefetch(kv.ks + ahead);
+          __builtin_prefetch(kv.vs + ahead);
+        }
+      }
+      const int64_t kv_row = static_cast<int64_t>(slots[pos]) * kv_heads + head;
+      const T* krow = kbuf + kv_row * d;
+      V k[NC];
+      for (int c = 0; c < NC; ++c) k[c] = A::template load<F>(krow + 16 * c);
+      const float kmul = F == kInt8 ? kv.ks[kv_row] : 1.f;
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // four rows' dot products share one reduction
+        V dot[4];
+        for (int u = 0; u < 4; ++u) {
+          if (r0 + u >= rows) {
+            dot[u] = A::zero();
+            continue;
+          }
+          const float* qr = q + (r0 + u) * d;
+          dot[u] = A::mul(A::loadf(qr), k[0]);
+          for (int c = 1; c < NC; ++c) dot[u] = A::fma(A::loadf(qr + 16 * c), k[c], dot[u]);
+        }
+        alignas(16) float dots[4];
+        _mm_store_ps(dots, A::sum4(dot[0], dot[1], dot[2], dot[3]));
+        for (int64_t r = r0; r < std::min<int64_t>(rows, r0 + 4); ++r)
+          sc[r * kTile + j] = pos < limit[r] ? dots[r - r0] * kmul : kNegInf;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = sc + r * kTile;
+      float tile_max = kNegInf;
+      for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sr[j]);
+      if (tile_max == kNegInf) {
+        std::fill(sr, sr + n, 0.f);
+        continue;
+      }
+      const float m_new = std::max(m[r], tile_max);
+      const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        const float e = sr[j] == kNegInf ? 0.f : vexp(sr[j] - m_new);
+        sr[j] = e;
+        sum += e;
+      }
+      if (corr != 1.f) {
+        float* a = acc + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) a[i] *= corr;
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = m_new;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      const int64_t rb = std::min<int64_t>(RB, rows - r0);
+      V o[RB][NC];
+      for (int r = 0; r < RB; ++r)
+        if (r < rb)
+          for (int c = 0; c < NC; ++c) o[r][c] = A::loadf(acc + (r0 + r) * d + 16 * c);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t kv_row = static_cast<int64_t>(slots[t0 + j]) * kv_heads + head;
+        const T* vrow = vbuf + kv_row * d;
+        const float vmul = F == kInt8 ? kv.vs[kv_row] : 1.f;
+        V v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = A::template load<F>(vrow + 16 * c);
+        for (int r = 0; r < RB; ++r) {
+          if (r >= rb) break;
+          const float p = sc[(r0 + r) * kTile + j] * vmul;
+          if (p == 0.f) continue;
+          const V pv = A::set1(p);
+          for (int c = 0; c < NC; ++c) o[r][c] = A::fma(pv, v[c], o[r][c]);
+        }
+      }
+      for (int r = 0; r < RB; ++r)
+        if (r < rb)
+          for (int c = 0; c < NC; ++c) A::storef(acc + (r0 + r) * d + 16 * c, o[r][c]);
+    }
+  }
+}
+
+template <typename T, int F>
+void attend(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head, int64_t d,
+            const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc,
             std::vector<float>& scores) {
+  const int isa = radixserve_kernel_isa();
+#if defined(__AVX512F__)
+  if (isa >= 2 && (d == 64 || d == 128)) {
+    if (d == 64) return attend_simd<A512, T, F, 4>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
+    return attend_simd<A512, T, F, 8>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= 1 && (d == 64 || d == 128)) {
+    if (d == 64) return attend_simd<A256, T, F, 4>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
+    return attend_simd<A256, T, F, 8>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
+  }
+#endif
+  (void)isa;
   if (d == 64) {
-    attend_impl<T, 64>(q, rows, limit, kbuf, vbuf, kv_heads, head, d, slots, start, end, m, l, acc, scores);
+    attend_impl<T, F, 64>(q, rows, limit, kv, head, d, slots, start, end, m, l, acc, scores);
   } else if (d == 128) {
-    attend_impl<T, 128>(q, rows, limit, kbuf, vbuf, kv_heads, head, d, slots, start, end, m, l, acc, scores);
+    attend_impl<T, F, 128>(q, rows, limit, kv, head, d, slots, start, end, m, l, acc, scores);
   } else {
     TORCH_CHECK(d <= 512, "head_dim above 512 is not supported by the CPU attention kernels");
-    attend_impl<T, 0>(q, rows, limit, kbuf, vbuf, kv_heads, head, d, slots, start, end, m, l, acc, scores);
+    attend_impl<T, F, 0>(q, rows, limit, kv, head, d, slots, start, end, m, l, acc, scores);
   }
+}
+
+// Calls fn(T{}, std::integral_constant<int, F>{}) with the stored element type and format.
+template <typename Fn>
+void dispatch_kv(const at::Tensor& k_buffer, int64_t format, Fn&& fn) {
+  const auto st = k_buffer.scalar_type();
+  switch (format) {
+    case kFloat:
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "kv_float",
+                                      [&] { fn(scalar_t{}, std::integral_constant<int, kFloat>{}); });
+      return;
+    case kInt8:
+      TORCH_CHECK(st == at::kChar, "an int8 KV cache needs int8 buffers");
+      fn(int8_t{}, std::integral_constant<int, kInt8>{});
+      return;
+    case kFp8E4M3:
+    case kFp8E5M2:
+      TORCH_CHECK(st == at::kByte, "an fp8 KV cache stores its bits in uint8 buffers");
+      if (format == kFp8E4M3)
+        fn(uint8_t{}, std::integral_constant<int, kFp8E4M3>{});
+      else
+        fn(uint8_t{}, std::integral_constant<int, kFp8E5M2>{});
+      return;
+    default:
+      TORCH_CHECK(false, "unknown KV cache format code ", format);
+  }
+}
+
+KvView make_view(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const c10::optional<at::Tensor>& k_scales,
+                 const c10::optional<at::Tensor>& v_scales, int64_t format, double k_scale, double v_scale) {
+  KvView kv{k_buffer.data_ptr(), v_buffer.data_ptr(), nullptr, nullptr, 1.f, 1.f, k_buffer.size(1)};
+  if (format == kInt8) {
+    TORCH_CHECK(k_scales.has_value() && v_scales.has_value(), "an int8 KV cache needs its scale tensors");
+    for (const at::Tensor* t : {&*k_scales, &*v_scales})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                      t->size(0) == k_buffer.size(0) && t->size(1) == k_buffer.size(1),
+                  "int8 KV scales must be float32 [slots, kv_heads]");
+    kv.ks = k_scales->data_ptr<float>();
+    kv.vs = v_scales->data_ptr<float>();
+  } else if (format == kFp8E4M3 || format == kFp8E5M2) {
+    kv.k_scale = static_cast<float>(k_scale);
+    kv.v_scale = static_cast<float>(v_scale);
+  }
+  return kv;
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
@@ -158,23 +486,26 @@ void load_query(const Q* q, int64_t rows, int64_t d, float scale, float* dst) {
 
 // q, out: [batch, heads, dim]; seq_lens count the new token, whose KV is already in the pool.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      at::Tensor& out, double scale, int64_t num_splits) {
+                      const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                      int64_t kv_format, double k_scale, double v_scale, const at::Tensor& req_to_token,
+                      const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                      int64_t num_splits) {
   check_inputs(q, k_buffer, v_buffer, req_to_token, out);
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
   const int64_t splits = std::max<int64_t>(1, num_splits);
   const PageTable pages(req_to_token, req_pool_indices, seq_lens);
+  const KvView kv = make_view(k_buffer, v_buffer, k_scales, v_scales, kv_format, k_scale, v_scale);
+  const float q_scale = static_cast<float>(scale) * kv.k_scale;
   // partial results per (request, kv head, split): running max, sum, and output
   auto part_ml = at::empty({batch, kv_heads, splits, group, 2}, q.options().dtype(at::kFloat));
   auto part_o = at::empty({batch, kv_heads, splits, group, d}, q.options().dtype(at::kFloat));
   float* ml = part_ml.data_ptr<float>();
   float* po = part_o.data_ptr<float>();
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buffer.scalar_type(), "decode_attention", [&] {
-    using kv_t = scalar_t;
-    const kv_t* kbuf = k_buffer.data_ptr<kv_t>();
-    const kv_t* vbuf = v_buffer.data_ptr<kv_t>();
+  dispatch_kv(k_buffer, kv_format, [&](auto kv_tag, auto format) {
+    using kv_t = decltype(kv_tag);
+    constexpr int F = decltype(format)::value;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_q", [&] {
       const scalar_t* qp = q.data_ptr<scalar_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
@@ -189,10 +520,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
           float* acc = po + task * group * d;
           std::vector<float> mm(group, kNegInf), ll(group, 0.f);
           std::fill(acc, acc + group * d, 0.f);
-          load_query(qp + (b * heads + h * group) * d, group, d, static_cast<float>(scale), qf.data());
+          load_query(qp + (b * heads + h * group) * d, group, d, q_scale, qf.data());
           std::fill(limit.begin(), limit.end(), len);
-          attend<kv_t>(qf.data(), group, limit.data(), kbuf, vbuf, kv_heads, h, d, pages.slots(b), lo, hi, mm.data(),
-                       ll.data(), acc, scores);
+          attend<kv_t, F>(qf.data(), group, limit.data(), kv, h, d, pages.slots(b), lo, hi, mm.data(), ll.data(), acc,
+                          scores);
           for (int64_t g = 0; g < group; ++g) {
             m[2 * g] = mm[g];
             m[2 * g + 1] = ll[g];
@@ -218,7 +549,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
               for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
             }
             scalar_t* dst = op + (b * heads + h * group + g) * d;
-            const float inv = total > 0.f ? 1.f / total : 0.f;
+            const float inv = total > 0.f ? kv.v_scale / total : 0.f;
             for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(o[i] * inv);
           }
         }
@@ -230,13 +561,17 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
 // q, out: [tokens, heads, dim], the new tokens of each request packed in batch order (their KV
 // already in the pool). Token i of request b sits at position prefix_b + i and attends causally.
 void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                      const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                      int64_t kv_format, double k_scale, double v_scale, const at::Tensor& req_to_token,
+                      const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                       const at::Tensor& extend_start_loc, const at::Tensor& extend_seq_lens, at::Tensor& out,
                       double scale) {
   check_inputs(q, k_buffer, v_buffer, req_to_token, out);
   const int64_t heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
   const PageTable pages(req_to_token, req_pool_indices, seq_lens);
+  const KvView kv = make_view(k_buffer, v_buffer, k_scales, v_scales, kv_format, k_scale, v_scale);
+  const float q_scale = static_cast<float>(scale) * kv.k_scale;
   auto starts = extend_start_loc.to(at::kLong).contiguous();
   auto ext = extend_seq_lens.to(at::kLong).contiguous();
   const int64_t batch = pages.batch();
@@ -250,10 +585,9 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
     for (int64_t q0 = 0; q0 < elen[b]; q0 += kQueryBlock)
       for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({b, q0, std::min(elen[b], q0 + kQueryBlock), h});
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buffer.scalar_type(), "extend_attention", [&] {
-    using kv_t = scalar_t;
-    const kv_t* kbuf = k_buffer.data_ptr<kv_t>();
-    const kv_t* vbuf = v_buffer.data_ptr<kv_t>();
+  dispatch_kv(k_buffer, kv_format, [&](auto kv_tag, auto format) {
+    using kv_t = decltype(kv_tag);
+    constexpr int F = decltype(format)::value;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention_q", [&] {
       const scalar_t* qp = q.data_ptr<scalar_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
@@ -272,18 +606,17 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
           for (int64_t i = t.q0; i < t.q1; ++i) {
             for (int64_t g = 0; g < group; ++g) {
               const int64_t r = (i - t.q0) * group + g;
-              load_query(qp + ((sloc[t.b] + i) * heads + t.h * group + g) * d, 1, d, static_cast<float>(scale),
-                         qf.data() + r * d);
+              load_query(qp + ((sloc[t.b] + i) * heads + t.h * group + g) * d, 1, d, q_scale, qf.data() + r * d);
               limit[r] = prefix + i + 1;
             }
           }
-          attend<kv_t>(qf.data(), rows, limit.data(), kbuf, vbuf, kv_heads, t.h, d, pages.slots(t.b), 0, prefix + t.q1,
-                       m.data(), l.data(), acc.data(), scores);
+          attend<kv_t, F>(qf.data(), rows, limit.data(), kv, t.h, d, pages.slots(t.b), 0, prefix + t.q1, m.data(),
+                          l.data(), acc.data(), scores);
           for (int64_t i = t.q0; i < t.q1; ++i) {
             for (int64_t g = 0; g < group; ++g) {
               const int64_t r = (i - t.q0) * group + g;
               scalar_t* dst = op + ((sloc[t.b] + i) * heads + t.h * group + g) * d;
-              const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+              const float inv = l[r] > 0.f ? kv.v_scale / l[r] : 0.f;
               for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(acc[r * d + x] * inv);
             }
           }
@@ -293,16 +626,93 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
   });
 }
 
+namespace {
+
+// One row of head_dim values into the stored format (bit-identical to kernels/reference.py's
+// quantize_kv: the same float32 divisions, round-half-even, saturation).
+template <typename T, int F, typename S>
+void store_row(const S* x, int64_t d, T* dst, float* row_scale, float scale) {
+  if constexpr (F == kInt8) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+    const float s = amax / 127.f;
+    *row_scale = s;
+    for (int64_t i = 0; i < d; ++i) {
+      const float v = s > 0.f ? std::nearbyint(static_cast<float>(x[i]) / s) : 0.f;
+      dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+    }
+  } else if constexpr (F == kFp8E4M3) {
+    for (int64_t i = 0; i < d; ++i) {
+      const float v = std::min(448.f, std::max(-448.f, static_cast<float>(x[i]) / scale));
+      dst[i] = c10::Float8_e4m3fn(v).x;
+    }
+  } else if constexpr (F == kFp8E5M2) {
+    for (int64_t i = 0; i < d; ++i) {
+      const float v = std::min(57344.f, std::max(-57344.f, static_cast<float>(x[i]) / scale));
+      dst[i] = c10::Float8_e5m2(v).x;
+    }
+  } else {
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(static_cast<float>(x[i]));
+  }
+}
+
+}  // namespace
+
+// Writes the new tokens' k and v ([tokens, kv_heads, head_dim], any float dtype) at pool slots
+// `loc`, in the pool's format (int8: also their per-(slot, head) scales).
+void kv_store(at::Tensor& k_buffer, at::Tensor& v_buffer, const c10::optional<at::Tensor>& k_scales,
+              const c10::optional<at::Tensor>& v_scales, int64_t kv_format, double k_scale, double v_scale,
+              const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() && k_buffer.sizes() == v_buffer.sizes(),
+              "kv_store: k/v buffers must be contiguous [slots, kv_heads, dim]");
+  const int64_t kv_heads = k_buffer.size(1), d = k_buffer.size(2);
+  const at::Tensor kc = k.contiguous().view({-1, kv_heads, d}), vc = v.contiguous().view({-1, kv_heads, d});
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && kc.size(0) == vc.size(0), "kv_store: k and v must match");
+  const at::Tensor slots = loc.to(at::kLong).contiguous();
+  const int64_t tokens = kc.size(0);
+  TORCH_CHECK(slots.numel() == tokens, "kv_store: one slot per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_buffer.size(0), "kv_store: slot ", sp[t], " out of range");
+  const KvView kv = make_view(k_buffer, v_buffer, k_scales, v_scales, kv_format, k_scale, v_scale);
+  float* ks = const_cast<float*>(kv.ks);
+  float* vs = const_cast<float*>(kv.vs);
+  float dummy = 0.f;
+  dispatch_kv(k_buffer, kv_format, [&](auto kv_tag, auto format) {
+    using kv_t = decltype(kv_tag);
+    constexpr int F = decltype(format)::value;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "kv_store", [&] {
+      const scalar_t* kp = kc.data_ptr<scalar_t>();
+      const scalar_t* vp = vc.data_ptr<scalar_t>();
+      kv_t* kdst = static_cast<kv_t*>(k_buffer.data_ptr());
+      kv_t* vdst = static_cast<kv_t*>(v_buffer.data_ptr());
+      at::parallel_for(0, tokens * kv_heads, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t row = sp[i / kv_heads] * kv_heads + i % kv_heads;
+          store_row<kv_t, F>(kp + i * d, d, kdst + row * d, F == kInt8 ? ks + row : &dummy, kv.k_scale);
+          store_row<kv_t, F>(vp + i * d, d, vdst + row * d, F == kInt8 ? vs + row : &dummy, kv.v_scale);
+        }
+      });
+    });
+  });
+}
+
 TORCH_LIBRARY(radixserve, m) {
   m.def(
-      "decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor req_pool_indices, "
+      "decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor? k_scales, Tensor? v_scales, "
+      "int kv_format, float k_scale, float v_scale, Tensor req_to_token, Tensor req_pool_indices, "
       "Tensor seq_lens, Tensor(a!) out, float scale, int num_splits) -> ()");
   m.def(
-      "extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor req_pool_indices, "
+      "extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor? k_scales, Tensor? v_scales, "
+      "int kv_format, float k_scale, float v_scale, Tensor req_to_token, Tensor req_pool_indices, "
       "Tensor seq_lens, Tensor extend_start_loc, Tensor extend_seq_lens, Tensor(a!) out, float scale) -> ()");
+  m.def(
+      "kv_store(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor(c!)? k_scales, Tensor(d!)? v_scales, "
+      "int kv_format, float k_scale, float v_scale, Tensor loc, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("extend_attention", &extend_attention);
+  m.impl("kv_store", &kv_store);
 }

@@ -6,7 +6,7 @@
 // is identical, from one call per layer:
 //   residual += hidden; h = rmsnorm(residual)            (first layer: residual = hidden)
 //   q, k, v = split(h @ Wqkv.T + b); QK-norm per head (Qwen3); NeoX rotary on q and k
-//   K/V written to the layer's pool slots; paged decode attention
+//   K/V written to the layer's pool slots (in the pool's format); paged decode attention
 //   o = attn @ Wo.T + b; residual += o; h = rmsnorm(residual)
 //   returns silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
 
@@ -21,8 +21,13 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void rotary_neox(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_cache,
                  const at::Tensor& sin_cache, int64_t head_dim);
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                      at::Tensor& out, double scale, int64_t num_splits);
+                      const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                      int64_t kv_format, double k_scale, double v_scale, const at::Tensor& req_to_token,
+                      const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                      int64_t num_splits);
+void kv_store(at::Tensor& k_buffer, at::Tensor& v_buffer, const c10::optional<at::Tensor>& k_scales,
+              const c10::optional<at::Tensor>& v_scales, int64_t kv_format, double k_scale, double v_scale,
+              const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
 
 namespace {
@@ -47,8 +52,9 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
                         const c10::optional<at::Tensor>& qkv_bias, int64_t q_size, int64_t kv_size,
                         const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                         const at::Tensor& positions, const at::Tensor& cos_cache, const at::Tensor& sin_cache,
-                        int64_t head_dim, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                        const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+                        int64_t head_dim, at::Tensor& k_buffer, at::Tensor& v_buffer,
+                        const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                        int64_t kv_format, double k_scale, double v_scale, const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                         const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale,
                         int64_t num_splits, at::TensorList o_w, at::IntArrayRef o_t,
                         const c10::optional<at::Tensor>& o_bias, at::TensorList gate_up_w, at::IntArrayRef gate_up_t,
@@ -74,11 +80,12 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
   rotary_neox(q, positions, cos_cache, sin_cache, head_dim);
   rotary_neox(k, positions, cos_cache, sin_cache, head_dim);
   const int64_t kv_heads = kv_size / head_dim, q_heads = q_size / head_dim;
-  k_buffer.index_copy_(0, out_cache_loc, k.reshape({tokens, kv_heads, head_dim}).to(k_buffer.scalar_type()));
-  v_buffer.index_copy_(0, out_cache_loc, v.view({tokens, kv_heads, head_dim}).to(v_buffer.scalar_type()));
+  kv_store(k_buffer, v_buffer, k_scales, v_scales, kv_format, k_scale, v_scale, out_cache_loc,
+           k.reshape({tokens, kv_heads, head_dim}), v.view({tokens, kv_heads, head_dim}));
   at::Tensor q3 = q.reshape({tokens, q_heads, head_dim}).contiguous();
   at::Tensor attn = at::empty_like(q3);
-  decode_attention(q3, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn, scale, num_splits);
+  decode_attention(q3, k_buffer, v_buffer, k_scales, v_scales, kv_format, k_scale, v_scale, req_to_token,
+                   req_pool_indices, seq_lens, attn, scale, num_splits);
   at::Tensor o = project(attn.view({tokens, q_size}), o_w, o_t, o_bias);
   rms_norm(o, residual, ln2, eps);  // residual += o; o = norm(residual)
   at::Tensor gate_up = quant_linear(o, gate_up_w, gate_up_t, false);
@@ -92,7 +99,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
       "decode_layer(Tensor hidden, Tensor(a!) residual, bool first, Tensor ln1, Tensor ln2, float eps, "
       "Tensor[] qkv_w, int[] qkv_t, Tensor? qkv_bias, int q_size, int kv_size, Tensor? q_norm, Tensor? k_norm, "
       "Tensor positions, Tensor cos_cache, Tensor sin_cache, int head_dim, Tensor(b!) k_buffer, "
-      "Tensor(c!) v_buffer, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+      "Tensor(c!) v_buffer, Tensor(d!)? k_scales, Tensor(e!)? v_scales, int kv_format, float k_scale, "
+      "float v_scale, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
       "float scale, int num_splits, Tensor[] o_w, int[] o_t, Tensor? o_bias, Tensor[] gate_up_w, int[] gate_up_t, "
       "Tensor[] down_w, int[] down_t) -> Tensor");
 }

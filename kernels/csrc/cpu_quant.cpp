@@ -861,6 +861,9 @@ std::string quant_isa(const std::string& isa) {
   return isa_name(g_isa.load());
 }
 
+// The ISA variant in use, for the other kernels of this extension (0 scalar, 1 AVX2, 2+ AVX-512).
+int radixserve_kernel_isa() { return g_isa.load(std::memory_order_relaxed); }
+
 // Whether prefill-sized bf16 batches may multiply bf16 tiles (CPUs with AMX / AVX512-BF16).
 bool quant_fast_bf16(bool enable) {
   g_fast_bf16.store(enable);

@@ -45,3 +45,5 @@ def triton_unavailable_reason(device: str) -> str | None:
 # --quantization: dense weights, or a GGUF file's blocks kept quantized (srt/layers/quantization/).
 QUANTIZATION_METHODS = ("none", "gguf", "w8a8_int8", "int4_weight_only", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
+# --kv-cache-dtype (SGLang's names, plus int8); auto = the model's dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")

@@ -45,7 +45,6 @@ class FusedDecodeLayer:
         first = residual is None
         if first:
             residual = torch.empty_like(hidden)
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
         out = self.ops.decode_layer(
             hidden,
             residual,
@@ -63,8 +62,7 @@ class FusedDecodeLayer:
             self.cos,
             self.sin,
             self.head_dim,
-            k_buf,
-            v_buf,
+            *fb.token_to_kv_pool.kernel_args(self.layer_id),
             fb.out_cache_loc,
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,

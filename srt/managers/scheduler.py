@@ -141,6 +141,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     def ready_info(self) -> dict:
         return {
             "max_total_num_tokens": self.runner.max_total_num_tokens,
+            # the KV cache as allocated: stored format (auto resolved) and bytes per token on this rank
+            "kv_cache_dtype": self.runner.kv_format,
+            "kv_cache_bytes_per_token": self.runner.kv_bytes_per_token,
             "max_running_requests": self.max_running_requests,
             "context_len": self.model_config.context_len,
             "vocab_size": self.model_config.vocab_size,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from kernels.reference import dequantize_kv, quantize_kv
 from srt.utils import lazy_zeros
 
 
@@ -43,26 +46,113 @@ class ReqToTokenPool:
         self.free_slots = list(range(self.size))
 
 
+# stored format -> (element dtype of the buffers, code the C++ kernels take)
+KV_FORMATS = {
+    "float32": (torch.float32, 0),
+    "bfloat16": (torch.bfloat16, 0),
+    "float16": (torch.float16, 0),
+    "int8": (torch.int8, 1),
+    "fp8_e4m3": (torch.uint8, 2),
+    "fp8_e5m2": (torch.uint8, 3),
+}
+
+
+def kv_format_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """The stored KV format of a --kv-cache-dtype value (srt.configs.runtime_choices.KV_CACHE_DTYPES)."""
+    if kv_cache_dtype == "auto":
+        return str(model_dtype).removeprefix("torch.")
+    return "bfloat16" if kv_cache_dtype == "bf16" else kv_cache_dtype
+
+
+# --quantization-param-path's kv_cache.dtype for each fp8 format
+FP8_PARAM_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def load_fp8_kv_scales(path: str, kv_format: str, tp_rank: int, layer_num: int) -> list[float]:
+    """Per-layer fp8 KV scales from SGLang's JSON: {"kv_cache": {"dtype": "float8_e4m3fn",
+    "scaling_factor": {"<tp_rank>": {"<layer>": scale}}}}; one scale serves K and V. Errors name
+    the file and the missing or bad entry."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--quantization-param-path {path}: cannot read it as JSON ({e})") from e
+    kv = doc.get("kv_cache") if isinstance(doc, dict) else None
+    if not isinstance(kv, dict):
+        raise ValueError(f'--quantization-param-path {path}: no "kv_cache" object')
+    want = FP8_PARAM_DTYPES[kv_format]
+    if kv.get("dtype") != want:
+        raise ValueError(
+            f"--quantization-param-path {path}: kv_cache.dtype is {kv.get('dtype')!r}, but --kv-cache-dtype "
+            f"{kv_format} needs {want!r}"
+        )
+    ranks = kv.get("scaling_factor")
+    per_layer = ranks.get(str(tp_rank)) if isinstance(ranks, dict) else None
+    if not isinstance(per_layer, dict):
+        raise ValueError(f"--quantization-param-path {path}: no kv_cache.scaling_factor for TP rank {tp_rank}")
+    scales = []
+    for layer in range(layer_num):
+        value = per_layer.get(str(layer))
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(
+                f"--quantization-param-path {path}: kv_cache.scaling_factor[{str(tp_rank)!r}][{str(layer)!r}] must be "
+                f"a positive number, got {value!r} (the model has {layer_num} layers)"
+            )
+        scales.append(float(value))
+    return scales
+
+
 class MHATokenToKVPool:
-    """Per-layer K and V tensors `[num_slots, kv_heads, head_dim]`.
+    """Per-layer K and V tensors `[num_slots, kv_heads, head_dim]` in the stored format
+    (kernels/reference.py defines the 8-bit ones): float32 / bfloat16 / float16 values, int8 values
+    with per-(slot, head) float32 scales in `k_scale_buffer` / `v_scale_buffer` `[num_slots,
+    kv_heads]`, or fp8 bits (uint8) with one scale per layer in `k_scale` / `v_scale`.
 
     Slots [0, page_size) are a padding page that is never allocated: padded rows of a batch
     write their KV there, so no write ever needs a mask.
     """
 
     def __init__(
-        self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int, device: str
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str,
+        kv_format: str | None = None,
+        fp8_scales: list[float] | None = None,
     ):
         self.size, self.page_size, self.dtype = size, page_size, dtype
         self.head_num, self.head_dim, self.layer_num = head_num, head_dim, layer_num
         self.device = device
+        self.kv_format = kv_format or str(dtype).removeprefix("torch.")
+        self.store_dtype, self.format_code = KV_FORMATS[self.kv_format]
         shape = (size + page_size, head_num, head_dim)
-        self.k_buffer = [lazy_zeros(shape, dtype, device) for _ in range(layer_num)]
-        self.v_buffer = [lazy_zeros(shape, dtype, device) for _ in range(layer_num)]
+        self.k_buffer = [lazy_zeros(shape, self.store_dtype, device) for _ in range(layer_num)]
+        self.v_buffer = [lazy_zeros(shape, self.store_dtype, device) for _ in range(layer_num)]
+        self.k_scale_buffer: list[torch.Tensor] | None = None
+        self.v_scale_buffer: list[torch.Tensor] | None = None
+        if self.kv_format == "int8":
+            self.k_scale_buffer = [lazy_zeros(shape[:2], torch.float32, device) for _ in range(layer_num)]
+            self.v_scale_buffer = [lazy_zeros(shape[:2], torch.float32, device) for _ in range(layer_num)]
+        scales = fp8_scales if fp8_scales is not None else [1.0] * layer_num
+        assert len(scales) == layer_num, "one fp8 scale per layer"
+        self.k_scale, self.v_scale = list(scales), list(scales)
+
+    @property
+    def quantized(self) -> bool:
+        return self.format_code != 0
 
     @staticmethod
-    def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:
-        return 2 * head_num * head_dim * layer_num * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(
+        head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype, kv_format: str | None = None
+    ) -> int:
+        fmt = kv_format or str(dtype).removeprefix("torch.")
+        per_value = KV_FORMATS[fmt][0].itemsize
+        scales = 4 if fmt == "int8" else 0  # one float32 per (token, head) for K and for V
+        return 2 * head_num * layer_num * (head_dim * per_value + scales)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
@@ -73,6 +163,49 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    def kernel_args(self, layer_id: int) -> tuple:
+        """What the C++ attention kernels take for this layer's cache: k_buffer, v_buffer,
+        k_scales, v_scales (None unless int8), format code, fp8 k_scale, fp8 v_scale."""
+        ks = self.k_scale_buffer[layer_id] if self.k_scale_buffer is not None else None
+        vs = self.v_scale_buffer[layer_id] if self.v_scale_buffer is not None else None
+        return (
+            self.k_buffer[layer_id],
+            self.v_buffer[layer_id],
+            ks,
+            vs,
+            self.format_code,
+            self.k_scale[layer_id],
+            self.v_scale[layer_id],
+        )
+
+    def gather(self, layer_id: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows `index` of the pool viewed as `[num_slots * kv_heads, head_dim]`, as `dtype`
+        values (decoded from the stored format): what the pure-torch paths attend over."""
+        d = self.head_dim
+        k = self.k_buffer[layer_id].view(-1, d).index_select(0, index)
+        v = self.v_buffer[layer_id].view(-1, d).index_select(0, index)
+        if not self.quantized:
+            return k.to(dtype), v.to(dtype)
+        ks = vs = None
+        if self.k_scale_buffer is not None and self.v_scale_buffer is not None:
+            ks = self.k_scale_buffer[layer_id].view(-1).index_select(0, index)
+            vs = self.v_scale_buffer[layer_id].view(-1).index_select(0, index)
+        return (
+            dequantize_kv(k, ks, self.kv_format, self.k_scale[layer_id], dtype),
+            dequantize_kv(v, vs, self.kv_format, self.v_scale[layer_id], dtype),
+        )
+
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
-        self.k_buffer[layer_id].index_copy_(0, loc, cache_k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, cache_v.to(self.dtype))
+        """Store new tokens' K and V ([T, kv_heads, head_dim]) at slots `loc`, quantized to the format."""
+        if not self.quantized:
+            self.k_buffer[layer_id].index_copy_(0, loc, cache_k.to(self.store_dtype))
+            self.v_buffer[layer_id].index_copy_(0, loc, cache_v.to(self.store_dtype))
+            return
+        k, ks = quantize_kv(cache_k, self.kv_format, self.k_scale[layer_id])
+        v, vs = quantize_kv(cache_v, self.kv_format, self.v_scale[layer_id])
+        self.k_buffer[layer_id].index_copy_(0, loc, k)
+        self.v_buffer[layer_id].index_copy_(0, loc, v)
+        if self.k_scale_buffer is not None and self.v_scale_buffer is not None:
+            assert ks is not None and vs is not None, "int8 rows come with their scales"
+            self.k_scale_buffer[layer_id].index_copy_(0, loc, ks)
+            self.v_scale_buffer[layer_id].index_copy_(0, loc, vs)

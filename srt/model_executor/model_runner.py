@@ -23,7 +23,7 @@ from srt.layers.quantization import build_config as build_quant_config
 from srt.layers.quantization import resolve_quantization, weight_report
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
-from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, kv_format_for, load_fp8_kv_scales
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.default_model import cache_root
@@ -184,7 +184,16 @@ class ModelRunner:
     def init_memory_pool(self, available_before: int) -> None:
         cfg, args = self.model_config, self.server_args
         kv_heads = cfg.num_kv_heads_per_rank(self.tp_size, self.tp_rank)
-        per_token = MHATokenToKVPool.bytes_per_token(kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype)
+        self.kv_format = kv_format_for(args.kv_cache_dtype, self.dtype)
+        fp8_scales = None
+        if args.quantization_param_path is not None:
+            fp8_scales = load_fp8_kv_scales(
+                args.quantization_param_path, self.kv_format, self.tp_rank, cfg.num_hidden_layers
+            )
+        per_token = MHATokenToKVPool.bytes_per_token(
+            kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype, self.kv_format
+        )
+        self.kv_bytes_per_token = per_token
         max_running_cap = args.max_running_requests or MAX_RUNNING_CAP[self.device]
         self.cuda_graph_reserved_bytes = 0
         if self.cuda_graph_off_reason is None:
@@ -233,14 +242,23 @@ class ModelRunner:
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running, cfg.context_len + self.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            total, self.page_size, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.device
+            total,
+            self.page_size,
+            self.dtype,
+            kv_heads,
+            cfg.head_dim,
+            cfg.num_hidden_layers,
+            self.device,
+            self.kv_format,
+            fp8_scales,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, self.page_size)
         logger.info(
-            "KV cache: %d tokens (%.2f GiB, %s), %d request slots, page size %d",
+            "KV cache: %d tokens (%.2f GiB, %s, %d bytes per token), %d request slots, page size %d",
             total,
             total * per_token / 2**30,
-            str(self.dtype).removeprefix("torch."),
+            self.kv_format,
+            per_token,
             max_running,
             self.page_size,
         )

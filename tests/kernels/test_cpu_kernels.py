@@ -10,15 +10,18 @@ from kernels import reference
 from srt.model_loader.default_model import cache_root
 
 D = 32
+KV_FORMATS = ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]
+# (query heads per KV head, head_dim): GQA ratios 1/3/4/8 over the generic and unrolled head dims
+SHAPES = [(1, 64), (3, 64), (4, 32), (8, 128)]
 
 
-def make_pool(page, kv_heads, seq_lens, dtype, seed):
+def make_pool(page, kv_heads, seq_lens, dtype, seed, d=D):
     """A KV pool holding each request's tokens at scattered, page-aligned slots."""
     g = torch.Generator().manual_seed(seed)
     pages_needed = sum(-(-n // page) for n in seq_lens) + 3
     slots_total = (pages_needed + 1) * page
-    k = torch.randn(slots_total, kv_heads, D, generator=g).to(dtype)
-    v = torch.randn(slots_total, kv_heads, D, generator=g).to(dtype)
+    k = torch.randn(slots_total, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(slots_total, kv_heads, d, generator=g).to(dtype)
     pages = (torch.randperm(pages_needed, generator=g) + 1).tolist()
     table = torch.zeros(len(seq_lens) + 2, max(seq_lens) + page, dtype=torch.int32)
     rows = list(range(len(seq_lens) + 2))
@@ -32,17 +35,81 @@ def make_pool(page, kv_heads, seq_lens, dtype, seed):
     return k, v, table, torch.tensor(rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def stored(k, v, kv_format):
+    """(kernel cache arguments, K and V as the float values they decode to) for a format. fp8 gets
+    non-unit scales so that their use is tested."""
+    k_scale, v_scale = (0.05, 0.02) if kv_format.startswith("fp8") else (1.0, 1.0)
+    kd, ks = reference.quantize_kv(k, kv_format, k_scale)
+    vd, vs = reference.quantize_kv(v, kv_format, v_scale)
+    code = {"float32": 0, "bfloat16": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[kv_format]
+    kf = reference.dequantize_kv(kd, ks, kv_format, k_scale)
+    vf = reference.dequantize_kv(vd, vs, kv_format, v_scale)
+    return (kd, vd, ks, vs, code, k_scale, v_scale), kf, vf
+
+
+def each_isa(ops):
+    """The kernel ISA variants this CPU can run (scalar, avx2, avx512), each set in turn; the best
+    is restored afterwards."""
+    names = ["scalar", "avx2", "avx512", "avx512_bf16"]
+    best = ops.quant_isa("")
+    try:
+        for isa in names[: min(names.index(best), 2) + 1]:
+            ops.quant_isa(isa)
+            yield isa
+    finally:
+        ops.quant_isa(best)
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
 @pytest.mark.parametrize("page", [1, 16])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_matches_reference(ops, dtype, page, group, splits):
+@pytest.mark.parametrize("group,head_dim", SHAPES)
+def test_decode_matches_reference(ops, kv_format, page, group, head_dim):
+    """Every ISA variant reads every format in place and matches the reference over the decoded
+    values, with and without split contexts."""
     kv_heads = 2
     seq_lens = [1, 7, 33, 300, 64, 1000]  # ragged, one-token and long contexts
-    k, v, table, rows = make_pool(page, kv_heads, seq_lens, dtype, seed=group * 10 + page)
-    q = torch.randn(len(seq_lens), kv_heads * group, D).to(dtype)
+    k, v, table, rows = make_pool(page, kv_heads, seq_lens, torch.float32, seed=group * 10 + page, d=head_dim)
+    cache, kf, vf = stored(k, v, kv_format)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim)
+    ref = reference.paged_decode_attention(q, kf, vf, table, rows, torch.tensor(seq_lens), head_dim**-0.5)
+    for isa in each_isa(ops):
+        for splits in (1, 3):
+            out = torch.empty_like(q)
+            ops.decode_attention(q, *cache, table, rows, torch.tensor(seq_lens), out, head_dim**-0.5, splits)
+            torch.testing.assert_close(
+                out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa, n=splits: f"{i}, {n} splits: {m}"
+            )
+
+
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("group,head_dim", SHAPES)
+def test_extend_matches_reference(ops, kv_format, page, group, head_dim):
+    kv_heads = 2
+    prefix = [0, 0, 17, 500, 3, 64]  # empty, short and long cached prefixes
+    ext = [40, 1, 25, 9, 1, 70]  # ragged, including one-token (mixed-batch decode) rows
+    seq = [p + e for p, e in zip(prefix, ext)]
+    k, v, table, rows = make_pool(page, kv_heads, seq, torch.float32, seed=group + page, d=head_dim)
+    cache, kf, vf = stored(k, v, kv_format)
+    q = torch.randn(sum(ext), kv_heads * group, head_dim)
+    starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))])
+    ref = reference.paged_extend_attention(
+        q, kf, vf, table, rows, torch.tensor(seq), torch.tensor(prefix), head_dim**-0.5
+    )
+    for isa in each_isa(ops):
+        out = torch.empty_like(q)
+        ops.extend_attention(q, *cache, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, head_dim**-0.5)
+        torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa: f"{i}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_queries(ops, dtype):
+    """bf16 queries and outputs over a bf16 cache (a bf16 model's decode)."""
+    seq_lens = [5, 200]
+    k, v, table, rows = make_pool(16, 2, seq_lens, dtype, seed=3)
+    q = torch.randn(2, 6, D).to(dtype)
     out = torch.empty_like(q)
-    ops.decode_attention(q, k, v, table, rows, torch.tensor(seq_lens), out, D**-0.5, splits)
+    ops.decode_attention(q, k, v, None, None, 0, 1.0, 1.0, table, rows, torch.tensor(seq_lens), out, D**-0.5, 2)
     ref = reference.paged_decode_attention(
         q.float(), k.float(), v.float(), table, rows, torch.tensor(seq_lens), D**-0.5
     )
@@ -50,24 +117,38 @@ def test_decode_matches_reference(ops, dtype, page, group, splits):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("page", [1, 16])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_extend_matches_reference(ops, dtype, page, group):
-    kv_heads = 2
-    prefix = [0, 0, 17, 500, 3, 64]  # empty, short and long cached prefixes
-    ext = [40, 1, 25, 9, 1, 70]  # ragged, including one-token (mixed-batch decode) rows
-    seq = [p + e for p, e in zip(prefix, ext)]
-    k, v, table, rows = make_pool(page, kv_heads, seq, dtype, seed=group + page)
-    q = torch.randn(sum(ext), kv_heads * group, D).to(dtype)
-    starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))])
-    out = torch.empty_like(q)
-    ops.extend_attention(q, k, v, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, D**-0.5)
-    ref = reference.paged_extend_attention(
-        q.float(), k.float(), v.float(), table, rows, torch.tensor(seq), torch.tensor(prefix), D**-0.5
-    )
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+@pytest.mark.parametrize("kv_format", KV_FORMATS)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_kv_store_is_bit_identical_to_the_reference_quantizer(ops, kv_format, src_dtype):
+    """The C++ writer and kernels/reference.py's quantize_kv store the same bytes and scales,
+    including all-zero rows, values beyond the fp8 range and exact ties."""
+    g = torch.Generator().manual_seed(1)
+    t, heads, d = 37, 3, 64
+    k = (torch.randn(t, heads, d, generator=g) * 30).to(src_dtype)
+    v = (torch.randn(t, heads, d, generator=g) * 0.01).to(src_dtype)
+    k[3] = 0
+    k[4, 0, :2] = torch.tensor([1e6, -1e6])
+    v[5, 1] = torch.arange(d) - d / 2  # ties at x.5 after scaling
+    slots = 64
+    store = "float32" if kv_format == "float32" else kv_format
+    buf_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}.get(store, torch.uint8)
+    kb, vb = torch.zeros(slots, heads, d, dtype=buf_dtype), torch.zeros(slots, heads, d, dtype=buf_dtype)
+    ks = vs = None
+    if kv_format == "int8":
+        ks, vs = torch.zeros(slots, heads), torch.zeros(slots, heads)
+    k_scale, v_scale = (0.37, 3.0) if kv_format.startswith("fp8") else (1.0, 1.0)
+    code = {"float32": 0, "bfloat16": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[kv_format]
+    loc = torch.randperm(slots, generator=g)[:t]
+    ops.kv_store(kb, vb, ks, vs, code, k_scale, v_scale, loc, k, v)
+    ek, eks = reference.quantize_kv(k, kv_format, k_scale)
+    ev, evs = reference.quantize_kv(v, kv_format, v_scale)
+    assert torch.equal(kb[loc], ek) and torch.equal(vb[loc], ev)
+    if kv_format == "int8":
+        assert ks is not None and vs is not None and eks is not None and evs is not None
+        assert torch.equal(ks[loc], eks) and torch.equal(vs[loc], evs)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc] = False
+    assert not kb[untouched].any() and not vb[untouched].any()
 
 
 def test_cached_build_is_reused(ops):

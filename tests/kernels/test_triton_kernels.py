@@ -13,13 +13,17 @@ if not torch.cuda.is_available():
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
 from kernels import reference  # noqa: E402
 from kernels.triton_attention import (  # noqa: E402
+    _kv_to_float,
     choose_num_kv_splits,
     decode_attention_fwd,
     extend_attention_fwd,
@@ -58,31 +62,58 @@ def make_pool(page, kv_heads, seq_lens, dtype, seed, head_dim=64, device=DEVICE)
     return k.to(device), v.to(device), table.to(device), torch.tensor(rows, device=device)
 
 
-def run_decode(dtype, page, heads, kv_heads, seq_lens, head_dim=64, num_kv_splits=None, seed=0):
-    k, v, table, rows = make_pool(page, kv_heads, seq_lens, dtype, seed, head_dim)
+# --kv-cache-dtype formats -> the kernels' kv_format code (srt/mem_cache/memory_pool.py KV_FORMATS)
+KV_FORMAT_CODES = {"bfloat16": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
+FP8_KV_SCALES = (0.02, 0.01)  # K, V: randn / scale spans most of e4m3's range (and reaches its subnormals)
+
+
+def store_kv(k, v, kv_format, page) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor, torch.Tensor]:
+    """make_pool's float32 K/V in a stored format. Returns the buffers the kernels read, the format's
+    keyword arguments for them, and the float32 values (`dequantize_kv` of the whole buffers) the
+    reference reads. Page 0 stays poisoned: NaN int8 scales, fp8's largest finite code."""
+    if KV_FORMAT_CODES[kv_format] == 0:
+        kq, vq = k.to(getattr(torch, kv_format)), v.to(getattr(torch, kv_format))
+        return kq, vq, {}, kq.float(), vq.float()
+    k_scale, v_scale = FP8_KV_SCALES if kv_format in reference.FP8_FORMATS else (1.0, 1.0)
+    k, v = k.clone(), v.clone()
+    k[:page], v[:page] = 1e30, 1e30  # saturates fp8; int8 rows get huge scales, replaced by NaN below
+    kq, ks = reference.quantize_kv(k, kv_format, k_scale)
+    vq, vs = reference.quantize_kv(v, kv_format, v_scale)
+    if ks is not None and vs is not None:
+        ks[:page], vs[:page] = float("nan"), float("nan")
+    fmt = dict(k_scales=ks, v_scales=vs, kv_format=KV_FORMAT_CODES[kv_format], k_scale=k_scale, v_scale=v_scale)
+    kd = reference.dequantize_kv(kq, ks, kv_format, k_scale)
+    vd = reference.dequantize_kv(vq, vs, kv_format, v_scale)
+    return kq, vq, fmt, kd, vd
+
+
+def run_decode(dtype, page, heads, kv_heads, seq_lens, head_dim=64, num_kv_splits=None, seed=0, kv_format=None):
+    """dtype: of q and o, and of the K/V buffers unless kv_format names a stored format."""
+    k, v, table, rows = make_pool(page, kv_heads, seq_lens, torch.float32 if kv_format else dtype, seed, head_dim)
+    k, v, fmt, k_ref, v_ref = store_kv(k, v, kv_format, page) if kv_format else (k, v, {}, k.float(), v.float())
     q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     q, lens = q.to(DEVICE), torch.tensor(seq_lens, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    decode_attention_fwd(q, k, v, out, table, rows, lens, head_dim**-0.5, num_kv_splits)
-    ref = reference.paged_decode_attention(q.float(), k.float(), v.float(), table, rows, lens, head_dim**-0.5)
+    decode_attention_fwd(q, k, v, out, table, rows, lens, head_dim**-0.5, num_kv_splits, **fmt)
+    ref = reference.paged_decode_attention(q.float(), k_ref, v_ref, table, rows, lens, head_dim**-0.5)
     return out, ref
 
 
-def run_extend(dtype, page, heads, kv_heads, prefix, ext, head_dim=64, seed=0, pass_max_extend_len=True):
+def run_extend(
+    dtype, page, heads, kv_heads, prefix, ext, head_dim=64, seed=0, pass_max_extend_len=True, kv_format=None
+):
     seq = [p + e for p, e in zip(prefix, ext)]
-    k, v, table, rows = make_pool(page, kv_heads, seq, dtype, seed, head_dim)
+    k, v, table, rows = make_pool(page, kv_heads, seq, torch.float32 if kv_format else dtype, seed, head_dim)
+    k, v, fmt, k_ref, v_ref = store_kv(k, v, kv_format, page) if kv_format else (k, v, {}, k.float(), v.float())
     q = torch.randn(sum(ext) + 1, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     q = q.to(DEVICE)
     starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=DEVICE)
     lens, prefix_lens = torch.tensor(seq, device=DEVICE), torch.tensor(prefix, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    extend_attention_fwd(
-        q, k, v, out, table, rows, lens, prefix_lens, starts, head_dim**-0.5, max(ext) if pass_max_extend_len else None
-    )
+    max_len = max(ext) if pass_max_extend_len else None
+    extend_attention_fwd(q, k, v, out, table, rows, lens, prefix_lens, starts, head_dim**-0.5, max_len, **fmt)
     assert out[-1].isnan().all(), "the row after the last request's tokens must stay untouched"
-    ref = reference.paged_extend_attention(
-        q[:-1].float(), k.float(), v.float(), table, rows, lens, prefix_lens, head_dim**-0.5
-    )
+    ref = reference.paged_extend_attention(q[:-1].float(), k_ref, v_ref, table, rows, lens, prefix_lens, head_dim**-0.5)
     return out[:-1], ref
 
 
@@ -180,6 +211,92 @@ def test_value_head_dim_differs_from_key_head_dim():
     out = extend_attention_fwd(q, k, v, torch.empty(15, 4, 24, device=DEVICE), table, rows, lens, prefix, starts, 0.125)
     ref = reference.paged_extend_attention(q, k, v_padded, table, rows, lens, prefix, 0.125)[..., :24]
     torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+# -- 8-bit KV caches ---------------------------------------------------------------------------------
+
+# The kernels and the reference read identical decoded values: float32 q matches to float32 rounding.
+QUANT_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: tol(torch.bfloat16)}
+
+
+@triton.jit
+def _kv_to_float_kernel(X, Y, N: tl.constexpr, KV_FORMAT: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, _kv_to_float(tl.load(X + offs), KV_FORMAT))
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_decoding_matches_torch_for_every_code(kv_format):
+    # all 256 codes: zeros of both signs, fp8 subnormals, normals, the largest finite values
+    codes = torch.arange(256, dtype=torch.uint8)
+    if kv_format == "int8":
+        codes = codes.view(torch.int8)
+        expected = codes.float()
+    else:
+        expected = codes.view(reference.FP8_FORMATS[kv_format][0]).float()
+    got = torch.full((256,), float("nan"), device=DEVICE)
+    _kv_to_float_kernel[(1,)](codes.to(DEVICE), got, N=256, KV_FORMAT=KV_FORMAT_CODES[kv_format])
+    finite = expected.isfinite()  # the NaN (and e5m2's inf) codes are never stored: writes saturate
+    assert int(finite.sum()) == {"int8": 256, "fp8_e4m3": 254, "fp8_e5m2": 248}[kv_format]
+    assert torch.equal(got.cpu()[finite], expected[finite])
+    assert torch.equal(got.cpu()[finite].signbit(), expected[finite].signbit())
+    if kv_format == "fp8_e4m3":
+        assert float(got[1]) == 2.0**-9 and float(got[0x7E]) == 448.0  # smallest subnormal, largest value
+
+
+DECODE_CASES = [  # page, heads, kv_heads (GQA 3, 8, 1), ragged lens, splits, head dim, q dtype
+    (1, 6, 2, [1, 7, 70, 33], 2, 64, torch.float32),
+    (16, 8, 1, [130, 5, 16], 3, 48, torch.float32),
+    (16, 2, 2, [40, 1, 17], None, 64, torch.bfloat16),
+]
+EXTEND_CASES = [  # page, heads, kv_heads, cached prefixes, new tokens, head dim, q dtype
+    (1, 6, 2, [0, 17, 64], [40, 1, 9], 64, torch.float32),
+    (16, 8, 1, [3, 0, 100], [25, 1, 30], 48, torch.float32),
+    (16, 2, 2, [0, 20], [12, 5], 64, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("kv_format", list(KV_FORMAT_CODES))
+def test_decode_reads_stored_kv_formats(kv_format):
+    for i, (page, heads, kv_heads, lens, splits, head_dim, dtype) in enumerate(DECODE_CASES):
+        out, ref = run_decode(dtype, page, heads, kv_heads, lens, head_dim, splits, seed=i, kv_format=kv_format)
+        torch.testing.assert_close(out.float(), ref.float(), **QUANT_TOL[dtype], msg=lambda m, i=i: f"case {i}: {m}")
+
+
+@pytest.mark.parametrize("kv_format", list(KV_FORMAT_CODES))
+def test_extend_reads_stored_kv_formats(kv_format):
+    for i, (page, heads, kv_heads, prefix, ext, head_dim, dtype) in enumerate(EXTEND_CASES):
+        out, ref = run_extend(dtype, page, heads, kv_heads, prefix, ext, head_dim, seed=i, kv_format=kv_format)
+        torch.testing.assert_close(out.float(), ref.float(), **QUANT_TOL[dtype], msg=lambda m, i=i: f"case {i}: {m}")
+
+
+def test_stored_kv_format_arguments_are_checked():
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    o = torch.empty_like(q)
+    table, idx = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    i8 = torch.zeros(10, 2, 16, dtype=torch.int8, device=DEVICE)
+    u8 = torch.zeros(10, 2, 16, dtype=torch.uint8, device=DEVICE)
+    scales = torch.ones(10, 2, device=DEVICE)
+    bad: list[tuple[dict[str, Any], str]] = [
+        (dict(k=u8, kv_format=0), "kv_format=0 reads plain float values"),
+        (dict(k=i8, kv_format=0), "kv_format=0 reads plain float values"),
+        (dict(k=i8, kv_format=1), "needs k_scales and v_scales, got no k_scales"),
+        (dict(k=i8, kv_format=1, k_scales=scales), "got no v_scales"),
+        (dict(k=i8, kv_format=1, k_scales=scales[:5], v_scales=scales), r"k_scales is torch.float32\(5, 2\)"),
+        (dict(k=i8, kv_format=1, k_scales=scales, v_scales=scales.half()), "v_scales is torch.float16"),
+        (dict(k=u8, kv_format=1, k_scales=scales, v_scales=scales), r"kv_format=1 \(int8\) stores torch.int8"),
+        (dict(k=i8, kv_format=2), r"kv_format=2 \(fp8_e4m3\) stores torch.uint8, but k_buffer is torch.int8"),
+        (dict(k=u8, kv_format=3, k_scales=scales, v_scales=scales), "per-token scales of an int8 cache"),
+        (dict(k=u8, kv_format=4), "kv_format=4 must be one of"),
+    ]
+    for kw, match in bad:
+        k = kw.pop("k")
+        with pytest.raises(ValueError, match=match):
+            decode_attention_fwd(q, k, k, o, table, idx, idx + 1, 1.0, 1, **kw)
+        with pytest.raises(ValueError, match=match.replace("decode", "extend")):
+            extend_attention_fwd(q, k, k, o, table, idx, idx + 1, idx, idx, 1.0, 1, **kw)
+    with pytest.raises(ValueError, match="^decode_attention_fwd: v_buffer is torch.uint8"):
+        decode_attention_fwd(q, q.new_zeros(10, 2, 16), u8, o, table, idx, idx + 1, 1.0, 1)
 
 
 # -- row-wise ops ------------------------------------------------------------------------------------

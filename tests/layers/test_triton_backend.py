@@ -79,31 +79,19 @@ MODES = {
 }  # (cached prefix, new tokens) per request
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [
-        "small",
-        pytest.param(
-            "llama-8b", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-        ),
-    ],
-)
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_matches_torch_native_over_a_paged_pool(shape, mode, dtype):
-    from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from srt.layers.attention.triton_backend import TritonAttnBackend
+def build_paged_batch(shape, mode, dtype, device, **pool_kwargs):
+    """A one-layer pool (its stored format from pool_kwargs) holding each request's cached prefix,
+    request slots out of batch order, and the batch of new tokens: (pool, forward batch, layer, q, k, v)."""
     from srt.layers.radix_attention import RadixAttention
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     heads, kv_heads, head_dim, page = SHAPES[shape]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     prefix, ext = MODES[mode]
     seq = [p + e for p, e in zip(prefix, ext)]
     g = torch.Generator().manual_seed(0)
-    pool = MHATokenToKVPool(4096, page, dtype, kv_heads, head_dim, 1, device)
+    pool = MHATokenToKVPool(4096, page, dtype, kv_heads, head_dim, 1, device, **pool_kwargs)
     alloc = TokenToKVPoolAllocator(4096, page)
     r2t = ReqToTokenPool(len(seq) + 2, 2048, device)
     slots = r2t.alloc(len(seq))[::-1]  # not in batch order
@@ -125,6 +113,26 @@ def test_backend_matches_torch_native_over_a_paged_pool(shape, mode, dtype):
     fb.req_to_token_pool, fb.token_to_kv_pool = r2t, pool
     layer = RadixAttention(heads, head_dim, head_dim**-0.5, kv_heads, layer_id=0)
     q, k, v = (torch.randn(t, n * head_dim, generator=g).to(dtype).to(device) for n in (heads, kv_heads, kv_heads))
+    return pool, fb, layer, q, k, v
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "small",
+        pytest.param(
+            "llama-8b", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_matches_torch_native_over_a_paged_pool(shape, mode, dtype):
+    from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from srt.layers.attention.triton_backend import TritonAttnBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, fb, layer, q, k, v = build_paged_batch(shape, mode, dtype, device)
     outs = []
     for backend in (TorchNativeAttnBackend(), TritonAttnBackend()):
         fb.attn_backend = backend
@@ -132,3 +140,39 @@ def test_backend_matches_torch_native_over_a_paged_pool(shape, mode, dtype):
         outs.append(layer(q, k, v, fb).float())
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs[1], outs[0], **tol)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("mode", ["decode", "mixed"])
+def test_backend_reads_a_quantized_pool_in_place(kv_format, mode):
+    # The layer writes the new tokens' K/V quantized, then the kernels read the 8-bit pool (cached
+    # prefixes and new tokens alike): the same result as the reference over the dequantized buffers.
+    from kernels import reference
+    from srt.layers.attention.triton_backend import TritonAttnBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fp8 = kv_format.startswith("fp8")
+    pool, fb, layer, q, k, v = build_paged_batch(
+        "small", mode, torch.float32, device, kv_format=kv_format, fp8_scales=[0.01] if fp8 else None
+    )
+    if fp8:
+        pool.v_scale[0] = 0.006  # K and V scales differ, set before any write
+    backend = TritonAttnBackend()
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    out = layer(q, k, v, fb)
+    assert pool.k_buffer[0].dtype == (torch.int8 if kv_format == "int8" else torch.uint8)
+    k_scales = pool.k_scale_buffer[0] if pool.k_scale_buffer is not None else None
+    v_scales = pool.v_scale_buffer[0] if pool.v_scale_buffer is not None else None
+    k_ref = reference.dequantize_kv(pool.k_buffer[0], k_scales, kv_format, pool.k_scale[0])
+    v_ref = reference.dequantize_kv(pool.v_buffer[0], v_scales, kv_format, pool.v_scale[0])
+    q3 = q.view(q.shape[0], layer.tp_q_head_num, layer.head_dim)
+    assert fb.req_to_token_pool is not None
+    table = fb.req_to_token_pool.req_to_token
+    if mode == "decode":
+        ref = reference.paged_decode_attention(q3, k_ref, v_ref, table, fb.req_pool_indices, fb.seq_lens, layer.scaling)
+    else:
+        ref = reference.paged_extend_attention(
+            q3, k_ref, v_ref, table, fb.req_pool_indices, fb.seq_lens, fb.extend_prefix_lens, layer.scaling
+        )
+    torch.testing.assert_close(out, ref.view(out.shape), atol=1e-4, rtol=1e-4)

@@ -193,15 +193,17 @@ def test_default_model_quantized_tracks_float32_reference(default_server, shared
     assert agree >= 0.99 * total, f"top-1 agreement {agree}/{total}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, arch):
+@pytest.mark.parametrize(
+    "arch,kv_cache_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8"), ("qwen3", "fp8_e4m3")]
+)
+def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, arch, kv_cache_dtype):
     """The one-op-per-layer decode step (kernels/csrc/cpu_decode_layer.cpp) runs the same kernels in
-    the same order as the Python layers: same tokens, same logprobs."""
+    the same order as the Python layers: same tokens, same logprobs, also over an 8-bit KV cache."""
     from srt.model_executor.static_batch import StaticBatchGenerator
     from srt.model_loader.default_model import resolve_model_path
     from srt.sampling.sampling_params import SamplingParams
 
-    runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf")
+    runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", kv_cache_dtype=kv_cache_dtype)
     layers = list(runner.model.model.layers)
     fused = [layer.fused_decode for layer in layers]
     assert all(f is not None for f in fused)

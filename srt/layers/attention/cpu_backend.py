@@ -2,7 +2,9 @@
 pool (no gathered copies), each KV head once for its whole query group.
 
 Long extends (prefill chunks) are compute-bound; there torch's fused SDPA kernel, with its blocked
-GEMMs, beats a hand-written loop even after gathering K/V, so they go through it."""
+GEMMs, beats a hand-written loop even after gathering K/V, so they go through it, over each
+request's K/V gathered (and, from an 8-bit cache, decoded). The C++ kernels decode 8-bit rows in
+registers; `kv_store` writes them (quantized as kernels/reference.py defines)."""
 
 from __future__ import annotations
 
@@ -45,20 +47,24 @@ class CpuAttnBackend(AttentionBackend):
                 fb.extend_seq_lens[idx],
             )
 
+    def save_kv(self, layer, fb, k, v) -> None:
+        pool = fb.token_to_kv_pool
+        if not pool.quantized:  # a plain copy: torch's index_copy_ is as fast
+            return super().save_kv(layer, fb, k, v)
+        self.ops.kv_store(*pool.kernel_args(layer.layer_id), fb.out_cache_loc, k, v)
+
     def _prepare(self, q, k, v, layer, fb, save_kv_cache: bool):
-        """Store the new K/V; returns the layer's pool buffers, q as [T, heads, dim] and an output."""
+        """Store the new K/V; returns the layer's cache arguments, q as [T, heads, dim] and an output."""
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim).contiguous()
-        return k_buf, v_buf, q3, torch.empty_like(q3)
+        return fb.token_to_kv_pool.kernel_args(layer.layer_id), q3, torch.empty_like(q3)
 
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
-        k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        kv, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
         self.ops.decode_attention(
             q3,
-            k_buf,
-            v_buf,
+            *kv,
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
             fb.seq_lens,
@@ -69,11 +75,9 @@ class CpuAttnBackend(AttentionBackend):
         return out.view(q.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
-        k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        kv, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
         if self.kernel_rows is not None:
-            self.ops.extend_attention(
-                q3, k_buf, v_buf, fb.req_to_token_pool.req_to_token, *self.kernel_rows, out, layer.scaling
-            )
+            self.ops.extend_attention(q3, *kv, fb.req_to_token_pool.req_to_token, *self.kernel_rows, out, layer.scaling)
         out = out.view(q.shape[0], -1)
         extend_with_sdpa(q, out, layer, fb, self.sdpa_reqs)
         return out

@@ -4,7 +4,9 @@ Decode (and the one-token rows of a mixed batch) runs as one batched computation
 K and V of each request are gathered from the pool straight into a `[batch, kv_heads, max_len,
 head_dim]` layout through one precomputed index, and each KV head is multiplied with its whole
 query group at once (GQA without repeating K/V). Multi-token extends run per request through SDPA's fused CPU kernel,
-causal, with the mask offset by the cached prefix when there is one.
+causal, with the mask offset by the cached prefix when there is one. With an 8-bit KV cache the
+gathered rows are decoded to the model dtype (the pool's `gather`), the reference for the kernels
+that decode in registers.
 """
 
 from __future__ import annotations
@@ -65,14 +67,12 @@ def extend_reqs_meta(fb, indices: list[int]) -> list[_ExtendReq]:
 def extend_with_sdpa(q, out, layer, fb, reqs: list[_ExtendReq]) -> None:
     """Each request's extend through SDPA's fused CPU kernel over its gathered K/V; writes out."""
     hkv, d = layer.tp_k_head_num, layer.head_dim
-    k_flat = fb.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, d)
-    v_flat = fb.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, d)
     for r in reqs:
         n = r.q_len
         # 4-D inputs: only these reach torch's fused (flash) CPU kernel, GQA included.
         qr = q[r.q_start : r.q_start + n].view(1, n, -1, d).transpose(1, 2)
-        kr = k_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
-        vr = v_flat.index_select(0, r.kv_index).view(1, hkv, r.seq_len, d)
+        kr, vr = fb.token_to_kv_pool.gather(layer.layer_id, r.kv_index, q.dtype)
+        kr, vr = kr.view(1, hkv, r.seq_len, d), vr.view(1, hkv, r.seq_len, d)
         o = F.scaled_dot_product_attention(
             qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None, scale=layer.scaling, enable_gqa=True
         )
@@ -112,10 +112,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _gathered_attention(self, q, layer, fb, meta: _GatherMeta) -> torch.Tensor:
         hkv, d = layer.tp_k_head_num, layer.head_dim
         n, group = meta.rows.numel(), layer.tp_q_head_num // hkv
-        k_flat = fb.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, d)
-        v_flat = fb.token_to_kv_pool.get_value_buffer(layer.layer_id).view(-1, d)
-        k = k_flat.index_select(0, meta.kv_index).view(n, hkv, meta.max_len, d)
-        v = v_flat.index_select(0, meta.kv_index).view(n, hkv, meta.max_len, d)
+        k, v = fb.token_to_kv_pool.gather(layer.layer_id, meta.kv_index, q.dtype)
+        k, v = k.view(n, hkv, meta.max_len, d), v.view(n, hkv, meta.max_len, d)
         qg = q.view(n, hkv, group, d)
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * layer.scaling + meta.bias
         probs = torch.softmax(scores, dim=-1).to(v.dtype)

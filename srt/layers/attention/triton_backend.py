@@ -7,6 +7,10 @@ Decode splits each request's KV into `num_kv_splits` parts computed in parallel 
 extend are launch parameters: they come from the batch's host-side lengths once per forward pass,
 never from a device read per layer. A captured CUDA graph fixes the split count for its batch size
 instead: any count is correct for any length, only the speed differs.
+
+An 8-bit KV cache (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2) is read in place too: the pool's
+`kernel_args` hand the kernels its stored buffers, format code and scales, and the kernels decode
+in registers. Writes quantize in the pool's `set_kv_buffer`.
 """
 
 from __future__ import annotations
@@ -64,15 +68,17 @@ class TritonAttnBackend(AttentionBackend):
         self.num_kv_splits = decode_kv_splits(fb.batch_size, self.graph_max_len, self.num_sms)
 
     def _prepare(self, q, k, v, layer, fb, save_kv_cache: bool):
-        """Store the new K/V; returns the layer's pool buffers, q as [T, heads, dim] and its output."""
+        """Store the new K/V; returns the layer's pool buffers, the keyword arguments that describe
+        their stored format, q as [T, heads, dim] and its output."""
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf, k_scales, v_scales, kv_format, k_scale, v_scale = fb.token_to_kv_pool.kernel_args(layer.layer_id)
+        fmt = dict(k_scales=k_scales, v_scales=v_scales, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-        return k_buf, v_buf, q3, q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.head_dim)
+        return k_buf, v_buf, fmt, q3, q3.new_empty(q3.shape[0], layer.tp_q_head_num, layer.head_dim)
 
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
-        k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        k_buf, v_buf, fmt, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
         self.kernels.decode_attention_fwd(
             q3,
             k_buf,
@@ -83,11 +89,12 @@ class TritonAttnBackend(AttentionBackend):
             fb.seq_lens,
             layer.scaling,
             num_kv_splits=self.num_kv_splits,
+            **fmt,
         )
         return out.view(q.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
-        k_buf, v_buf, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        k_buf, v_buf, fmt, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
         self.kernels.extend_attention_fwd(
             q3,
             k_buf,
@@ -100,5 +107,6 @@ class TritonAttnBackend(AttentionBackend):
             fb.extend_start_loc,
             layer.scaling,
             max_extend_len=self.max_extend_len,
+            **fmt,
         )
         return out.view(q.shape[0], -1)

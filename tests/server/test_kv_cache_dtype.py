@@ -1,0 +1,143 @@
+"""--kv-cache-dtype: 8-bit KV caches through a live server, against the float32 cache.
+
+Why the teacher-forcing bounds: with the weights and the inputs fixed, an 8-bit cache perturbs
+each attention read by the rounding of K and V. int8 keeps a scale per (token, head), so each value
+is off by at most half a step of 1/127 of its row's largest magnitude (~0.4%); fp8 e4m3 keeps 3
+mantissa bits, so each value is off by up to 1/16 of itself (6%), with one unit scale per tensor.
+The logits move by about 1e-2 (int8) to 1e-1 (fp8), which flips the top-1 token only where the
+two best tokens are that close: a few percent of positions in a 135M model's chat replies, more
+for fp8 than for int8. 97% (int8) and 95% (fp8_e4m3) leave room for those near-ties while failing
+any decoding bug (a wrong scale, a misplaced row), which drops agreement far lower.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import requests
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a prime number is.",
+    "List three uses of a paperclip.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give me a short motivational quote.",
+    "What is 17 times 3?",
+]
+INT8_FLAGS = ("--kv-cache-dtype", "int8", "--max-total-tokens", "16384", "--chunked-prefill-size", "256")
+FP8_FLAGS = ("--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens", "16384")
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(default_model_path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for t in CHAT_PROMPTS
+    ]
+
+
+@pytest.fixture(scope="module")
+def forced(default_server, chat_prompts) -> list[tuple[list[int], dict]]:
+    """Each prompt + the float32-cache server's 64 greedy tokens, and that server's top-1 at each
+    of those positions under teacher forcing."""
+    out = []
+    for prompt in chat_prompts:
+        ref = default_server.generate(
+            input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+        )
+        ids = prompt + ref["output_ids"]
+        out.append((ids, default_server.generate(**forcing_body(ids, len(prompt)))["meta_info"]))
+    return out
+
+
+def forcing_body(ids: list[int], start: int) -> dict:
+    return dict(
+        input_ids=ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=1,
+    )
+
+
+@pytest.mark.parametrize("flags,bound", [(INT8_FLAGS, 0.97), (FP8_FLAGS, 0.95)], ids=["int8", "fp8_e4m3"])
+def test_teacher_forcing_tracks_the_float32_cache(shared_server, default_server, chat_prompts, forced, flags, bound):
+    server = shared_server(*flags)
+    agree = total = 0
+    deltas = []
+    for prompt, (ids, ref) in zip(chat_prompts, forced):
+        ours = server.generate(**forcing_body(ids, len(prompt)))["meta_info"]
+        for mine, theirs, mine_lp, ref_lp in zip(
+            ours["input_top_logprobs"],
+            ref["input_top_logprobs"],
+            ours["input_token_logprobs"],
+            ref["input_token_logprobs"],
+        ):
+            if theirs is None or theirs[0] is None:  # the first position has no prediction
+                continue
+            total += 1
+            agree += mine[0][1] == theirs[0][1]
+            deltas.append(abs(mine_lp[0] - ref_lp[0]))
+    print(f"\n{flags[1]} KV vs float32 KV: top-1 agreement {agree}/{total}, mean |dlogprob| {np.mean(deltas):.2e}")
+    assert total >= 8 * 60
+    assert agree >= bound * total, f"top-1 agreement {agree}/{total}"
+
+
+def test_server_info_reports_the_cache(shared_server, default_server):
+    fp32 = requests.get(f"{default_server.url}/server_info", timeout=30).json()
+    int8 = requests.get(f"{shared_server(*INT8_FLAGS).url}/server_info", timeout=30).json()
+    assert fp32["kv_cache_dtype"] == "float32" and int8["kv_cache_dtype"] == "int8"
+    assert fp32["max_total_num_tokens"] == int8["max_total_num_tokens"] == 16384  # --max-total-tokens is in tokens
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, K and V; int8 adds a float32 scale per token and head
+    assert fp32["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert int8["kv_cache_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
+
+
+def test_radix_cache_and_chunking_do_not_change_int8_outputs(shared_server, chat_prompts):
+    """A shared 600-token prefix (three 256-token prefill chunks): each request's greedy reply is
+    the same computed from scratch and over the prefix read back from the int8 cache."""
+    server = shared_server(*INT8_FLAGS)
+    prefix = [t for p in chat_prompts for t in p] * 4
+    prefix = prefix[:600]
+    prompts = [prefix + p for p in chat_prompts[:3]]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    fresh = []
+    for p in prompts:
+        server.flush_cache()
+        out = server.generate(input_ids=p, sampling_params=params)
+        assert out["meta_info"]["cached_tokens"] == 0
+        fresh.append(out["output_ids"])
+    server.flush_cache()
+    server.generate(input_ids=prefix + [42], sampling_params={"max_new_tokens": 1})
+    for p, want in zip(prompts, fresh):
+        out = server.generate(input_ids=p, sampling_params=params)
+        assert out["meta_info"]["cached_tokens"] >= 600
+        assert out["output_ids"] == want
+    # and a batch of them at once (batch composition, decode over cached and fresh rows)
+    together = server.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in together] == fresh
+
+
+def test_bad_kv_cache_flags_are_start_up_errors(tmp_path):
+    from srt.server_args import ServerArgs
+
+    with pytest.raises(
+        ValueError, match="--kv-cache-dtype must be one of auto, bfloat16, bf16, fp8_e4m3, fp8_e5m2, int8; got 'fp4'"
+    ):
+        ServerArgs(kv_cache_dtype="fp4")
+    path = tmp_path / "scales.json"
+    path.write_text("{}")
+    with pytest.raises(
+        ValueError, match="--quantization-param-path holds fp8 KV cache scales; it needs --kv-cache-dtype"
+    ):
+        ServerArgs(kv_cache_dtype="int8", quantization_param_path=str(path))
+    with pytest.raises(ValueError, match="--quantization-param-path '/nonexistent.json' is not a file"):
+        ServerArgs(kv_cache_dtype="fp8_e4m3", quantization_param_path="/nonexistent.json")
