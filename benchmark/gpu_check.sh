@@ -5,7 +5,8 @@
 #       attention backend against torch_native, greedy outputs identical across backends and with
 #       CUDA graphs on and off, in process and through the Engine (overlap scheduler), float32 and
 #       bf16, on the default model (or its shape with random weights, see below); --quantization fp8
-#       (torch._scaled_mm) against bf16, and a GGUF file dequantized at load on CUDA;
+#       (torch._scaled_mm) against bf16, a GGUF file dequantized at load on CUDA, and the Triton
+#       kernels and backend reading int8 / fp8_e4m3 / fp8_e5m2 KV caches in place (--kv-cache-dtype);
 #   (b) a Llama-3.1-8B-shaped model (--load-format dummy, bf16) through the Engine: batch-1 decode
 #       tokens/s against the HBM ceiling (4.8 TB/s / bytes of weights a step reads), and output
 #       throughput at 64 and 256 concurrent requests (random 256-token prompts, 256 new tokens).

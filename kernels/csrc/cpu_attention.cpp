@@ -277,6 +277,8 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
   using V = typename A::V;
   constexpr int64_t d = 16 * NC;
   constexpr int RB = A::kAccBudget / NC > 0 ? A::kAccBudget / NC : 1;  // query rows per output block
+  // positions ahead to prefetch: about the same bytes in flight for every format
+  constexpr int64_t kAhead = 32 / static_cast<int64_t>(sizeof(T));
   const int64_t kv_heads = kv.kv_heads;
   const T* kbuf = static_cast<const T*>(kv.k);
   const T* vbuf = static_cast<const T*>(kv.v);
@@ -286,8 +288,8 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
     const int64_t n = std::min(kTile, end - t0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = t0 + j;
-      if (pos + kPrefetch < end) {
-        const int64_t ahead = static_cast<int64_t>(slots[pos + kPrefetch]) * kv_heads + head;
+      if (pos + kAhead < end) {
+        const int64_t ahead = static_cast<int64_t>(slots[pos + kAhead]) * kv_heads + head;
         for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(kbuf + ahead * d) + b);
           __builtin_prefetch(reinterpret_cast<const char*>(vbuf + ahead * d) + b);
