@@ -269,6 +269,58 @@ struct A512 {
 };
 #endif
 
+// Prefetches the K and V rows (and int8 scales) of position `ahead` (slot * kv_heads + head).
+template <typename T, int F, int64_t d>
+inline void prefetch_kv(const KvView& kv, int64_t ahead) {
+  const char* k = static_cast<const char*>(kv.k) + ahead * d * static_cast<int64_t>(sizeof(T));
+  const char* v = static_cast<const char*>(kv.v) + ahead * d * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
+    __builtin_prefetch(k + b);
+    __builtin_prefetch(v + b);
+  }
+  if constexpr (F == kInt8) {
+    __builtin_prefetch(kv.ks + ahead);
+    __builtin_prefetch(kv.vs + ahead);
+  }
+}
+
+// Scores of positions [t0, t0 + n) for every query row into sc[r * kTile + j]: each K row decoded
+// into registers once, four query rows' dot products sharing one reduction tree. (Decoding a block
+// of K rows into an L1 buffer and reducing 16 positions per tree was slower on Zen 4: its 512-bit
+// stores and loads are double-pumped, and the buffer costs more than the reductions it saves.)
+template <class A, typename T, int F, int NC, int64_t kAhead>
+void tile_scores(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head,
+                         const int32_t* slots, int64_t t0, int64_t n, int64_t end, float* sc) {
+  using V = typename A::V;
+  constexpr int64_t d = 16 * NC;
+  const T* kbuf = static_cast<const T*>(kv.k);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = t0 + j;
+    if (pos + kAhead < end) prefetch_kv<T, F, d>(kv, static_cast<int64_t>(slots[pos + kAhead]) * kv.kv_heads + head);
+    const int64_t kv_row = static_cast<int64_t>(slots[pos]) * kv.kv_heads + head;
+    const T* krow = kbuf + kv_row * d;
+    V k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = A::template load<F>(krow + 16 * c);
+    const float kmul = F == kInt8 ? kv.ks[kv_row] : 1.f;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      V dot[4];
+      for (int u = 0; u < 4; ++u) {
+        if (r0 + u >= rows) {
+          dot[u] = A::zero();
+          continue;
+        }
+        const float* qr = q + (r0 + u) * d;
+        dot[u] = A::mul(A::loadf(qr), k[0]);
+        for (int c = 1; c < NC; ++c) dot[u] = A::fma(A::loadf(qr + 16 * c), k[c], dot[u]);
+      }
+      alignas(16) float dots[4];
+      _mm_store_ps(dots, A::sum4(dot[0], dot[1], dot[2], dot[3]));
+      for (int64_t r = r0; r < std::min<int64_t>(rows, r0 + 4); ++r)
+        sc[r * kTile + j] = pos < limit[r] ? dots[r - r0] * kmul : kNegInf;
+    }
+  }
+}
+
 // attend_impl for head_dim = 16 * NC on vector type A.
 template <class A, typename T, int F, int NC>
 void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head,
@@ -280,47 +332,12 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
   // positions ahead to prefetch: about the same bytes in flight for every format
   constexpr int64_t kAhead = 32 / static_cast<int64_t>(sizeof(T));
   const int64_t kv_heads = kv.kv_heads;
-  const T* kbuf = static_cast<const T*>(kv.k);
   const T* vbuf = static_cast<const T*>(kv.v);
   scores.resize(rows * kTile);
   float* sc = scores.data();
   for (int64_t t0 = start; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = t0 + j;
-      if (pos + kAhead < end) {
-        const int64_t ahead = static_cast<int64_t>(slots[pos + kAhead]) * kv_heads + head;
-        for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kbuf + ahead * d) + b);
-          __builtin_prefetch(reinterpret_cast<const char*>(vbuf + ahead * d) + b);
-        }
-        if constexpr (F == kInt8) {
-          __builtin_prefetch(kv.ks + ahead);
-          __builtin_prefetch(kv.vs + ahead);
-        }
-      }
-      const int64_t kv_row = static_cast<int64_t>(slots[pos]) * kv_heads + head;
-      const T* krow = kbuf + kv_row * d;
-      V k[NC];
-      for (int c = 0; c < NC; ++c) k[c] = A::template load<F>(krow + 16 * c);
-      const float kmul = F == kInt8 ? kv.ks[kv_row] : 1.f;
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // four rows' dot products share one reduction
-        V dot[4];
-        for (int u = 0; u < 4; ++u) {
-          if (r0 + u >= rows) {
-            dot[u] = A::zero();
-            continue;
-          }
-          const float* qr = q + (r0 + u) * d;
-          dot[u] = A::mul(A::loadf(qr), k[0]);
-          for (int c = 1; c < NC; ++c) dot[u] = A::fma(A::loadf(qr + 16 * c), k[c], dot[u]);
-        }
-        alignas(16) float dots[4];
-        _mm_store_ps(dots, A::sum4(dot[0], dot[1], dot[2], dot[3]));
-        for (int64_t r = r0; r < std::min<int64_t>(rows, r0 + 4); ++r)
-          sc[r * kTile + j] = pos < limit[r] ? dots[r - r0] * kmul : kNegInf;
-      }
-    }
+    tile_scores<A, T, F, NC, kAhead>(q, rows, limit, kv, head, slots, t0, n, end, sc);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = sc + r * kTile;
       float tile_max = kNegInf;

@@ -141,3 +141,35 @@ def test_bad_kv_cache_flags_are_start_up_errors(tmp_path):
         ServerArgs(kv_cache_dtype="int8", quantization_param_path=str(path))
     with pytest.raises(ValueError, match="--quantization-param-path '/nonexistent.json' is not a file"):
         ServerArgs(kv_cache_dtype="fp8_e4m3", quantization_param_path="/nonexistent.json")
+
+
+def test_int8_cache_under_tp2_retraction_and_chunking(shared_server, tiny_chat_model):
+    """Tree-shaped prompts through a tensor-parallel server whose tiny int8 pool forces retractions
+    and chunked prefills: every output equals a roomy single-rank int8 server's, and the pool is
+    whole when idle."""
+    import asyncio
+
+    from test_retraction import run_all, tree_prompts
+
+    bodies = tree_prompts(120, seed=3)
+    roomy = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "60000", "--kv-cache-dtype", "int8")
+    expect = asyncio.run(run_all(roomy.url, bodies))
+    tight = shared_server(
+        "--model-path",
+        tiny_chat_model,
+        "--kv-cache-dtype",
+        "int8",
+        "--max-total-tokens",
+        "1200",
+        "--chunked-prefill-size",
+        "128",
+        "--tp-size",
+        "2",
+    )
+    before = tight.wait_idle()
+    got = asyncio.run(run_all(tight.url, bodies))
+    assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expect]
+    state = tight.wait_idle()
+    assert state["total_retractions"] > before["total_retractions"]
+    assert state["idle"] and state["integrity_ok"]
+    assert state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
