@@ -151,7 +151,7 @@ def test_int8_cache_under_tp2_retraction_and_chunking(shared_server, tiny_chat_m
 
     from test_retraction import run_all, tree_prompts
 
-    bodies = tree_prompts(120, seed=3)
+    bodies = tree_prompts(400)  # the retraction test's workload, which overruns a 1,200-token pool
     roomy = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "60000", "--kv-cache-dtype", "int8")
     expect = asyncio.run(run_all(roomy.url, bodies))
     tight = shared_server(
