@@ -129,32 +129,23 @@ def bench_steps(path: str, dtype: str, args) -> dict:
         runner.compiled_decode = None
     cfg = runner.model_config
     rows = []
-    points = [
-        (kv, bs, ctx) for kv in args.kv_cache_dtype.split(",") for ctx in args.contexts for bs in args.batch_sizes
-    ]
+    # One filled pool per KV format, all of the same size in tokens; every point times the formats
+    # in turn, repeat by repeat, so that a noisy machine's drift does not favour one of them.
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    base = runner.token_to_kv_pool
     pools: dict[str, MHATokenToKVPool] = {}
-    for kv_dtype, bs, ctx in tqdm(points, desc="decode steps"):
-        if kv_dtype not in pools:  # one pool at a time, same size in tokens, in this format
-            old = runner.token_to_kv_pool
-            pools = {
-                kv_dtype: MHATokenToKVPool(
-                    old.size,
-                    old.page_size,
-                    old.dtype,
-                    old.head_num,
-                    old.head_dim,
-                    old.layer_num,
-                    old.device,
-                    kv_format_for(kv_dtype, runner.dtype),
-                )
-            }
-            del old
-            runner.token_to_kv_pool = pools[kv_dtype]
-            fill_random(runner.token_to_kv_pool)
-        pool = runner.token_to_kv_pool
-        kv_bytes_per_token = pool.bytes_per_token(
-            pool.head_num, pool.head_dim, pool.layer_num, pool.dtype, pool.kv_format
+    for kv_dtype in tqdm(kv_dtypes, desc="filling KV pools"):
+        fmt = kv_format_for(kv_dtype, runner.dtype)
+        pools[kv_dtype] = (
+            base
+            if fmt == base.kv_format
+            else MHATokenToKVPool(
+                base.size, base.page_size, base.dtype, base.head_num, base.head_dim, base.layer_num, base.device, fmt
+            )
         )
+        fill_random(pools[kv_dtype])
+    points = [(bs, ctx) for ctx in args.contexts for bs in args.batch_sizes]
+    for bs, ctx in tqdm(points, desc="decode steps"):
         slots = runner.req_to_token_pool.alloc(bs)
         kv = [runner.token_to_kv_pool_allocator.alloc(ctx + 1) for _ in slots]
         for s, loc in zip(slots, kv):
@@ -168,52 +159,73 @@ def bench_steps(path: str, dtype: str, args) -> dict:
             runner.attn_backend = backend
             for on in modes:
                 runner.compiled_decode = compiled if on else None
-                step = _time(lambda fb=fb: runner.forward(fb), args.repeats)
+                times = _interleaved({kv: (lambda fb=fb: runner.forward(fb)) for kv in kv_dtypes}, pools, runner, args)
+                for kv_dtype, step in times.items():
+                    rows.append(
+                        {
+                            "kv": kv_dtype,
+                            "backend": name,
+                            "compile": on,
+                            "bs": bs,
+                            "ctx": ctx,
+                            "step_ms": step * 1e3,
+                            "tok_s": bs / step,
+                        }
+                    )
+            runner.compiled_decode = None
+            bound = {}
+            for kv_dtype in kv_dtypes:
+                runner.token_to_kv_pool = pools[kv_dtype]
+                bound[kv_dtype] = runner.bind(fb)  # carries this pool and `backend` (runner.attn_backend now)
+            backend.init_forward_metadata(bound[kv_dtypes[0]])  # depends on the lengths only, not the pool
+            times = _interleaved(
+                {
+                    kv_dtype: (
+                        lambda b=backend, fb=bound[kv_dtype], q=q, k=k, v=v: [
+                            b.forward(q, k, v, ly, fb) for ly in layers
+                        ]
+                    )
+                    for kv_dtype in kv_dtypes
+                },
+                pools,
+                runner,
+                args,
+            )
+            for kv_dtype, attn in times.items():
+                pool = pools[kv_dtype]
+                per_token = pool.bytes_per_token(
+                    pool.head_num, pool.head_dim, pool.layer_num, pool.dtype, pool.kv_format
+                )
                 rows.append(
                     {
                         "kv": kv_dtype,
                         "backend": name,
-                        "compile": on,
+                        "attention": True,
                         "bs": bs,
                         "ctx": ctx,
-                        "step_ms": step * 1e3,
-                        "tok_s": bs / step,
+                        "attn_ms": attn * 1e3,
+                        "attn_gb_s": bs * (ctx + 1) * per_token / attn / 1e9,
                     }
                 )
-            bound = runner.bind(fb)  # carries the pools and `backend` (runner.attn_backend now)
-            backend.init_forward_metadata(bound)
-            attn = _time(
-                lambda b=backend, fb=bound, q=q, k=k, v=v: [b.forward(q, k, v, ly, fb) for ly in layers], args.repeats
-            )
-            gbs = bs * (ctx + 1) * kv_bytes_per_token / attn / 1e9
-            rows.append(
-                {
-                    "kv": kv_dtype,
-                    "backend": name,
-                    "attention": True,
-                    "bs": bs,
-                    "ctx": ctx,
-                    "attn_ms": attn * 1e3,
-                    "attn_gb_s": gbs,
-                }
-            )
-        runner.compiled_decode = None
         for loc in kv:
             runner.token_to_kv_pool_allocator.free(loc)
         runner.req_to_token_pool.free(slots)
     return {"rows": rows}
 
 
-def _time(fn, repeats: int) -> float:
-    """Median seconds of one call, after one warm-up call."""
+def _interleaved(fns: dict, pools: dict, runner, args) -> dict:
+    """Median seconds of each fn (one per KV format, run with that format's pool), timed in turn
+    repeat by repeat after one warm-up round."""
+    times: dict[str, list[float]] = {kv: [] for kv in fns}
     with torch.no_grad():
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        for rep in range(args.repeats + 1):
+            for kv, fn in fns.items():
+                runner.token_to_kv_pool = pools[kv]
+                start = time.perf_counter()
+                fn()
+                if rep:
+                    times[kv].append(time.perf_counter() - start)
+    return {kv: sorted(t)[len(t) // 2] for kv, t in times.items()}
 
 
 def print_steps(path: str, dtype: str, rows: list[dict], args) -> None:

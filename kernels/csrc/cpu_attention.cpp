@@ -164,7 +164,8 @@ void attend_impl(const float* q, int64_t rows, const int64_t* limit, const KvVie
 // (16 floats per vector: one zmm, or two ymm on AVX2) and the output rows of each block of query
 // rows kept in registers across a tile of positions.
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RADIXSERVE_SIMD_ATTENTION 1
 // 16 floats as two ymm.
 struct A256 {
   struct V {
@@ -225,7 +226,7 @@ struct A256 {
 };
 #endif
 
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_SIMD_ATTENTION) && defined(__AVX512F__)
 // 16 floats as one zmm.
 struct A512 {
   using V = __m512;
@@ -269,6 +270,7 @@ struct A512 {
 };
 #endif
 
+#if defined(RADIXSERVE_SIMD_ATTENTION)
 // Prefetches the K and V rows (and int8 scales) of position `ahead` (slot * kv_heads + head).
 template <typename T, int F, int64_t d>
 inline void prefetch_kv(const KvView& kv, int64_t ahead) {
@@ -390,18 +392,20 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
   }
 }
 
+#endif  // RADIXSERVE_SIMD_ATTENTION
+
 template <typename T, int F>
 void attend(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head, int64_t d,
             const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc,
             std::vector<float>& scores) {
   const int isa = radixserve_kernel_isa();
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_SIMD_ATTENTION) && defined(__AVX512F__)
   if (isa >= 2 && (d == 64 || d == 128)) {
     if (d == 64) return attend_simd<A512, T, F, 4>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
     return attend_simd<A512, T, F, 8>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
   }
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(RADIXSERVE_SIMD_ATTENTION)
   if (isa >= 1 && (d == 64 || d == 128)) {
     if (d == 64) return attend_simd<A256, T, F, 4>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
     return attend_simd<A256, T, F, 8>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);

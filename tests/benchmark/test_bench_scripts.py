@@ -221,3 +221,32 @@ def test_bench_parallel_routing_compares_policies(tiny_chat_model, tmp_path):
         check_record(rec, 8, 4)
         assert len(rec["replica_hit_rates"]) == 2
     assert ca["cache_hit_rate"] >= rr["cache_hit_rate"]
+
+
+def test_bench_one_batch_steps_compares_kv_cache_formats(tiny_chat_model, tmp_path):
+    """--steps --kv-cache-dtype: every format timed at every point, in one run, with its ratio."""
+    out = tmp_path / "steps.jsonl"
+    text = run(
+        "bench_one_batch.py",
+        "--model-path",
+        tiny_chat_model,
+        "--steps",
+        "--dtype",
+        "float32",
+        "--batch-sizes",
+        "1,3",
+        "--contexts",
+        "16,40",
+        "--kv-cache-dtype",
+        "auto,int8,fp8_e4m3",
+        "--repeats",
+        "2",
+        "--output-file",
+        str(out),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    for kind in ("step_ms", "attn_ms"):
+        got = {(r["kv"], r["bs"], r["ctx"]) for r in rows if kind in r}
+        assert got == {(kv, b, c) for kv in ("auto", "int8", "fp8_e4m3") for b in (1, 3) for c in (16, 40)}
+    assert all(r["attn_gb_s"] > 0 for r in rows if "attn_ms" in r)
+    assert "| int8 | cpu |" in text and "1.00x" in text
