@@ -4,10 +4,12 @@ Why the teacher-forcing bounds: with the weights and the inputs fixed, an 8-bit 
 each attention read by the rounding of K and V. int8 keeps a scale per (token, head), so each value
 is off by at most half a step of 1/127 of its row's largest magnitude (~0.4%); fp8 e4m3 keeps 3
 mantissa bits, so each value is off by up to 1/16 of itself (6%), with one unit scale per tensor.
-The logits move by about 1e-2 (int8) to 1e-1 (fp8), which flips the top-1 token only where the
-two best tokens are that close: a few percent of positions in a 135M model's chat replies, more
-for fp8 than for int8. 97% (int8) and 95% (fp8_e4m3) leave room for those near-ties while failing
-any decoding bug (a wrong scale, a misplaced row), which drops agreement far lower.
+fp8 e5m2 keeps 2 (up to 1/8 off). The reference token's logprob moves by about 2e-2 (int8),
+5e-2 (e4m3) and 1e-1 (e5m2) on average, which flips the top-1 token only where the two best tokens
+are that close: a few percent of positions in a 135M model's chat replies, more as the format gets
+coarser (measured here: 98.8%, 95.9% and 91.8% agree). 97% (int8), 95% (fp8_e4m3; the issue's
+bounds) and 88% (fp8_e5m2) leave room for those near-ties while failing any decoding bug (a wrong
+scale, a misplaced row), which drops agreement far lower.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ CHAT_PROMPTS = [
 ]
 INT8_FLAGS = ("--kv-cache-dtype", "int8", "--max-total-tokens", "16384", "--chunked-prefill-size", "256")
 FP8_FLAGS = ("--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens", "16384")
+E5M2_FLAGS = ("--kv-cache-dtype", "fp8_e5m2", "--max-total-tokens", "16384")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,11 @@ def forcing_body(ids: list[int], start: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("flags,bound", [(INT8_FLAGS, 0.97), (FP8_FLAGS, 0.95)], ids=["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    "flags,bound",
+    [(INT8_FLAGS, 0.97), (FP8_FLAGS, 0.95), (E5M2_FLAGS, 0.88)],
+    ids=["int8", "fp8_e4m3", "fp8_e5m2"],
+)
 def test_teacher_forcing_tracks_the_float32_cache(shared_server, default_server, chat_prompts, forced, flags, bound):
     server = shared_server(*flags)
     agree = total = 0
