@@ -158,7 +158,7 @@ def test_int8_cache_under_tp2_retraction_and_chunking(shared_server, tiny_chat_m
 
     from test_retraction import run_all, tree_prompts
 
-    bodies = tree_prompts(400)  # the retraction test's workload, which overruns a 1,200-token pool
+    bodies = tree_prompts(160)  # every tenth request generates 150-200 tokens: more than a 600-token pool holds
     roomy = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "60000", "--kv-cache-dtype", "int8")
     expect = asyncio.run(run_all(roomy.url, bodies))
     tight = shared_server(
@@ -167,7 +167,7 @@ def test_int8_cache_under_tp2_retraction_and_chunking(shared_server, tiny_chat_m
         "--kv-cache-dtype",
         "int8",
         "--max-total-tokens",
-        "1200",
+        "600",
         "--chunked-prefill-size",
         "128",
         "--tp-size",
