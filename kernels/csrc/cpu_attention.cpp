@@ -191,13 +191,12 @@ struct A256 {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(w, x), _mm256_hadd_ps(y, z));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
-  static __m256i widen(__m128i bytes8, bool sign) {
-    return sign ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8);
-  }
-  static __m256 fp8(__m256i z, int shift, float rebase) {
-    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(z, _mm256_set1_epi32(0x80)), 24),
-                                         _mm256_slli_epi32(_mm256_and_si256(z, _mm256_set1_epi32(0x7F)), shift));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(rebase));
+  // 16 fp8 bytes as 16 fp16 bit patterns: e5m2 is the top byte of an fp16; e4m3 shifted left by 7
+  // (sign-extended, the sign lands in bit 15; bit 14 cleared) is an fp16 of value / 2^8, exactly.
+  template <int F>
+  static __m256i fp8_as_half(__m128i b) {
+    if constexpr (F == kFp8E5M2) return _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
   }
   // 16 stored values of format F at p, as floats.
   template <int F, typename T>
@@ -213,13 +212,11 @@ struct A256 {
       return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
     } else {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m128i hi = _mm_srli_si128(b, 8);
       if constexpr (F == kInt8) {
-        return {_mm256_cvtepi32_ps(widen(b, true)), _mm256_cvtepi32_ps(widen(hi, true))};
+        return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
       } else {
-        constexpr int shift = F == kFp8E4M3 ? 20 : 21;
-        constexpr float rebase = F == kFp8E4M3 ? 0x1p120f : 0x1p112f;
-        return {fp8(widen(b, false), shift, rebase), fp8(widen(hi, false), shift, rebase)};
+        const __m256i h = fp8_as_half<F>(b);
+        return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
       }
     }
   }
@@ -257,13 +254,7 @@ struct A512 {
       if constexpr (F == kInt8) {
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
       } else {
-        constexpr int shift = F == kFp8E4M3 ? 20 : 21;
-        constexpr float rebase = F == kFp8E4M3 ? 0x1p120f : 0x1p112f;
-        const __m512i z = _mm512_cvtepu8_epi32(b);
-        const __m512i bits =
-            _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(z, _mm512_set1_epi32(0x80)), 24),
-                            _mm512_slli_epi32(_mm512_and_si512(z, _mm512_set1_epi32(0x7F)), shift));
-        return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(rebase));
+        return _mm512_cvtph_ps(A256::fp8_as_half<F>(b));
       }
     }
   }
@@ -271,6 +262,12 @@ struct A512 {
 #endif
 
 #if defined(RADIXSERVE_SIMD_ATTENTION)
+// The SIMD loads return e4m3 values / 2^8 (exact fp16 conversion); this factor undoes it.
+template <int F>
+constexpr float simd_rebase() {
+  return F == kFp8E4M3 ? 256.f : 1.f;
+}
+
 // Prefetches the K and V rows (and int8 scales) of position `ahead` (slot * kv_heads + head).
 template <typename T, int F, int64_t d>
 inline void prefetch_kv(const KvView& kv, int64_t ahead) {
@@ -303,7 +300,7 @@ void tile_scores(const float* q, int64_t rows, const int64_t* limit, const KvVie
     const T* krow = kbuf + kv_row * d;
     V k[NC];
     for (int c = 0; c < NC; ++c) k[c] = A::template load<F>(krow + 16 * c);
-    const float kmul = F == kInt8 ? kv.ks[kv_row] : 1.f;
+    const float kmul = F == kInt8 ? kv.ks[kv_row] : simd_rebase<F>();
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       V dot[4];
       for (int u = 0; u < 4; ++u) {
@@ -374,7 +371,7 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
       for (int64_t j = 0; j < n; ++j) {
         const int64_t kv_row = static_cast<int64_t>(slots[t0 + j]) * kv_heads + head;
         const T* vrow = vbuf + kv_row * d;
-        const float vmul = F == kInt8 ? kv.vs[kv_row] : 1.f;
+        const float vmul = F == kInt8 ? kv.vs[kv_row] : simd_rebase<F>();
         V v[NC];
         for (int c = 0; c < NC; ++c) v[c] = A::template load<F>(vrow + 16 * c);
         for (int r = 0; r < RB; ++r) {
