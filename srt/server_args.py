@@ -87,6 +87,9 @@ class ServerArgs:
     decode_log_interval: int = 40
     enable_metrics: bool = False
     debug_integrity_check: bool = False
+    # Wire behaviour
+    incremental_streaming_output: bool = False  # /generate stream chunks carry only what is new
+    weight_version: str = "default"  # reported in every response's meta_info
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -497,6 +500,16 @@ class ServerArgs:
             "--debug-integrity-check",
             action="store_true",
             help="exit the scheduler when the KV accounting invariant is violated (tests)",
+        )
+        g = parser.add_argument_group("wire")
+        g.add_argument(
+            "--incremental-streaming-output",
+            action="store_true",
+            help="each streamed /generate chunk carries only the new text, output_ids and output-side logprobs "
+            "(SGLang's flag; without it chunks are cumulative)",
+        )
+        g.add_argument(
+            "--weight-version", default=d.weight_version, help="a label for the loaded weights, in meta_info"
         )
 
     @classmethod

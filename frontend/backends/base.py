@@ -15,6 +15,9 @@ from typing import Any
 from frontend.chat_template import ChatTemplate
 from frontend.choices import ChoicesMethod
 
+# meta_info lists that --incremental-streaming-output sends as deltas
+OUTPUT_LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
 
 class BackendError(RuntimeError):
     """The server or engine refused or failed a request; the message is the server's."""
@@ -71,13 +74,26 @@ class Backend(abc.ABC):
     def generate_stream(
         self, text: str, sampling: dict, return_logprob: bool = False, top_logprobs_num: int = 0
     ) -> Iterator[tuple[str, dict]]:
-        """Yields (new text, meta_info so far); chunks carry cumulative text."""
+        """Yields (new text, meta_info so far). Chunks are cumulative, or deltas when the server runs
+        with --incremental-streaming-output (a chunk then holds fewer output_ids than
+        completion_tokens); the yielded meta_info's output-side logprob lists are cumulative either way."""
         seen = 0
+        lists: dict[str, list] = {}
         for out in self.call_stream(self._body(text, sampling, return_logprob, top_logprobs_num, True)):
-            _check(out)
-            full = out["text"]
-            yield full[seen:], out["meta_info"]
-            seen = len(full)
+            meta = dict(_check(out)["meta_info"])
+            ids = out.get("output_ids") or []
+            incremental = len(ids) < meta.get("completion_tokens", len(ids))
+            for key in OUTPUT_LOGPROB_LISTS:
+                if isinstance(meta.get(key), list):
+                    lists[key] = (lists.get(key, []) + meta[key]) if incremental else list(meta[key])
+                    meta[key] = lists[key]
+            if incremental:
+                seen += len(out["text"])
+                yield out["text"], meta
+            else:
+                full = out["text"]
+                yield full[seen:], meta
+                seen = len(full)
 
     def cache_prefix(self, texts: list[str]) -> list[dict]:
         """Prefill these prompts without generating (`max_new_tokens: 0`), so later requests that

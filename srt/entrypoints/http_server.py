@@ -358,12 +358,13 @@ async def generate(request: Request) -> Response:
         return to_error(e)
     if not obj.stream:
         return json_response(first)
+    shape = IncrementalChunks() if _server_args(request).incremental_streaming_output else None
 
     async def stream():
         try:
-            yield sse(first)
+            yield sse(shape.delta(first) if shape else first)
             async for out in gen:
-                yield sse(out)
+                yield sse(shape.delta(out) if shape else out)
         except ServiceUnavailable as e:
             yield sse({"error": {"message": str(e), "code": 503}})
         finally:  # a client that went away cancels us here: abort its request now, not at GC
@@ -371,6 +372,42 @@ async def generate(request: Request) -> Response:
         yield b"data: [DONE]\n\n"
 
     return EventStream(stream())
+
+
+# Output-side lists of meta_info that --incremental-streaming-output sends as deltas.
+INCREMENTAL_META_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+class IncrementalChunks:
+    """--incremental-streaming-output (SGLang's): turns the cumulative chunks of one /generate
+    stream into deltas (the new text, output_ids and output-side logprob entries), per `index`
+    when a stream carries several sequences. Counts such as `output_token_logprobs_length` and
+    `completion_tokens` stay cumulative."""
+
+    def __init__(self):
+        self.sent: dict[int, dict[str, int]] = {}
+
+    def delta(self, out: dict | list) -> dict | list:
+        if not isinstance(out, dict):  # streams yield one dict per chunk; anything else passes through
+            return out
+        sent = self.sent.setdefault(out.get("index", 0), {})
+        new = dict(out)
+        text = out.get("text")
+        if isinstance(text, str):
+            new["text"] = text[sent.get("text", 0) :]
+            sent["text"] = len(text)
+        if isinstance(out.get("output_ids"), list):
+            new["output_ids"] = out["output_ids"][sent.get("output_ids", 0) :]
+            sent["output_ids"] = len(out["output_ids"])
+        meta = out.get("meta_info")
+        if isinstance(meta, dict):
+            new["meta_info"] = meta = dict(meta)
+            for key in INCREMENTAL_META_LISTS:
+                if isinstance(meta.get(key), list):
+                    values = meta[key]
+                    meta[key] = values[sent.get(key, 0) :]
+                    sent[key] = len(values)
+        return new
 
 
 def _used_tokens(st: dict) -> int:

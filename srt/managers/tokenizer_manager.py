@@ -341,13 +341,16 @@ class TokenizerManager:
             "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens,
             "cached_tokens": s.cached_tokens,
-            "total_retractions": s.retractions,
+            "num_retractions": s.retractions,
+            "total_retractions": s.retractions,  # this server's earlier name
+            "weight_version": self.server_args.weight_version,
             "e2e_latency": time.time() - s.created,
         }
         if s.obj.return_logprob:
             with_text = s.obj.return_text_in_logprobs
             meta["input_token_logprobs"] = self._lp_entries(s.input_token_logprobs, with_text)
             meta["output_token_logprobs"] = self._lp_entries(s.output_token_logprobs, with_text)
+            meta["output_token_logprobs_length"] = len(s.output_token_logprobs)
             if s.obj.top_logprobs_num:
                 meta["input_top_logprobs"] = [self._top_entries(t, with_text) for t in s.input_top_logprobs]
                 meta["output_top_logprobs"] = [self._top_entries(t, with_text) for t in s.output_top_logprobs]

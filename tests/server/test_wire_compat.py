@@ -1,0 +1,98 @@
+"""SGLang 0.5.23 wire behaviour: incremental streaming and meta_info names, through live servers on
+the tiny model (its outputs are meaningless; their consistency across modes is what is checked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+import frontend as sgl
+
+BODY = {
+    "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+    "return_logprob": True,
+    "top_logprobs_num": 2,
+    "logprob_start_len": 0,
+}
+OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs")
+
+
+@pytest.fixture(scope="module")
+def incremental(shared_server, tiny_chat_model):
+    return shared_server(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--incremental-streaming-output"
+    )
+
+
+def stream(server, body: dict) -> list[dict]:
+    r = requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120)
+    assert r.status_code == 200, r.text
+    chunks = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+@pytest.mark.parametrize("mode", ["cumulative", "incremental"])
+def test_streamed_chunks_add_up_to_the_final_answer(tiny_server, incremental, mode):
+    server = incremental if mode == "incremental" else tiny_server
+    body = {**BODY, "text": "The capital of France is"}
+    final = server.generate(**body)
+    chunks = stream(server, body)
+    assert len(chunks) > 2
+    for c in chunks:  # the cumulative count, in both modes, in every chunk
+        assert c["meta_info"]["output_token_logprobs_length"] == c["meta_info"]["completion_tokens"]
+    if mode == "cumulative":
+        last = chunks[-1]
+        assert last["text"] == final["text"] and last["output_ids"] == final["output_ids"]
+        for key in OUTPUT_LISTS:
+            assert last["meta_info"][key] == final["meta_info"][key]
+        assert [len(c["output_ids"]) for c in chunks] == [c["meta_info"]["completion_tokens"] for c in chunks]
+        return
+    assert "".join(c["text"] for c in chunks) == final["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == final["output_ids"]
+    for key in OUTPUT_LISTS:
+        assert [x for c in chunks for x in c["meta_info"][key]] == final["meta_info"][key]
+    assert chunks[-1]["meta_info"]["input_token_logprobs"] == final["meta_info"]["input_token_logprobs"]
+
+
+def test_incremental_stream_of_a_batch_keeps_each_index_apart(incremental):
+    prompts = ["Once upon a time", "def fibonacci(n):"]
+    body = {**BODY, "text": prompts}
+    finals = incremental.generate(**body)
+    chunks = stream(incremental, body)
+    for i, final in enumerate(finals):
+        mine = [c for c in chunks if c["index"] == i]
+        assert "".join(c["text"] for c in mine) == final["text"]
+        assert [t for c in mine for t in c["output_ids"]] == final["output_ids"]
+        assert [x for c in mine for x in c["meta_info"]["output_token_logprobs"]] == final["meta_info"][
+            "output_token_logprobs"
+        ]
+
+
+def test_meta_info_names(tiny_server):
+    meta = tiny_server.generate(text="Hello", sampling_params={"max_new_tokens": 2})["meta_info"]
+    assert meta["num_retractions"] == meta["total_retractions"] == 0
+    assert meta["weight_version"] == "default"
+    assert meta["e2e_latency"] > 0
+
+
+@sgl.function
+def scored(s):
+    s += "Count: one, two,"
+    s += sgl.gen("more", max_tokens=12, temperature=0, return_logprob=True, top_logprobs_num=2)
+
+
+def test_frontend_streams_from_an_incremental_server(incremental):
+    """The DSL's streamed gen reads deltas right: same text and the same cumulative logprobs as
+    without streaming (SGLang's frontend programs run against such servers)."""
+    backend = sgl.RuntimeEndpoint(incremental.url)
+    plain = scored.run(backend=backend)
+    streamed = scored.run(stream=True, backend=backend)
+    pieces = list(streamed.text_iter("more"))
+    assert len(pieces) > 2 and "".join(pieces) == plain["more"] == streamed["more"]
+    for key in OUTPUT_LISTS:
+        assert streamed.get_meta_info("more")[key] == plain.get_meta_info("more")[key]
