@@ -27,7 +27,7 @@ from srt.managers.data_parallel_controller import run_data_parallel_controller_p
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.scheduler import run_scheduler_process
 from srt.managers.tp_follower import run_tp_follower_process
-from srt.model_loader.default_model import resolve_model_path
+from srt.model_loader.default_model import default_served_model_name, resolve_model_path
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     ranks of this node (followers); then the detokenizer and, with --dp-size > 1, the controller.
     Other nodes (--node-rank > 0) run only their followers: this call then serves until they exit
     and ends the process."""
+    if server_args.served_model_name is None:
+        server_args.served_model_name = default_served_model_name(server_args.model_path)
     server_args.model_path = resolve_model_path(server_args.model_path)
     if server_args.tokenizer_path is None:
         server_args.tokenizer_path = server_args.model_path

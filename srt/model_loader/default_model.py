@@ -78,6 +78,16 @@ def resolve_default_model(progress: bool = True, weights: bool = False) -> str:
     return resolve_gguf(default_gguf_path(), progress=progress, weights=weights)
 
 
+def default_served_model_name(model_path: str | None) -> str | None:
+    """The model id the OpenAI routes report when --served-model-name is not given: a GGUF file's
+    name without `.gguf` (llama.cpp's convention; the embedded default is
+    `SmolLM2-135M-Instruct.Q4_1`), else None (the folder path is used, as SGLang does)."""
+    if not model_path:
+        return os.path.basename(DEFAULT_GGUF_FILE)[: -len(".gguf")]
+    name = os.path.basename(os.path.expanduser(model_path))
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else None
+
+
 def resolve_model_path(model_path: str | None) -> str:
     """An HF model folder for model_path: None/"" means the default model, a .gguf is converted."""
     if not model_path:

@@ -178,6 +178,9 @@ def test_openai_routes_through_the_router(client, workers):
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == direct_chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "length"
+    # a client configured with another model name (SGLang's workers accept any)
+    other = client.chat.completions.create(model="gpt-3.5-turbo", messages=messages, max_tokens=8, temperature=0)
+    assert other.choices[0].message.content == chat.choices[0].message.content and other.model == MODEL
 
     chunks = list(
         client.chat.completions.create(

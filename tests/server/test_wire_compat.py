@@ -96,3 +96,22 @@ def test_frontend_streams_from_an_incremental_server(incremental):
     assert len(pieces) > 2 and "".join(pieces) == plain["more"] == streamed["more"]
     for key in OUTPUT_LISTS:
         assert streamed.get_meta_info("more")[key] == plain.get_meta_info("more")[key]
+
+
+def test_default_model_is_named_after_its_gguf_file(default_server):
+    import openai
+
+    client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    out = client.completions.create(model="gpt-3.5-turbo", prompt="Hi", max_tokens=2)
+    assert out.model == "SmolLM2-135M-Instruct.Q4_1"
+    info = requests.get(default_server.url + "/model_info", timeout=30).json()
+    assert info["model_path"].startswith("/")  # the converted folder, as before
+
+
+def test_default_served_model_names():
+    from srt.model_loader.default_model import default_served_model_name
+
+    assert default_served_model_name(None) == "SmolLM2-135M-Instruct.Q4_1"
+    assert default_served_model_name("/models/Llama-3-8B.Q4_K_M.gguf") == "Llama-3-8B.Q4_K_M"
+    assert default_served_model_name("/models/llama-hf") is None  # a folder keeps its path, as in SGLang

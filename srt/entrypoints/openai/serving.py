@@ -135,13 +135,8 @@ class OpenAIServing:
             req = cls.model_validate(body)
         except ValidationError as e:
             raise OpenAIError(400, format_validation_error(e)) from None
-        if req.model and req.model not in self.aliases:
-            raise OpenAIError(
-                404,
-                f"The model `{req.model}` does not exist; this server serves `{self.model_name}`",
-                "model",
-                "model_not_found",
-            )
+        # Any `model` is accepted, as SGLang does (clients and routers send fixed names such as
+        # gpt-3.5-turbo); responses name the served model.
         return req
 
     def _sampling(self, req, max_new_tokens: int | None) -> dict:
