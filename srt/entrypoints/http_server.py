@@ -42,6 +42,8 @@ LOAD_SECTIONS = ("core", "queues", "memory", "spec", "lora", "disagg", "all")
 
 # Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
 ADMIN_ROUTES = frozenset({"/flush_cache", "/server_info", "/get_server_info"})
+# Probes answer without a key (load balancers and orchestrators call them unauthenticated).
+OPEN_PATHS = frozenset({"/health", "/ready", "/ping"})
 
 
 class Auth:
@@ -83,7 +85,7 @@ class AuthMiddleware:
         self.app, self.auth = app, auth
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         request = Request(scope)
         who = self.auth.identify(request.headers.get("authorization", ""))
@@ -203,6 +205,14 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/ready")
+@router.get("/ping")
+async def ready(request: Request) -> Response:
+    """Readiness (Kubernetes' probe; SageMaker's /ping): the port opens only once the workers are
+    built and warmed up, so 200 until the server fails or starts draining, then 503."""
+    return await health(request)
+
+
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
@@ -212,6 +222,58 @@ async def health_generate(request: Request) -> Response:
     except (asyncio.TimeoutError, ServiceUnavailable):
         return Response(status_code=503)
     return Response(status_code=200)
+
+
+@router.post("/v1/tokenize")
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    """SGLang's body: `prompt` (a string or a list of them), `add_special_tokens` (true) ->
+    `{"tokens", "count", "max_model_len"}` (lists for a list of prompts)."""
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    prompt, special = body.get("prompt") if isinstance(body, dict) else None, True
+    if isinstance(body, dict):
+        special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        return openai_error_response(
+            400, f"add_special_tokens must be a boolean, got {special!r}", "add_special_tokens"
+        )
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt))):
+        return openai_error_response(
+            400, f"prompt must be a string or a list of strings, got {type(prompt).__name__}", "prompt"
+        )
+    tm = _tm(request)
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    ids = [tm.tokenizer.encode(t, add_special_tokens=special) for t in texts]
+    tokens, count = (ids[0], len(ids[0])) if isinstance(prompt, str) else (ids, [len(x) for x in ids])
+    return json_response({"tokens": tokens, "count": count, "max_model_len": tm.context_len})
+
+
+@router.post("/v1/detokenize")
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    """SGLang's body: `tokens` (ids, or a list of id lists), `skip_special_tokens` (true) ->
+    `{"text"}` (a list for a list of id lists)."""
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    skip = body.get("skip_special_tokens", True) if isinstance(body, dict) else True
+    tm = _tm(request)
+    if not isinstance(skip, bool):
+        return openai_error_response(400, f"skip_special_tokens must be a boolean, got {skip!r}", "skip_special_tokens")
+    nested = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+    lists: list = tokens if nested else [tokens]  # pyright: ignore[reportAssignmentType]
+    for ids in lists:
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tm.vocab_size for t in ids
+        ):
+            return openai_error_response(
+                400, f"tokens must be a list of token ids in [0, {tm.vocab_size}) or a list of such lists", "tokens"
+            )
+    texts = [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in lists]
+    return json_response({"text": texts if nested else texts[0]})
 
 
 @router.get("/model_info")

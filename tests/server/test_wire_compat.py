@@ -115,3 +115,32 @@ def test_default_served_model_names():
     assert default_served_model_name(None) == "SmolLM2-135M-Instruct.Q4_1"
     assert default_served_model_name("/models/Llama-3-8B.Q4_K_M.gguf") == "Llama-3-8B.Q4_K_M"
     assert default_served_model_name("/models/llama-hf") is None  # a folder keeps its path, as in SGLang
+
+
+def test_tokenize_and_detokenize_routes(tiny_server):
+    for prefix in ("/v1", ""):
+        one = tiny_server.post(prefix + "/tokenize", {"prompt": "Hello world"}).json()
+        assert one["count"] == len(one["tokens"]) > 0 and one["max_model_len"] == 8192
+        many = tiny_server.post(prefix + "/tokenize", {"prompt": ["Hello world", "a b c"], "model": "x"}).json()
+        assert many["tokens"][0] == one["tokens"] and many["count"] == [len(t) for t in many["tokens"]]
+        assert tiny_server.post(prefix + "/detokenize", {"tokens": one["tokens"]}).json() == {"text": "Hello world"}
+        both = tiny_server.post(prefix + "/detokenize", {"tokens": many["tokens"]}).json()
+        assert both == {"text": ["Hello world", "a b c"]}
+    for path, body, field in [
+        ("/v1/tokenize", {"prompt": 5}, "prompt"),
+        ("/v1/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/v1/detokenize", {"tokens": [1, -2]}, "tokens"),
+        ("/v1/detokenize", {"tokens": [[1], ["a"]]}, "tokens"),
+        ("/v1/detokenize", {"tokens": [10**9]}, "tokens"),
+    ]:
+        r = tiny_server.post(path, body)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (path, body, r.text)
+
+
+def test_probes_and_their_auth(shared_server, tiny_chat_model):
+    server = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "4096", "--api-key", "sk-wire")
+    for path in ("/health", "/ready", "/ping"):  # probes answer without the key
+        assert requests.get(server.url + path, timeout=30).status_code == 200
+    assert server.post("/v1/tokenize", {"prompt": "hi"}).status_code == 401
+    r = server.post("/v1/tokenize", {"prompt": "hi"}, headers={"Authorization": "Bearer sk-wire"})
+    assert r.status_code == 200 and r.json()["count"] > 0
