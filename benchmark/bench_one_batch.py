@@ -140,7 +140,15 @@ def bench_steps(path: str, dtype: str, args) -> dict:
             base
             if fmt == base.kv_format
             else MHATokenToKVPool(
-                base.size, base.page_size, base.dtype, base.head_num, base.head_dim, base.layer_num, base.device, fmt
+                base.size,
+                base.page_size,
+                base.dtype,
+                base.head_num,
+                base.head_dim,
+                base.layer_num,
+                base.device,
+                fmt,
+                kv_store=base.kv_store,
             )
         )
         fill_random(pools[kv_dtype])

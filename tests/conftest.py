@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -94,12 +95,89 @@ def ops():
     return loaded
 
 
+KERNEL_ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+
+
+@contextlib.contextmanager
+def isa_variants(ops, highest: str = "avx512_bf16"):
+    """Iterate over the C++ kernel ISAs this CPU can run, up to `highest` (each set while its turn
+    lasts); the best one is restored on exit, whatever the test did."""
+    best = ops.quant_isa("")
+    top = min(KERNEL_ISAS.index(best), KERNEL_ISAS.index(highest))
+
+    def each():
+        for isa in KERNEL_ISAS[: top + 1]:
+            ops.quant_isa(isa)
+            yield isa
+
+    try:
+        yield each()
+    finally:
+        ops.quant_isa(best)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The embedded SmolLM2-135M-Instruct, converted once into the user's cache."""
     from srt.model_loader.default_model import resolve_default_model
 
     return resolve_default_model(progress=False, weights=True)
+
+
+# -- teacher forcing: one server's top-1 next token against another's on the same token sequence --
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a prime number is.",
+    "List three uses of a paperclip.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give me a short motivational quote.",
+    "What is 17 times 3?",
+]
+
+
+def chat_prompt_ids(model_path: str, texts: list[str] = CHAT_PROMPTS) -> list[list[int]]:
+    """Each text as one user turn through the model's chat template, with the generation prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
+
+
+def forcing_body(ids: list[int], start: int) -> dict:
+    """A /generate body scoring every token of `ids` from position `start` (top-1 alternative and
+    the token's own logprob) without generating."""
+    return dict(
+        input_ids=ids,
+        sampling_params={"temperature": 0, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=1,
+    )
+
+
+def top1_agreement(ours: dict, ref: dict) -> tuple[int, int, list[float]]:
+    """(positions whose top-1 tokens agree, positions compared, |delta logprob| of the forced token
+    at each) between two forcing_body answers' meta_info."""
+    agree = total = 0
+    deltas: list[float] = []
+    for mine, theirs, mine_lp, ref_lp in zip(
+        ours["input_top_logprobs"], ref["input_top_logprobs"], ours["input_token_logprobs"], ref["input_token_logprobs"]
+    ):
+        if theirs is None or theirs[0] is None:  # a sequence's first token has no prediction
+            continue
+        total += 1
+        agree += mine[0][1] == theirs[0][1]
+        deltas.append(abs(mine_lp[0] - ref_lp[0]))
+    return agree, total, deltas
 
 
 # -- live servers -------------------------------------------------------------------------------

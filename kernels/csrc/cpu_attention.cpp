@@ -73,6 +73,53 @@ inline float kv_value(T x) {
   }
 }
 
+// Prefetches the K and V rows (and int8 scales) of `row` (slot * kv_heads + head), d values each.
+template <typename T, int F>
+inline void prefetch_kv(const KvView& kv, int64_t row, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  const char* k = static_cast<const char*>(kv.k) + row * bytes;
+  const char* v = static_cast<const char*>(kv.v) + row * bytes;
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(k + b);
+    __builtin_prefetch(v + b);
+  }
+  if constexpr (F == kInt8) {
+    __builtin_prefetch(kv.ks + row);
+    __builtin_prefetch(kv.vs + row);
+  }
+}
+
+// The online-softmax step of one tile: scores sc [rows][kTile] (n of them valid, -inf = masked)
+// become probabilities relative to each row's new running max; m, l and the unnormalized outputs
+// acc [rows][d] are rescaled to it.
+inline void softmax_tile(float* sc, int64_t rows, int64_t n, int64_t d, float* m, float* l, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = sc + r * kTile;
+    float tile_max = kNegInf;
+    for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sr[j]);
+    if (tile_max == kNegInf) {
+      std::fill(sr, sr + n, 0.f);
+      continue;
+    }
+    const float m_new = std::max(m[r], tile_max);
+    const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      const float e = sr[j] == kNegInf ? 0.f : vexp(sr[j] - m_new);
+      sr[j] = e;
+      sum += e;
+    }
+    if (corr != 1.f) {
+      float* a = acc + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] *= corr;
+    }
+    l[r] = l[r] * corr + sum;
+    m[r] = m_new;
+  }
+}
+
 // Online-softmax attention of `rows` query rows (float, pre-scaled, [rows][d]) of one KV head over
 // positions [start, end) of one request. Row r may see positions < limit[r]. Updates the running
 // max m, sum l and unnormalized output acc ([rows][d]) of each row. kD > 0 fixes the head dim at
@@ -91,17 +138,8 @@ void attend_impl(const float* q, int64_t rows, const int64_t* limit, const KvVie
     const int64_t n = std::min(kTile, end - t0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = t0 + j;
-      if (pos + kPrefetch < end) {  // slots are scattered: fetch every line of rows a few positions ahead
-        const int64_t ahead = (static_cast<int64_t>(slots[pos + kPrefetch]) * kv_heads + head) * d;
-        for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kbuf + ahead) + b);
-          __builtin_prefetch(reinterpret_cast<const char*>(vbuf + ahead) + b);
-        }
-        if constexpr (F == kInt8) {
-          __builtin_prefetch(kv.ks + ahead / d);
-          __builtin_prefetch(kv.vs + ahead / d);
-        }
-      }
+      if (pos + kPrefetch < end)  // slots are scattered: fetch every line of rows a few positions ahead
+        prefetch_kv<T, F>(kv, static_cast<int64_t>(slots[pos + kPrefetch]) * kv_heads + head, d);
       const int64_t kv_row = static_cast<int64_t>(slots[pos]) * kv_heads + head;
       const T* krow = kbuf + kv_row * d;
 #pragma omp simd
@@ -115,31 +153,7 @@ void attend_impl(const float* q, int64_t rows, const int64_t* limit, const KvVie
         scores[r * kTile + j] = pos < limit[r] ? s * kmul : kNegInf;
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sc = scores.data() + r * kTile;
-      float tile_max = kNegInf;
-      for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
-      if (tile_max == kNegInf) {
-        std::fill(sc, sc + n, 0.f);
-        continue;
-      }
-      const float m_new = std::max(m[r], tile_max);
-      const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        const float e = sc[j] == kNegInf ? 0.f : vexp(sc[j] - m_new);
-        sc[j] = e;
-        sum += e;
-      }
-      if (corr != 1.f) {
-        float* a = acc + r * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] *= corr;
-      }
-      l[r] = l[r] * corr + sum;
-      m[r] = m_new;
-    }
+    softmax_tile(scores.data(), rows, n, d, m, l, acc);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t kv_row = static_cast<int64_t>(slots[t0 + j]) * kv_heads + head;
       const T* vrow = vbuf + kv_row * d;
@@ -180,7 +194,6 @@ struct A256 {
   }
   static V mul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
   static V fma(V x, V y, V z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
-  static float sum(V v) { return radixserve_cpu::hsum256(_mm256_add_ps(v.a, v.b)); }
   static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   // The four sums of w, x, y, z, sharing one reduction tree.
   static __m128 sum4(V w, V x, V y, V z) {
@@ -233,7 +246,6 @@ struct A512 {
   static void storef(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V mul(V x, V y) { return _mm512_mul_ps(x, y); }
   static V fma(V x, V y, V z) { return _mm512_fmadd_ps(x, y, z); }
-  static float sum(V v) { return _mm512_reduce_add_ps(v); }
   static V zero() { return _mm512_setzero_ps(); }
   static __m256 halves(V v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v),
@@ -268,34 +280,19 @@ constexpr float simd_rebase() {
   return F == kFp8E4M3 ? 256.f : 1.f;
 }
 
-// Prefetches the K and V rows (and int8 scales) of position `ahead` (slot * kv_heads + head).
-template <typename T, int F, int64_t d>
-inline void prefetch_kv(const KvView& kv, int64_t ahead) {
-  const char* k = static_cast<const char*>(kv.k) + ahead * d * static_cast<int64_t>(sizeof(T));
-  const char* v = static_cast<const char*>(kv.v) + ahead * d * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
-    __builtin_prefetch(k + b);
-    __builtin_prefetch(v + b);
-  }
-  if constexpr (F == kInt8) {
-    __builtin_prefetch(kv.ks + ahead);
-    __builtin_prefetch(kv.vs + ahead);
-  }
-}
-
 // Scores of positions [t0, t0 + n) for every query row into sc[r * kTile + j]: each K row decoded
 // into registers once, four query rows' dot products sharing one reduction tree. (Decoding a block
 // of K rows into an L1 buffer and reducing 16 positions per tree was slower on Zen 4: its 512-bit
 // stores and loads are double-pumped, and the buffer costs more than the reductions it saves.)
 template <class A, typename T, int F, int NC, int64_t kAhead>
 void tile_scores(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head,
-                         const int32_t* slots, int64_t t0, int64_t n, int64_t end, float* sc) {
+                 const int32_t* slots, int64_t t0, int64_t n, int64_t end, float* sc) {
   using V = typename A::V;
   constexpr int64_t d = 16 * NC;
   const T* kbuf = static_cast<const T*>(kv.k);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = t0 + j;
-    if (pos + kAhead < end) prefetch_kv<T, F, d>(kv, static_cast<int64_t>(slots[pos + kAhead]) * kv.kv_heads + head);
+    if (pos + kAhead < end) prefetch_kv<T, F>(kv, static_cast<int64_t>(slots[pos + kAhead]) * kv.kv_heads + head, d);
     const int64_t kv_row = static_cast<int64_t>(slots[pos]) * kv.kv_heads + head;
     const T* krow = kbuf + kv_row * d;
     V k[NC];
@@ -337,31 +334,7 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
   for (int64_t t0 = start; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
     tile_scores<A, T, F, NC, kAhead>(q, rows, limit, kv, head, slots, t0, n, end, sc);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = sc + r * kTile;
-      float tile_max = kNegInf;
-      for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sr[j]);
-      if (tile_max == kNegInf) {
-        std::fill(sr, sr + n, 0.f);
-        continue;
-      }
-      const float m_new = std::max(m[r], tile_max);
-      const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        const float e = sr[j] == kNegInf ? 0.f : vexp(sr[j] - m_new);
-        sr[j] = e;
-        sum += e;
-      }
-      if (corr != 1.f) {
-        float* a = acc + r * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] *= corr;
-      }
-      l[r] = l[r] * corr + sum;
-      m[r] = m_new;
-    }
+    softmax_tile(sc, rows, n, d, m, l, acc);
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
       const int64_t rb = std::min<int64_t>(RB, rows - r0);
       V o[RB][NC];

@@ -232,9 +232,8 @@ async def tokenize(request: Request) -> Response:
     body = await _json_body(request)
     if isinstance(body, Response):
         return body
-    prompt, special = body.get("prompt") if isinstance(body, dict) else None, True
-    if isinstance(body, dict):
-        special = body.get("add_special_tokens", True)
+    body = body if isinstance(body, dict) else {}
+    prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
     if not isinstance(special, bool):
         return openai_error_response(
             400, f"add_special_tokens must be a boolean, got {special!r}", "add_special_tokens"
@@ -258,8 +257,8 @@ async def detokenize(request: Request) -> Response:
     body = await _json_body(request)
     if isinstance(body, Response):
         return body
-    tokens = body.get("tokens") if isinstance(body, dict) else None
-    skip = body.get("skip_special_tokens", True) if isinstance(body, dict) else True
+    body = body if isinstance(body, dict) else {}
+    tokens, skip = body.get("tokens"), body.get("skip_special_tokens", True)
     tm = _tm(request)
     if not isinstance(skip, bool):
         return openai_error_response(400, f"skip_special_tokens must be a boolean, got {skip!r}", "skip_special_tokens")

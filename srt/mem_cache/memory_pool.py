@@ -123,6 +123,7 @@ class MHATokenToKVPool:
         device: str,
         kv_format: str | None = None,
         fp8_scales: list[float] | None = None,
+        kv_store=None,
     ):
         self.size, self.page_size, self.dtype = size, page_size, dtype
         self.head_num, self.head_dim, self.layer_num = head_num, head_dim, layer_num
@@ -140,6 +141,9 @@ class MHATokenToKVPool:
         scales = fp8_scales if fp8_scales is not None else [1.0] * layer_num
         assert len(scales) == layer_num, "one fp8 scale per layer"
         self.k_scale, self.v_scale = list(scales), list(scales)
+        # The C++ writer (kernels/csrc/cpu_attention.cpp kv_store) when the CPU kernels are built:
+        # one call quantizes and scatters K and V, bit-identical to quantize_kv below.
+        self.kv_store = kv_store
 
     @property
     def quantized(self) -> bool:
@@ -200,6 +204,9 @@ class MHATokenToKVPool:
         if not self.quantized:
             self.k_buffer[layer_id].index_copy_(0, loc, cache_k.to(self.store_dtype))
             self.v_buffer[layer_id].index_copy_(0, loc, cache_v.to(self.store_dtype))
+            return
+        if self.kv_store is not None:
+            self.kv_store(*self.kernel_args(layer_id), loc, cache_k, cache_v)
             return
         k, ks = quantize_kv(cache_k, self.kv_format, self.k_scale[layer_id])
         v, vs = quantize_kv(cache_v, self.kv_format, self.v_scale[layer_id])

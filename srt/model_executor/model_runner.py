@@ -166,7 +166,7 @@ class ModelRunner:
             if fused:
                 logger.info("Fused decode op for %d decoder layers", fused)
         self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
-        self.init_memory_pool(available_before)
+        self.init_memory_pool(available_before, cpu_ops)
         self.sampler = Sampler()
         self.compiled_decode = None
         if server_args.enable_torch_compile:
@@ -181,7 +181,7 @@ class ModelRunner:
         elif self.device == "cuda":
             logger.info("CUDA graphs off: %s", self.cuda_graph_off_reason)
 
-    def init_memory_pool(self, available_before: int) -> None:
+    def init_memory_pool(self, available_before: int, cpu_ops=None) -> None:
         cfg, args = self.model_config, self.server_args
         kv_heads = cfg.num_kv_heads_per_rank(self.tp_size, self.tp_rank)
         self.kv_format = kv_format_for(args.kv_cache_dtype, self.dtype)
@@ -251,6 +251,7 @@ class ModelRunner:
             self.device,
             self.kv_format,
             fp8_scales,
+            kv_store=cpu_ops.kv_store if cpu_ops is not None else None,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, self.page_size)
         logger.info(

@@ -4,9 +4,11 @@ import random
 
 import pytest
 import torch
+from conftest import isa_variants
 
 from kernels import cpu as cpu_kernels
 from kernels import reference
+from srt.mem_cache.memory_pool import KV_FORMATS as KV_STORE  # format -> (buffer dtype, kernel code)
 from srt.model_loader.default_model import cache_root
 
 D = 32
@@ -41,23 +43,10 @@ def stored(k, v, kv_format):
     k_scale, v_scale = (0.05, 0.02) if kv_format.startswith("fp8") else (1.0, 1.0)
     kd, ks = reference.quantize_kv(k, kv_format, k_scale)
     vd, vs = reference.quantize_kv(v, kv_format, v_scale)
-    code = {"float32": 0, "bfloat16": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[kv_format]
+    code = KV_STORE[kv_format][1]
     kf = reference.dequantize_kv(kd, ks, kv_format, k_scale)
     vf = reference.dequantize_kv(vd, vs, kv_format, v_scale)
     return (kd, vd, ks, vs, code, k_scale, v_scale), kf, vf
-
-
-def each_isa(ops):
-    """The kernel ISA variants this CPU can run (scalar, avx2, avx512), each set in turn; the best
-    is restored afterwards."""
-    names = ["scalar", "avx2", "avx512", "avx512_bf16"]
-    best = ops.quant_isa("")
-    try:
-        for isa in names[: min(names.index(best), 2) + 1]:
-            ops.quant_isa(isa)
-            yield isa
-    finally:
-        ops.quant_isa(best)
 
 
 @pytest.mark.parametrize("kv_format", KV_FORMATS)
@@ -72,13 +61,14 @@ def test_decode_matches_reference(ops, kv_format, page, group, head_dim):
     cache, kf, vf = stored(k, v, kv_format)
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim)
     ref = reference.paged_decode_attention(q, kf, vf, table, rows, torch.tensor(seq_lens), head_dim**-0.5)
-    for isa in each_isa(ops):
-        for splits in (1, 3):
-            out = torch.empty_like(q)
-            ops.decode_attention(q, *cache, table, rows, torch.tensor(seq_lens), out, head_dim**-0.5, splits)
-            torch.testing.assert_close(
-                out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa, n=splits: f"{i}, {n} splits: {m}"
-            )
+    with isa_variants(ops, highest="avx512") as isas:  # avx512_bf16 runs the avx512 attention
+        for isa in isas:
+            for splits in (1, 3):
+                out = torch.empty_like(q)
+                ops.decode_attention(q, *cache, table, rows, torch.tensor(seq_lens), out, head_dim**-0.5, splits)
+                torch.testing.assert_close(
+                    out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa, n=splits: f"{i}, {n} splits: {m}"
+                )
 
 
 @pytest.mark.parametrize("kv_format", KV_FORMATS)
@@ -96,10 +86,13 @@ def test_extend_matches_reference(ops, kv_format, page, group, head_dim):
     ref = reference.paged_extend_attention(
         q, kf, vf, table, rows, torch.tensor(seq), torch.tensor(prefix), head_dim**-0.5
     )
-    for isa in each_isa(ops):
-        out = torch.empty_like(q)
-        ops.extend_attention(q, *cache, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, head_dim**-0.5)
-        torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa: f"{i}: {m}")
+    with isa_variants(ops, highest="avx512") as isas:  # avx512_bf16 runs the avx512 attention
+        for isa in isas:
+            out = torch.empty_like(q)
+            ops.extend_attention(
+                q, *cache, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, head_dim**-0.5
+            )
+            torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa: f"{i}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,14 +123,12 @@ def test_kv_store_is_bit_identical_to_the_reference_quantizer(ops, kv_format, sr
     k[4, 0, :2] = torch.tensor([1e6, -1e6])
     v[5, 1] = torch.arange(d) - d / 2  # ties at x.5 after scaling
     slots = 64
-    store = "float32" if kv_format == "float32" else kv_format
-    buf_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}.get(store, torch.uint8)
+    buf_dtype, code = KV_STORE[kv_format]
     kb, vb = torch.zeros(slots, heads, d, dtype=buf_dtype), torch.zeros(slots, heads, d, dtype=buf_dtype)
     ks = vs = None
     if kv_format == "int8":
         ks, vs = torch.zeros(slots, heads), torch.zeros(slots, heads)
     k_scale, v_scale = (0.37, 3.0) if kv_format.startswith("fp8") else (1.0, 1.0)
-    code = {"float32": 0, "bfloat16": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[kv_format]
     loc = torch.randperm(slots, generator=g)[:t]
     ops.kv_store(kb, vb, ks, vs, code, k_scale, v_scale, loc, k, v)
     ek, eks = reference.quantize_kv(k, kv_format, k_scale)

@@ -12,11 +12,10 @@ absolute floor (and, for the decode kernels that round activations, the slack `a
 bf16 activations are exact in float32; only the bf16 output rounding (2^-8 relative) is added.
 """
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
+from conftest import isa_variants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
@@ -151,24 +150,6 @@ def test_linear_long_rows(ops, type_name, m):
                 assert out.dtype == xin.dtype and out.shape == (m, 43)
                 slack = activation_slack(ops, xin.float(), blocks, type_name)
                 check(out, ref, bound, k, bf16=xin.dtype == torch.bfloat16, slack=slack)
-
-
-@contextlib.contextmanager
-def isa_variants(ops):
-    """Iterate over the kernel ISAs this CPU can run (each set while its turn lasts); the best one
-    is restored on exit, whatever the test did."""
-    best = ops.quant_isa("")
-    names = ["scalar", "avx2", "avx512", "avx512_bf16"]
-
-    def each():
-        for isa in names[: names.index(best) + 1]:
-            ops.quant_isa(isa)
-            yield isa
-
-    try:
-        yield each()
-    finally:
-        ops.quant_isa(best)
 
 
 @pytest.mark.parametrize("type_name", TYPES)

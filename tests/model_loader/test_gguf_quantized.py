@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import requests
+from conftest import chat_prompt_ids, forcing_body, top1_agreement
 from gguf import GGMLQuantizationType as Q
 from test_gguf_loader import TOKENS, add_tokenizer, llama_cpp_permute
 
@@ -142,52 +143,21 @@ def test_quantized_server_matches_dequantized(server_factory, gguf_files, arch):
 
 # -- the default model: quantized (the default on CPU) against its float32 dequantization ----------------
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a prime number is.",
-    "List three uses of a paperclip.",
-    "How do I reverse a list in Python?",
-    "Why is the sky blue?",
-    "Give me a short motivational quote.",
-    "What is 17 times 3?",
-]
-
 
 def test_default_model_quantized_tracks_float32_reference(default_server, shared_server, default_model_path):
     """Teacher forcing on 8 chat prompts x 32 tokens: the quantized server's top-1 next token equals
     the float32 reference's at >= 99% of positions; the mean |delta logprob| of the reference token
     is printed (the figure the README reports)."""
-    from transformers import AutoTokenizer
-
     reference = shared_server("--quantization", "none", "--dtype", "float32", "--max-total-tokens", "4096")
     info = requests.get(f"{default_server.url}/server_info", timeout=30).json()
     assert info["quantization"] == "gguf" and info["weight_formats"]["linear"] == "Q4_1"
-    tok = AutoTokenizer.from_pretrained(default_model_path)
     agree = total = 0
     deltas: list[float] = []
-    for text in CHAT_PROMPTS:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-        prompt = tok.encode(chat, add_special_tokens=False)
+    for prompt in chat_prompt_ids(default_model_path):
         ref = reference.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 32})
-        forced = prompt + ref["output_ids"]
-        body = dict(
-            input_ids=forced,
-            sampling_params={"temperature": 0, "max_new_tokens": 1},
-            return_logprob=True,
-            logprob_start_len=len(prompt),
-            top_logprobs_num=1,
-        )
-        ours, theirs = default_server.generate(**body)["meta_info"], reference.generate(**body)["meta_info"]
-        for mine, ref_top, mine_lp, ref_lp in zip(
-            ours["input_top_logprobs"],
-            theirs["input_top_logprobs"],
-            ours["input_token_logprobs"],
-            theirs["input_token_logprobs"],
-        ):
-            total += 1
-            agree += mine[0][1] == ref_top[0][1]
-            deltas.append(abs(mine_lp[0] - ref_lp[0]))
+        body = forcing_body(prompt + ref["output_ids"], len(prompt))
+        a, n, d = top1_agreement(default_server.generate(**body)["meta_info"], reference.generate(**body)["meta_info"])
+        agree, total, deltas = agree + a, total + n, deltas + d
     print(f"\ndefault model, gguf vs float32: top-1 agreement {agree}/{total}, mean |dlogprob| {np.mean(deltas):.2e}")
     assert total >= 100  # replies may end before 32 tokens
     assert agree >= 0.99 * total, f"top-1 agreement {agree}/{total}"

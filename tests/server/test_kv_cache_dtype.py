@@ -17,17 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import requests
+from conftest import chat_prompt_ids, forcing_body, top1_agreement
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a prime number is.",
-    "List three uses of a paperclip.",
-    "How do I reverse a list in Python?",
-    "Why is the sky blue?",
-    "Give me a short motivational quote.",
-    "What is 17 times 3?",
-]
 INT8_FLAGS = ("--kv-cache-dtype", "int8", "--max-total-tokens", "16384", "--chunked-prefill-size", "256")
 FP8_FLAGS = ("--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens", "16384")
 E5M2_FLAGS = ("--kv-cache-dtype", "fp8_e5m2", "--max-total-tokens", "16384")
@@ -35,16 +26,7 @@ E5M2_FLAGS = ("--kv-cache-dtype", "fp8_e5m2", "--max-total-tokens", "16384")
 
 @pytest.fixture(scope="module")
 def chat_prompts(default_model_path) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    return [
-        tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False,
-        )
-        for t in CHAT_PROMPTS
-    ]
+    return chat_prompt_ids(default_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +43,6 @@ def forced(default_server, chat_prompts) -> list[tuple[list[int], dict]]:
     return out
 
 
-def forcing_body(ids: list[int], start: int) -> dict:
-    return dict(
-        input_ids=ids,
-        sampling_params={"temperature": 0, "max_new_tokens": 1},
-        return_logprob=True,
-        logprob_start_len=start,
-        top_logprobs_num=1,
-    )
-
-
 @pytest.mark.parametrize(
     "flags,bound",
     [(INT8_FLAGS, 0.97), (FP8_FLAGS, 0.95), (E5M2_FLAGS, 0.88)],
@@ -79,20 +51,10 @@ def forcing_body(ids: list[int], start: int) -> dict:
 def test_teacher_forcing_tracks_the_float32_cache(shared_server, default_server, chat_prompts, forced, flags, bound):
     server = shared_server(*flags)
     agree = total = 0
-    deltas = []
+    deltas: list[float] = []
     for prompt, (ids, ref) in zip(chat_prompts, forced):
-        ours = server.generate(**forcing_body(ids, len(prompt)))["meta_info"]
-        for mine, theirs, mine_lp, ref_lp in zip(
-            ours["input_top_logprobs"],
-            ref["input_top_logprobs"],
-            ours["input_token_logprobs"],
-            ref["input_token_logprobs"],
-        ):
-            if theirs is None or theirs[0] is None:  # the first position has no prediction
-                continue
-            total += 1
-            agree += mine[0][1] == theirs[0][1]
-            deltas.append(abs(mine_lp[0] - ref_lp[0]))
+        a, n, d = top1_agreement(server.generate(**forcing_body(ids, len(prompt)))["meta_info"], ref)
+        agree, total, deltas = agree + a, total + n, deltas + d
     print(f"\n{flags[1]} KV vs float32 KV: top-1 agreement {agree}/{total}, mean |dlogprob| {np.mean(deltas):.2e}")
     assert total >= 8 * 60
     assert agree >= bound * total, f"top-1 agreement {agree}/{total}"

@@ -4,7 +4,7 @@ pool (no gathered copies), each KV head once for its whole query group.
 Long extends (prefill chunks) are compute-bound; there torch's fused SDPA kernel, with its blocked
 GEMMs, beats a hand-written loop even after gathering K/V, so they go through it, over each
 request's K/V gathered (and, from an 8-bit cache, decoded). The C++ kernels decode 8-bit rows in
-registers; `kv_store` writes them (quantized as kernels/reference.py defines)."""
+registers; the pool writes them with the C++ `kv_store` (quantized as kernels/reference.py defines)."""
 
 from __future__ import annotations
 
@@ -46,12 +46,6 @@ class CpuAttnBackend(AttentionBackend):
                 fb.extend_start_loc[idx],
                 fb.extend_seq_lens[idx],
             )
-
-    def save_kv(self, layer, fb, k, v) -> None:
-        pool = fb.token_to_kv_pool
-        if not pool.quantized:  # a plain copy: torch's index_copy_ is as fast
-            return super().save_kv(layer, fb, k, v)
-        self.ops.kv_store(*pool.kernel_args(layer.layer_id), fb.out_cache_loc, k, v)
 
     def _prepare(self, q, k, v, layer, fb, save_kv_cache: bool):
         """Store the new K/V; returns the layer's cache arguments, q as [T, heads, dim] and an output."""
