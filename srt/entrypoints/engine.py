@@ -50,30 +50,8 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @staticmethod
-    def _request(
-        prompt,
-        sampling_params,
-        input_ids,
-        return_logprob,
-        logprob_start_len,
-        top_logprobs_num,
-        return_text_in_logprobs,
-        stream,
-        rid,
-        priority,
-    ) -> GenerateReqInput:
-        return GenerateReqInput(
-            text=prompt,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            rid=rid,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-            stream=stream,
-            priority=priority,
-        )
+    def _request(prompt, **fields) -> GenerateReqInput:
+        return GenerateReqInput(text=prompt, **fields)
 
     def generate(
         self,
@@ -83,6 +61,7 @@ class Engine:
         return_logprob: bool | list[bool] = False,
         logprob_start_len: int | list[int] = -1,
         top_logprobs_num: int | list[int] = 0,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
@@ -91,15 +70,16 @@ class Engine:
         """Same arguments and outputs as POST /generate. With stream=True, an iterator of chunks."""
         obj = self._request(
             prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-            stream,
-            rid,
-            priority,
+            sampling_params=sampling_params,
+            input_ids=input_ids,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
+            return_text_in_logprobs=return_text_in_logprobs,
+            stream=stream,
+            rid=rid,
+            priority=priority,
         )
         if not stream:
             return self._run(self._first(obj))
@@ -140,6 +120,7 @@ class Engine:
         return_logprob=False,
         logprob_start_len=-1,
         top_logprobs_num=0,
+        token_ids_logprob=None,
         return_text_in_logprobs=False,
         stream=False,
         rid=None,
@@ -148,15 +129,16 @@ class Engine:
         """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
         obj = self._request(
             prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-            stream,
-            rid,
-            priority,
+            sampling_params=sampling_params,
+            input_ids=input_ids,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
+            return_text_in_logprobs=return_text_in_logprobs,
+            stream=stream,
+            rid=rid,
+            priority=priority,
         )
         if not stream:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._first(obj), self._loop))

@@ -19,11 +19,14 @@ class LogitsProcessorOutput:
     next_token_logprobs: torch.Tensor | None = None  # [B]
     next_token_top_logprobs_val: torch.Tensor | None = None  # [B, k]
     next_token_top_logprobs_idx: torch.Tensor | None = None
+    # per request: the logprobs of its `token_ids_logprob` ([n]) or None
+    next_token_ids_logprobs: list[torch.Tensor | None] | None = None
     # Prompt logprobs over the extend rows each request asked for, flattened in batch order;
     # `input_logprob_lens[i]` rows belong to request i.
     input_token_logprobs: torch.Tensor | None = None  # [R]
     input_top_logprobs_val: torch.Tensor | None = None  # [R, k]
     input_top_logprobs_idx: torch.Tensor | None = None
+    input_token_ids_logprobs: list[torch.Tensor | None] | None = None  # per request [rows, n] or None
     input_logprob_lens: list[int] | None = None
 
 
@@ -65,3 +68,16 @@ class LogitsProcessor(nn.Module):
         k = max(fb.top_logprobs_nums or [0])
         if k > 0:
             out.input_top_logprobs_val, out.input_top_logprobs_idx = logprobs.topk(k, dim=-1)
+        if fb.token_ids_logprobs is not None:
+            out.input_token_ids_logprobs = gather_token_ids(logprobs, lens, fb.token_ids_logprobs)
+
+
+def gather_token_ids(logprobs: torch.Tensor, lens: list[int], token_ids: list[list[int] | None]) -> list:
+    """Request i owns the next `lens[i]` rows of `logprobs`; returns its [rows, len(ids)] logprobs
+    at its asked ids, or None when it asked for none."""
+    out, k = [], 0
+    for n, ids in zip(lens, token_ids):
+        rows = logprobs[k : k + n]
+        out.append(rows[:, torch.tensor(ids, device=rows.device)] if ids else None)
+        k += n
+    return out

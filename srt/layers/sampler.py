@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt.layers.logits_processor import gather_token_ids
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 _M32 = 0xFFFFFFFF
@@ -69,6 +70,7 @@ class Sampler(nn.Module):
         info: SamplingBatchInfo,
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
+        token_ids_logprobs: list[list[int] | None] | None = None,
     ) -> torch.Tensor:
         """Returns next token ids [B]. With `return_logprob`, fills logits_output's
         `next_token_logprobs` (and top-k) from the model's distribution before any penalty or
@@ -87,4 +89,7 @@ class Sampler(nn.Module):
                 vals, idx = logprobs.topk(k, dim=-1)
                 logits_output.next_token_top_logprobs_val = vals
                 logits_output.next_token_top_logprobs_idx = idx
+            if token_ids_logprobs is not None:
+                per_row = gather_token_ids(logprobs, [1] * len(token_ids_logprobs), token_ids_logprobs)
+                logits_output.next_token_ids_logprobs = [None if t is None else t[0] for t in per_row]
         return ids

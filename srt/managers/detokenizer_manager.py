@@ -140,6 +140,9 @@ class DetokenizerManager:
             input_top_logprobs=batch.input_top_logprobs,
             output_token_logprobs=batch.output_token_logprobs,
             output_top_logprobs=batch.output_top_logprobs,
+            input_token_ids_logprobs=batch.input_token_ids_logprobs,
+            output_token_ids_logprobs=batch.output_token_ids_logprobs,
+            dp_rank=batch.dp_rank,
         )
 
     def event_loop(self) -> None:

@@ -45,6 +45,8 @@ class GenerateReqInput:
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    # logprobs of these token ids at every position (one list for all prompts, or one per prompt)
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | list[int] | None = None
@@ -108,6 +110,14 @@ class GenerateReqInput:
                 raise InvalidRequest(f"`{name}` is a list of {len(v)} but the request has {n} prompt(s)")
         if not isinstance(self.stream, bool):
             raise InvalidRequest(f"`stream` must be a boolean, got {self.stream!r}")
+        ids = self.token_ids_logprob
+        if (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(x, list) for x in ids)
+            and (not self.is_batch or len(ids) != n)
+        ):
+            raise InvalidRequest(f"`token_ids_logprob` is a list of {len(ids)} lists but the request has {n} prompt(s)")
 
     def item(self, i: int) -> GenerateReqInput:
         b = self.is_batch
@@ -123,6 +133,7 @@ class GenerateReqInput:
             return_logprob=_item(self.return_logprob, i, b),
             logprob_start_len=_item(self.logprob_start_len, i, b),
             top_logprobs_num=_item(self.top_logprobs_num, i, b),
+            token_ids_logprob=self._token_ids_item(i),
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
             priority=_item(self.priority, i, b),
@@ -130,6 +141,13 @@ class GenerateReqInput:
             timeout=_item(self.timeout, i, b),
             data_parallel_rank=self.data_parallel_rank,
         )
+
+    def _token_ids_item(self, i: int) -> list[int] | None:
+        """One list for every prompt, or (a batch) a list per prompt."""
+        ids = self.token_ids_logprob
+        if self.is_batch and isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+            return cast("list[list[int]]", ids)[i]
+        return cast("list[int] | None", ids)
 
 
 def _is_token(t) -> bool:
@@ -210,6 +228,7 @@ class TokenizedGenerateReqInput:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    token_ids_logprob: list[int] | None = None
     stream: bool
     priority: int | None = None
     extra_key: str | None = None
@@ -288,6 +307,10 @@ class BatchTokenIDOutput:
     input_top_logprobs: list[list] = field(default_factory=list)
     output_token_logprobs: list[list] = field(default_factory=list)
     output_top_logprobs: list[list] = field(default_factory=list)
+    # token_ids_logprob: per position (logprobs, ids) of the asked ids, or None (first prompt token)
+    input_token_ids_logprobs: list[list] = field(default_factory=list)
+    output_token_ids_logprobs: list[list] = field(default_factory=list)
+    dp_rank: int = 0  # the data-parallel replica whose scheduler sent it
 
 
 @dataclass(kw_only=True)
@@ -304,3 +327,7 @@ class BatchStrOutput:
     input_top_logprobs: list[list] = field(default_factory=list)
     output_token_logprobs: list[list] = field(default_factory=list)
     output_top_logprobs: list[list] = field(default_factory=list)
+    # token_ids_logprob: per position (logprobs, ids) of the asked ids, or None (first prompt token)
+    input_token_ids_logprobs: list[list] = field(default_factory=list)
+    output_token_ids_logprobs: list[list] = field(default_factory=list)
+    dp_rank: int = 0  # the data-parallel replica whose scheduler sent it

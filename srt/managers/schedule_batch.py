@@ -40,6 +40,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     priority: int | None = None
     extra_key: str | None = None
@@ -65,6 +66,8 @@ class Req:
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
+    input_token_ids_logprobs: list = field(default_factory=list)  # like the top lists
+    output_token_ids_logprobs: list = field(default_factory=list)
     input_logprobs_done: bool = False
     # structured output: the xgrammar GrammarMatcher once the grammar compiled (srt/constrained)
     grammar: GrammarMatcher | None = None
@@ -173,6 +176,13 @@ class ScheduleBatch:
         self.reqs = [r for r in self.reqs if not r.finished]
 
 
+def _token_ids_logprobs(reqs: list[Req]) -> list[list[int] | None] | None:
+    """Each request's `token_ids_logprob`, or None when no request of the batch asked."""
+    if not any(r.return_logprob and r.token_ids_logprob for r in reqs):
+        return None
+    return [r.token_ids_logprob if r.return_logprob else None for r in reqs]
+
+
 def _pool_indices(reqs: list[Req]) -> list[int]:
     out = []
     for r in reqs:
@@ -265,6 +275,7 @@ class BatchBuilder:
         return dict(
             return_logprob=True,
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+            token_ids_logprobs=_token_ids_logprobs(reqs),
             extend_logprob_start_lens_cpu=starts,
             extend_input_logprob_token_ids=torch.tensor(next_tokens, dtype=torch.int64).to(self.device),
         )
@@ -298,4 +309,5 @@ class BatchBuilder:
             self.device,
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+            token_ids_logprobs=_token_ids_logprobs(reqs),
         )

@@ -279,6 +279,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             return_logprob=recv.return_logprob,
             logprob_start_len=recv.logprob_start_len,
             top_logprobs_num=recv.top_logprobs_num,
+            token_ids_logprob=recv.token_ids_logprob,
             stream=recv.stream,
             priority=recv.priority,
             extra_key=recv.extra_key,

@@ -86,6 +86,9 @@ class SchedulerOutputProcessorMixin:
             if req.top_logprobs_num:
                 assert result.next_top_logprobs is not None
                 req.output_top_logprobs.append(result.next_top_logprobs[i])
+            if req.token_ids_logprob:
+                assert result.next_token_ids_logprobs is not None
+                req.output_token_ids_logprobs.append((result.next_token_ids_logprobs[i], req.token_ids_logprob))
         if req.grammar is not None and not req.finished:
             if not req.grammar.accept_token(token):  # the mask forbids this; never continue unconstrained
                 req.finished_reason = FINISH_ABORT(message=f"token {token} was sampled against the grammar")
@@ -94,7 +97,7 @@ class SchedulerOutputProcessorMixin:
 
     def append_input_logprobs(self, req: Req, rows: tuple, chunk_end: int) -> None:
         """Row at absolute position j gives the logprob of prompt token j + 1."""
-        vals, top_vals, top_ids = rows
+        vals, top_vals, top_ids, asked = rows
         if not req.wants_input_logprobs:
             return
         prompt = req.origin_input_ids
@@ -103,6 +106,8 @@ class SchedulerOutputProcessorMixin:
             req.input_token_logprobs.append((None, prompt[0]))
             if req.top_logprobs_num:
                 req.input_top_logprobs.append(None)
+            if req.token_ids_logprob:
+                req.input_token_ids_logprobs.append(None)
         for k, v in enumerate(vals):
             pos = first_row + k + 1
             if pos >= len(prompt):
@@ -110,9 +115,11 @@ class SchedulerOutputProcessorMixin:
             req.input_token_logprobs.append((v, prompt[pos]))
             if req.top_logprobs_num:
                 req.input_top_logprobs.append((top_vals[k], top_ids[k]))
+            if req.token_ids_logprob:
+                req.input_token_ids_logprobs.append((asked[k], req.token_ids_logprob))
 
     def stream_output(self, reqs: list[Req]) -> None:
-        out = BatchTokenIDOutput()
+        out = BatchTokenIDOutput(dp_rank=self.dp_rank)
         for r in reqs:
             if not (r.finished or r.stream):
                 continue
@@ -141,6 +148,8 @@ class SchedulerOutputProcessorMixin:
             out.input_top_logprobs.append(r.input_top_logprobs[r.sent_input_logprob_len :])
             out.output_token_logprobs.append(r.output_token_logprobs[r.sent_output_logprob_len :])
             out.output_top_logprobs.append(r.output_top_logprobs[r.sent_output_logprob_len :])
+            out.input_token_ids_logprobs.append(r.input_token_ids_logprobs[r.sent_input_logprob_len :])
+            out.output_token_ids_logprobs.append(r.output_token_ids_logprobs[r.sent_output_logprob_len :])
             r.sent_output_len = len(r.output_ids)
             r.sent_input_logprob_len = len(r.input_token_logprobs)
             r.sent_output_logprob_len = len(r.output_token_logprobs)

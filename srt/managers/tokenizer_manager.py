@@ -42,6 +42,7 @@ from srt.utils import zmq_socket
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_IDS_LOGPROB = 256  # ids per request in `token_ids_logprob`
 DISCONNECT_POLL_S = 1.0
 
 
@@ -74,6 +75,9 @@ class ReqState:
     input_top_logprobs: list = dataclasses.field(default_factory=list)
     output_token_logprobs: list = dataclasses.field(default_factory=list)
     output_top_logprobs: list = dataclasses.field(default_factory=list)
+    input_token_ids_logprobs: list = dataclasses.field(default_factory=list)
+    output_token_ids_logprobs: list = dataclasses.field(default_factory=list)
+    dp_rank: int = 0
 
 
 class TokenizerManager:
@@ -184,6 +188,7 @@ class TokenizerManager:
         top = obj.top_logprobs_num or 0
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs_num = {top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        asked = self._token_ids_logprob(obj.token_ids_logprob)
         if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
             raise InvalidRequest(f"priority = {obj.priority!r} must be an integer")
         rid = obj.rid or new_rid()
@@ -208,9 +213,10 @@ class TokenizerManager:
             input_text=text,
             input_ids=ids,
             sampling_params=params,
-            return_logprob=bool(obj.return_logprob),
+            return_logprob=bool(obj.return_logprob) or asked is not None,
             logprob_start_len=start,
             top_logprobs_num=top,
+            token_ids_logprob=asked,
             stream=obj.stream,
             priority=obj.priority,
             extra_key=extra_key,
@@ -218,6 +224,21 @@ class TokenizerManager:
             timeout=self._timeout(obj.timeout),
             data_parallel_rank=dp_rank,
         )
+
+    def _token_ids_logprob(self, ids) -> list[int] | None:
+        """`token_ids_logprob` of one prompt: distinct-or-not token ids, at most MAX_TOKEN_IDS_LOGPROB."""
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest(f"token_ids_logprob = {ids!r} must be a non-empty list of token ids")
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise InvalidRequest(
+                f"token_ids_logprob has {len(ids)} ids, more than the limit of {MAX_TOKEN_IDS_LOGPROB}"
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token_ids_logprob holds {bad}, out of range [0, {self.vocab_size})")
+        return list(ids)
 
     def _timeout(self, given) -> float | None:
         default = self.server_args.request_timeout
@@ -346,7 +367,9 @@ class TokenizerManager:
             "weight_version": self.server_args.weight_version,
             "e2e_latency": time.time() - s.created,
         }
-        if s.obj.return_logprob:
+        if self.server_args.dp_size > 1:
+            meta["dp_rank"] = s.dp_rank
+        if s.obj.return_logprob or s.obj.token_ids_logprob is not None:
             with_text = s.obj.return_text_in_logprobs
             meta["input_token_logprobs"] = self._lp_entries(s.input_token_logprobs, with_text)
             meta["output_token_logprobs"] = self._lp_entries(s.output_token_logprobs, with_text)
@@ -354,6 +377,11 @@ class TokenizerManager:
             if s.obj.top_logprobs_num:
                 meta["input_top_logprobs"] = [self._top_entries(t, with_text) for t in s.input_top_logprobs]
                 meta["output_top_logprobs"] = [self._top_entries(t, with_text) for t in s.output_top_logprobs]
+            if s.obj.token_ids_logprob is not None:
+                meta["input_token_ids_logprobs"] = [self._top_entries(t, with_text) for t in s.input_token_ids_logprobs]
+                meta["output_token_ids_logprobs"] = [
+                    self._top_entries(t, with_text) for t in s.output_token_ids_logprobs
+                ]
         return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
     def _token_texts(self, ids: list[int], with_text: bool) -> list:
@@ -404,6 +432,9 @@ class TokenizerManager:
             s.input_top_logprobs.extend(out.input_top_logprobs[i])
             s.output_token_logprobs.extend(out.output_token_logprobs[i])
             s.output_top_logprobs.extend(out.output_top_logprobs[i])
+            s.input_token_ids_logprobs.extend(out.input_token_ids_logprobs[i])
+            s.output_token_ids_logprobs.extend(out.output_token_ids_logprobs[i])
+            s.dp_rank = out.dp_rank
             if out.finished_reasons[i] is not None:
                 s.finish_reason, s.finished = out.finished_reasons[i], True
             s.event.set()

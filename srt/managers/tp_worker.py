@@ -26,8 +26,10 @@ class BatchResult:
     next_token_ids: list[int]
     next_token_logprobs: list[float] | None = None
     next_top_logprobs: list[tuple[list[float], list[int]]] | None = None
-    # per request: (logprob per row, top-k values per row, top-k ids per row) for prompt rows
-    input_logprobs: list[tuple[list[float], list, list]] | None = None
+    next_token_ids_logprobs: list[list[float] | None] | None = None  # per request, at its asked ids
+    # per request: (logprob per row, top-k values per row, top-k ids per row, asked-id logprobs
+    # per row) for prompt rows
+    input_logprobs: list[tuple[list[float], list, list, list]] | None = None
     forward_start: float = 0.0
     forward_end: float = 0.0
 
@@ -47,6 +49,8 @@ def to_batch_result(
         vals = logits_output.next_token_top_logprobs_val.tolist()
         idx = logits_output.next_token_top_logprobs_idx.tolist()
         result.next_top_logprobs = [(v[:m], i[:m]) for m, v, i in zip(nums, vals, idx)]
+    if logits_output.next_token_ids_logprobs is not None:
+        result.next_token_ids_logprobs = [_host(t) for t in logits_output.next_token_ids_logprobs]
     if logits_output.input_logprob_lens is not None:
         flat = [] if logits_output.input_token_logprobs is None else logits_output.input_token_logprobs.tolist()
         top_v = top_i = None
@@ -54,14 +58,19 @@ def to_batch_result(
             assert logits_output.input_top_logprobs_idx is not None
             top_v = logits_output.input_top_logprobs_val.tolist()
             top_i = logits_output.input_top_logprobs_idx.tolist()
+        by_ids = logits_output.input_token_ids_logprobs or [None] * len(nums)
         per_req, k = [], 0
-        for m, n in zip(nums, logits_output.input_logprob_lens):
+        for m, n, asked in zip(nums, logits_output.input_logprob_lens, by_ids):
             tv = [v[:m] for v in top_v[k : k + n]] if top_v is not None and m else []
             ti = [v[:m] for v in top_i[k : k + n]] if top_i is not None and m else []
-            per_req.append((flat[k : k + n], tv, ti))
+            per_req.append((flat[k : k + n], tv, ti, _host(asked) or []))
             k += n
         result.input_logprobs = per_req
     return result
+
+
+def _host(t: torch.Tensor | None) -> list | None:
+    return None if t is None else t.tolist()
 
 
 class FutureTokenMap:

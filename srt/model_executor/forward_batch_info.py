@@ -46,6 +46,7 @@ class ForwardBatch:
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
+    token_ids_logprobs: list[list[int] | None] | None = None  # per request, ids whose logprobs it wants
     extend_logprob_start_lens_cpu: list[int] | None = None
     extend_input_logprob_token_ids: torch.Tensor | None = None
     # Set by the model runner.

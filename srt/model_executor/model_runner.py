@@ -286,8 +286,9 @@ class ModelRunner:
         return self.model.forward(fb.input_ids, fb.positions, fb)
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
+        fb = forward_batch
         return self.sampler(
-            logits_output, forward_batch.sampling_info, forward_batch.return_logprob, forward_batch.top_logprobs_nums
+            logits_output, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums, fb.token_ids_logprobs
         )
 
     def cuda_graph_status(self) -> dict:

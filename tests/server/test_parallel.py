@@ -177,9 +177,12 @@ def test_dp2_abort_flush_and_control_reach_every_replica(dp2):
 def test_dp2_data_parallel_rank_pins_a_replica(dp2):
     before = [s["forward_passes"] for s in replica_states(dp2)]
     for _ in range(3):
-        dp2.generate(text="Pinned to replica one", sampling_params={"max_new_tokens": 2}, data_parallel_rank=1)
+        out = dp2.generate(text="Pinned to replica one", sampling_params={"max_new_tokens": 2}, data_parallel_rank=1)
+        assert out["meta_info"]["dp_rank"] == 1  # SGLang's meta_info name when data-parallel
     after = [s["forward_passes"] for s in replica_states(dp2)]
     assert after[0] == before[0] and after[1] > before[1]
+    pinned = dp2.generate(text="Pinned to replica zero", sampling_params={"max_new_tokens": 2}, data_parallel_rank=0)
+    assert pinned["meta_info"]["dp_rank"] == 0
     bad = dp2.post("/generate", {"text": "x", "data_parallel_rank": 2})
     assert bad.status_code == 400 and "data_parallel_rank" in bad.json()["error"]["message"]
 

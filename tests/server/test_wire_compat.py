@@ -15,8 +15,9 @@ BODY = {
     "return_logprob": True,
     "top_logprobs_num": 2,
     "logprob_start_len": 0,
+    "token_ids_logprob": [0, 5, 17],
 }
-OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs")
+OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,47 @@ def test_incremental_stream_of_a_batch_keeps_each_index_apart(incremental):
         ]
 
 
+def test_token_ids_logprob_reads_the_same_distribution(tiny_server):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    first = tiny_server.generate(text=prompts, sampling_params=params)
+    prompt_ids = [tiny_server.post("/tokenize", {"prompt": p}).json()["tokens"] for p in prompts]
+    # one id list per prompt: its prompt and output tokens, so every position has its own token asked
+    asked = [sorted(set(p + o["output_ids"])) for p, o in zip(prompt_ids, first)]
+    outs = tiny_server.generate(
+        text=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0, token_ids_logprob=asked
+    )
+    for ids, out, want in zip(prompt_ids, outs, asked):
+        meta = out["meta_info"]
+        assert len(meta["output_token_ids_logprobs"]) == len(out["output_ids"]) == 12
+        for (lp, tok, _), entries in zip(meta["output_token_logprobs"], meta["output_token_ids_logprobs"]):
+            assert [e[1] for e in entries] == want
+            assert dict((e[1], e[0]) for e in entries)[tok] == lp
+            assert all(e[0] <= lp for e in entries)  # greedy: the sampled token is the most likely
+        assert meta["input_token_ids_logprobs"][0] is None and len(meta["input_token_ids_logprobs"]) == len(ids)
+        for (lp, tok, _), entries in zip(meta["input_token_logprobs"][1:], meta["input_token_ids_logprobs"][1:]):
+            assert dict((e[1], e[0]) for e in entries)[tok] == lp
+    # a flat list applies to every prompt, and asking for ids alone turns logprobs on
+    one = tiny_server.generate(text=prompts[0], sampling_params=params, token_ids_logprob=[3, 1, 3])["meta_info"]
+    assert [[e[1] for e in entries] for entries in one["output_token_ids_logprobs"]] == [[3, 1, 3]] * 12
+    assert len(one["output_token_logprobs"]) == 12
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([0, 10**9], "out of range"),
+        (list(range(300)), "more than the limit of 256"),
+        ("7", "must be a non-empty list of token ids"),
+        ([[1], [2], [3]], "is a list of 3 lists but the request has 2 prompt(s)"),
+    ],
+)
+def test_token_ids_logprob_errors(tiny_server, value, message):
+    r = tiny_server.post("/generate", {"text": ["a", "b"], "token_ids_logprob": value})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert "token_ids_logprob" in r.json()["error"]["message"]
+
+
 def test_meta_info_names(tiny_server):
     meta = tiny_server.generate(text="Hello", sampling_params={"max_new_tokens": 2})["meta_info"]
     assert meta["num_retractions"] == meta["total_retractions"] == 0
@@ -94,7 +136,7 @@ def test_frontend_streams_from_an_incremental_server(incremental):
     streamed = scored.run(stream=True, backend=backend)
     pieces = list(streamed.text_iter("more"))
     assert len(pieces) > 2 and "".join(pieces) == plain["more"] == streamed["more"]
-    for key in OUTPUT_LISTS:
+    for key in ("output_token_logprobs", "output_top_logprobs"):
         assert streamed.get_meta_info("more")[key] == plain.get_meta_info("more")[key]
 
 
