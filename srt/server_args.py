@@ -20,6 +20,7 @@ from srt.configs.runtime_choices import (
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 LOAD_FORMATS = ("auto", "dummy")
+LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class ServerArgs:
     decode_log_interval: int = 40
     enable_metrics: bool = False
     debug_integrity_check: bool = False
+    log_requests: bool = False  # log each finished request (changeable at run time: /configure_logging)
+    log_requests_level: int = 2  # 0 metadata, 1 + sampling params, 2 + partial text, 3 + full text and ids
+    profile_dir: str | None = None  # /start_profile's default output_dir (else $SGLANG_TORCH_PROFILER_DIR, /tmp)
     # Wire behaviour
     incremental_streaming_output: bool = False  # /generate stream chunks carry only what is new
     weight_version: str = "default"  # reported in every response's meta_info
@@ -96,6 +100,10 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.log_requests_level not in LOG_REQUESTS_LEVELS:
+            raise ValueError(
+                f"--log-requests-level must be one of {list(LOG_REQUESTS_LEVELS)}, got {self.log_requests_level}"
+            )
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
@@ -500,6 +508,23 @@ class ServerArgs:
             "--debug-integrity-check",
             action="store_true",
             help="exit the scheduler when the KV accounting invariant is violated (tests)",
+        )
+        g.add_argument(
+            "--log-requests", action="store_true", help="log every finished request (see --log-requests-level)"
+        )
+        g.add_argument(
+            "--log-requests-level",
+            type=int,
+            default=d.log_requests_level,
+            choices=LOG_REQUESTS_LEVELS,
+            help="0: metadata; 1: + sampling params; 2: + the first and last 1,000 characters of input and output; "
+            "3: + full input, output and token ids",
+        )
+        g.add_argument(
+            "--profile-dir",
+            default=d.profile_dir,
+            help="where /start_profile writes torch profiler traces unless the request names an output_dir "
+            "(default $SGLANG_TORCH_PROFILER_DIR, else /tmp)",
         )
         g = parser.add_argument_group("wire")
         g.add_argument(

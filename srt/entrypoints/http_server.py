@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
 import orjson
+import torch
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,11 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from srt.configs.model_config import load_hf_config
 from srt.entrypoints.openai.serving import EventStream, OpenAIServing, openai_error_response, with_retry_after
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
-from srt.managers.io_struct import GenerateReqInput, InvalidRequest
+from srt.managers.io_struct import GenerateReqInput, InvalidRequest, ProfileReq
+from srt.managers.profiler import PROFILE_ACTIVITIES, default_profile_dir
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
 from srt.metrics.collector import render
 from srt.sampling.sampling_params import InvalidSamplingParams
-from srt.server_args import ServerArgs
+from srt.server_args import LOG_REQUESTS_LEVELS, ServerArgs
 from srt.utils import release_free_heap
 from srt.version import __version__
 
@@ -41,7 +43,9 @@ LOAD_SECTIONS = ("core", "queues", "memory", "spec", "lora", "disagg", "all")
 
 
 # Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
-ADMIN_ROUTES = frozenset({"/flush_cache", "/server_info", "/get_server_info"})
+ADMIN_ROUTES = frozenset(
+    {"/flush_cache", "/server_info", "/get_server_info", "/start_profile", "/stop_profile", "/configure_logging"}
+)
 # Probes answer without a key (load balancers and orchestrators call them unauthenticated).
 OPEN_PATHS = frozenset({"/health", "/ready", "/ping"})
 
@@ -406,6 +410,102 @@ async def v1_chat_completions(request: Request) -> Response:
     return await _openai(request).chat(body, request)
 
 
+@router.post("/invocations")
+async def sagemaker_invocations(request: Request) -> Response:
+    """SageMaker's inference route: a chat completion body and answer, like SGLang's."""
+    return await v1_chat_completions(request)
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request) -> Response:
+    """SGLang's ProfileReqInput body (all optional): output_dir, profile_id, start_step, num_steps,
+    activities (CPU, GPU, MEM), with_stack, record_shapes."""
+    body = await _json_body(request, empty={})
+    if isinstance(body, Response):
+        return body
+    try:
+        req, note = _profile_request(body, _server_args(request))
+    except InvalidRequest as e:
+        return to_error(e)
+    out = await _tm(request).profile(req)
+    if not out.success:
+        return error_response(400, f"/start_profile: {out.message}")
+    return Response(f"Start profiling.{note}\n", status_code=200)
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request) -> Response:
+    """Stops every rank's profiler; answers once the scheduler ranks' traces are written (the other
+    tensor-parallel ranks write theirs right after)."""
+    out = await _tm(request).profile(ProfileReq(start=False))
+    if not out.success:
+        return error_response(400, f"/stop_profile: {out.message}")
+    return Response("Stop profiling. Traces:\n" + "".join(f"{t}\n" for t in out.traces), status_code=200)
+
+
+def _profile_request(body, args: ServerArgs) -> tuple[ProfileReq, str]:
+    """The ProfileReq of a /start_profile body, and a note for the answer."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the /start_profile body must be a JSON object")
+
+    def field(name: str, kind, check=lambda v: True, limit: str = ""):
+        v = body.get(name)
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or not check(v)):
+            raise InvalidRequest(f"{name} = {v!r} must be {limit}")
+        return v
+
+    output_dir = field("output_dir", str, bool, "a folder path") or default_profile_dir(args.profile_dir)
+    profile_id = field("profile_id", str, bool, "a non-empty string") or f"{time.time():.6f}"
+    start_step = field("start_step", int, lambda v: v >= 0, "an integer >= 0 (a forward pass count)")
+    num_steps = field("num_steps", int, lambda v: v > 0, "an integer > 0")
+    activities = field("activities", list, bool, f"a non-empty list of {list(PROFILE_ACTIVITIES)}")
+    activities = tuple(activities or ("CPU", "GPU"))
+    unknown = [a for a in activities if a not in PROFILE_ACTIVITIES]
+    if unknown:
+        raise InvalidRequest(f"activities holds {unknown[0]!r}: must be among {list(PROFILE_ACTIVITIES)}")
+    for name in ("profile_by_stage", "merge_profiles"):
+        if field(name, bool, lambda v: True, "a boolean"):
+            raise InvalidRequest(f"{name} = true is not supported by this server (one trace per rank)")
+    req = ProfileReq(
+        output_dir=output_dir,
+        profile_id=profile_id,
+        start_step=start_step,
+        num_steps=num_steps,
+        activities=activities,
+        with_stack=bool(field("with_stack", bool, limit="a boolean")),
+        record_shapes=bool(field("record_shapes", bool, limit="a boolean")),
+    )
+    note = ""
+    if "GPU" in activities and not torch.cuda.is_available():
+        note = " (no CUDA device: GPU activity is not recorded)"
+    return req, note
+
+
+@router.post("/configure_logging")
+async def configure_logging(request: Request) -> Response:
+    """SGLang's ConfigureLoggingReq: `log_requests` (bool) and `log_requests_level` (0-3)."""
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    if not isinstance(body, dict):
+        return error_response(400, "the /configure_logging body must be a JSON object")
+    log_requests, level = body.get("log_requests"), body.get("log_requests_level")
+    if log_requests is not None and not isinstance(log_requests, bool):
+        return error_response(400, f"log_requests = {log_requests!r} must be a boolean")
+    if level is not None and (isinstance(level, bool) or level not in LOG_REQUESTS_LEVELS):
+        return error_response(400, f"log_requests_level = {level!r} must be one of {list(LOG_REQUESTS_LEVELS)}")
+    for name in ("dump_requests_folder", "dump_requests_threshold", "crash_dump_folder"):
+        if body.get(name) is not None:
+            return error_response(400, f"{name} is not supported by this server (use log_requests)")
+    tm = _tm(request)
+    if log_requests is not None:
+        tm.log_requests = log_requests
+    if level is not None:
+        tm.log_requests_level = level
+    logger.info("request logging: %s, level %d", "on" if tm.log_requests else "off", tm.log_requests_level)
+    return json_response({"log_requests": tm.log_requests, "log_requests_level": tm.log_requests_level})
+
+
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     body = await _json_body(request)
@@ -520,8 +620,9 @@ def _loads_prometheus(loads: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _json_body(request: Request):
-    """The parsed JSON body, or the error response (413 over MAX_BODY_BYTES, 400 if not JSON)."""
+async def _json_body(request: Request, empty=None):
+    """The parsed JSON body, or the error response (413 over MAX_BODY_BYTES, 400 if not JSON).
+    An empty body is `empty` when given (routes whose body is optional)."""
 
     def error(status: int, message: str) -> Response:
         return route_error(request, status, message)
@@ -534,6 +635,8 @@ async def _json_body(request: Request):
         body += part
         if len(body) > MAX_BODY_BYTES:
             return error(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+    if empty is not None and not body.strip():
+        return empty
     try:
         return orjson.loads(bytes(body))
     except orjson.JSONDecodeError as e:

@@ -279,6 +279,29 @@ class GetInternalStateReqOutput:
 
 
 @dataclass(kw_only=True)
+class ProfileReq:
+    """/start_profile (`start=True`, with SGLang's ProfileReqInput fields) or /stop_profile."""
+
+    rid: str = field(default_factory=new_rid)
+    start: bool = True
+    output_dir: str = ""
+    profile_id: str = ""
+    start_step: int | None = None  # the scheduler's forward pass to start at (absolute, like SGLang's)
+    num_steps: int | None = None  # stop by itself after this many forward passes
+    activities: tuple[str, ...] = ("CPU",)
+    with_stack: bool = False
+    record_shapes: bool = False
+
+
+@dataclass(kw_only=True)
+class ProfileReqOutput:
+    rid: str
+    success: bool
+    message: str = ""
+    traces: list[str] = field(default_factory=list)  # files written (on stop)
+
+
+@dataclass(kw_only=True)
 class LoadReport:
     """A data-parallel replica's load, sent to the controller whenever it changes."""
 

@@ -29,9 +29,11 @@ from srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     LoadReport,
+    ProfileReq,
     SchedulerCrashed,
     TokenizedGenerateReqInput,
 )
+from srt.managers.profiler import ForwardProfiler
 from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch
 from srt.managers.schedule_policy import (
     CLIP_MAX_NEW_TOKENS,
@@ -116,6 +118,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         self.init_stats()
         self.init_guard()
+        broadcaster = self.tp_worker.broadcaster
+        self.profiler = ForwardProfiler(
+            tp_rank, dp_rank, server_args.dp_size, broadcaster.post if broadcaster is not None else None
+        )
         self.warmup()
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = zmq_socket(
@@ -243,6 +249,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 self.send_to_tokenizer.send_pyobj(self.flush_cache(msg))
             elif isinstance(msg, GetInternalStateReq):
                 self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(rid=msg.rid, state=self.internal_state()))
+            elif isinstance(msg, ProfileReq):
+                self.send_to_tokenizer.send_pyobj(self.profiler.handle(msg, self.forward_passes))
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
 

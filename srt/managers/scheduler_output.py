@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import zmq
 
     from srt.constrained.grammar_backend import XGrammarBackend
+    from srt.managers.profiler import ForwardProfiler
     from srt.managers.schedule_batch import ScheduleBatch
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -31,6 +32,7 @@ class SchedulerOutputProcessorMixin:
     # Set by the Scheduler this mixin is part of.
     server_args: ServerArgs
     dp_rank: int
+    profiler: ForwardProfiler
     overlap: bool
     runner: ModelRunner
     allocator: TokenToKVPoolAllocator
@@ -64,6 +66,7 @@ class SchedulerOutputProcessorMixin:
 
     def timed(self, res: BatchResult) -> BatchResult:
         self.forward_passes += 1
+        self.profiler.on_forward(self.forward_passes)
         busy = res.forward_end - res.forward_start
         wait = 0.0 if self.last_forward_end is None else max(0.0, res.forward_start - self.last_forward_end)
         self.forward_busy_s += busy

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import cast
 
+import orjson
 import zmq
 import zmq.asyncio
 
@@ -31,6 +32,8 @@ from srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     InvalidRequest,
+    ProfileReq,
+    ProfileReqOutput,
     SchedulerCrashed,
     TokenizedGenerateReqInput,
     new_rid,
@@ -56,6 +59,16 @@ class Overloaded(ServiceUnavailable):
     """Admission is full (--max-queued-requests / --max-queued-tokens); HTTP 503 with Retry-After."""
 
     retry_after = 1
+
+
+LOG_CLIP_CHARS = 1000
+
+
+def _clip(text: str | None) -> str | None:
+    """The first and last LOG_CLIP_CHARS characters of a long text."""
+    if text is None or len(text) <= 2 * LOG_CLIP_CHARS:
+        return text
+    return f"{text[:LOG_CLIP_CHARS]}...({len(text) - 2 * LOG_CLIP_CHARS} characters)...{text[-LOG_CLIP_CHARS:]}"
 
 
 @dataclasses.dataclass
@@ -102,6 +115,9 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self.handle_loop_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # /configure_logging changes these at run time
+        self.log_requests = server_args.log_requests
+        self.log_requests_level = server_args.log_requests_level
 
     def start(self) -> None:
         """Start receiving outputs; call from the event loop that will serve requests."""
@@ -345,6 +361,8 @@ class TokenizerManager:
                     raise InvalidRequest(reason.message)
                 out = self._make_output(tok.rid, state)
                 if state.finished:
+                    if self.log_requests:
+                        self._log_finished(tok, out)
                     yield out
                     return
                 if obj.stream:
@@ -384,6 +402,25 @@ class TokenizerManager:
                 ]
         return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
+    def _log_finished(self, tok: TokenizedGenerateReqInput, out: dict) -> None:
+        """One line per finished request, as much of it as --log-requests-level says."""
+        meta = out["meta_info"]
+        record: dict = {
+            k: meta[k] for k in ("id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")
+        }
+        record["e2e_latency"] = round(meta["e2e_latency"], 4)
+        level = self.log_requests_level
+        if level >= 1:
+            params = dataclasses.asdict(tok.sampling_params)
+            record["sampling_params"] = {k: v for k, v in params.items() if v is not None and k != "stop_strs"}
+        if level == 2:
+            record["input_text"] = _clip(tok.input_text)
+            record["output_text"] = _clip(out["text"])
+        if level >= 3:
+            record["input_text"], record["output_text"] = tok.input_text, out["text"]
+            record["input_ids"], record["output_ids"] = tok.input_ids, out["output_ids"]
+        logger.info("request finished: %s", orjson.dumps(record).decode())
+
     def _token_texts(self, ids: list[int], with_text: bool) -> list:
         return self.tokenizer.batch_decode([[t] for t in ids]) if with_text else [None] * len(ids)
 
@@ -407,10 +444,10 @@ class TokenizerManager:
             elif isinstance(msg, SchedulerCrashed):
                 logger.error("the scheduler crashed: %s", msg.message)
                 self.fail_all(f"the scheduler crashed: {msg.message}")
-            elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):
+            elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput)):
                 self._handle_control_reply(msg)
 
-    def _handle_control_reply(self, reply: FlushCacheReqOutput | GetInternalStateReqOutput) -> None:
+    def _handle_control_reply(self, reply: FlushCacheReqOutput | GetInternalStateReqOutput | ProfileReqOutput) -> None:
         waiter = self.control_waiters.get(reply.rid)
         if waiter is None:
             return  # its call timed out (a replica was silent); a later call must not take it
@@ -442,7 +479,7 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> None:
         self.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all, message=message))
 
-    async def _control(self, req: FlushCacheReq | GetInternalStateReq, timeout: float) -> list:
+    async def _control(self, req: FlushCacheReq | GetInternalStateReq | ProfileReq, timeout: float) -> list:
         """Send a control request; every data-parallel replica answers it, in any order. Raises
         asyncio.TimeoutError when some replica has not answered within timeout seconds."""
         fut = asyncio.get_running_loop().create_future()
@@ -458,6 +495,16 @@ class TokenizerManager:
         replies: list[FlushCacheReqOutput] = await self._control(req, timeout)
         failed = [r.message for r in replies if not r.success]
         return FlushCacheReqOutput(rid=req.rid, success=not failed, message="; ".join(dict.fromkeys(failed)))
+
+    async def profile(self, req: ProfileReq, timeout: float = 300.0) -> ProfileReqOutput:
+        """Start or stop the profiler of every data-parallel replica (each tells its tensor-parallel
+        ranks); a stop returns once each replica's rank 0 has written its trace."""
+        replies: list[ProfileReqOutput] = await self._control(req, timeout)
+        failed = [r.message for r in replies if not r.success]
+        traces = sorted(t for r in replies for t in r.traces)
+        return ProfileReqOutput(
+            rid=req.rid, success=not failed, message="; ".join(dict.fromkeys(failed)), traces=traces
+        )
 
     async def get_internal_states(self, timeout: float = 10.0) -> list[dict]:
         """One state per data-parallel replica, ordered by `dp_rank`."""

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from srt.configs.model_config import ModelConfig
+from srt.managers.profiler import ForwardProfiler
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.tp_sync import receive_forward
 from srt.server_args import ServerArgs
@@ -16,10 +17,11 @@ from srt.utils import rank_log_prefix, start_child_process
 logger = logging.getLogger(__name__)
 
 
-def serve_forwards(runner: ModelRunner) -> None:
-    """Write each broadcast batch's page-table rows into this rank's table, then run it."""
+def serve_forwards(runner: ModelRunner, profiler: ForwardProfiler) -> None:
+    """Write each broadcast batch's page-table rows into this rank's table, then run it. Rank 0's
+    control messages start and stop this rank's profiler."""
     table = runner.req_to_token_pool.req_to_token
-    while (received := receive_forward(runner.device)) is not None:
+    while (received := receive_forward(runner.device, lambda req: profiler.handle(req, 0))) is not None:
         fb, offset = received.forward_batch, 0
         for slot, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
             table[slot, :n] = received.rows[offset : offset + n]
@@ -39,7 +41,7 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int, pipe_writer, 
         pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank), build
     )
     try:
-        serve_forwards(runner)
+        serve_forwards(runner, ForwardProfiler(tp_rank, dp_rank, server_args.dp_size, None))
     except Exception as e:  # rank 0 (or another rank) went away, or a forward failed
         logger.error("tensor-parallel rank %d stops: %s: %s", tp_rank, type(e).__name__, e)
         sys.exit(1)

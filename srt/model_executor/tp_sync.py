@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -56,12 +58,27 @@ class ForwardBroadcaster:
 
     def __init__(self):
         self.last_sent = time.monotonic()
+        self.posted: list[Any] = []  # control messages for the followers, sent before the next message
+        self.lock = threading.Lock()
+
+    def post(self, control) -> None:
+        """Queue a control message (a profiler start or stop) for the followers. Any thread may post;
+        it goes out with the next forward or keep-alive, in order with the forwards."""
+        with self.lock:
+            self.posted.append(control)
+
+    def _flush_posted(self) -> None:
+        with self.lock:
+            posted, self.posted = self.posted, []
+        for control in posted:
+            self._send({"kind": "control", "control": control})
 
     def _send(self, msg: dict) -> None:
         broadcast_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self.last_sent = time.monotonic()
 
     def forward(self, fb: ForwardBatch, req_to_token: torch.Tensor) -> None:
+        self._flush_posted()
         fields = {}
         for f in dataclasses.fields(ForwardBatch):
             if f.name in _NOT_SENT:
@@ -72,6 +89,8 @@ class ForwardBroadcaster:
         self._send({"kind": "forward", "fields": fields, "rows": _pack(torch.cat(rows))})
 
     def keepalive(self) -> None:
+        """Only while no forward is in flight (the scheduler is idle)."""
+        self._flush_posted()
         if time.monotonic() - self.last_sent >= KEEPALIVE_INTERVAL_S:
             self._send({"kind": "keepalive"})
 
@@ -84,13 +103,15 @@ class ReceivedForward(NamedTuple):
     rows: torch.Tensor  # the page-table rows of the batch's requests, concatenated in batch order
 
 
-def receive_forward(device) -> ReceivedForward | None:
-    """A follower's side: block until rank 0's next forward (keep-alives are skipped); None when
-    rank 0 says stop."""
+def receive_forward(device, on_control: Callable[[Any], object] | None = None) -> ReceivedForward | None:
+    """A follower's side: block until rank 0's next forward (keep-alives are skipped, control
+    messages go to `on_control`); None when rank 0 says stop."""
     while True:
         msg = pickle.loads(broadcast_bytes(None))
         if msg["kind"] == "stop":
             return None
+        if msg["kind"] == "control" and on_control is not None:
+            on_control(msg["control"])
         if msg["kind"] == "forward":
             fields: dict[str, Any] = {
                 k: _unpack(v, device) if isinstance(v, _Packed) else v for k, v in msg["fields"].items()

@@ -41,12 +41,17 @@ def ids(outs):
     return [o["output_ids"] for o in outs]
 
 
-def test_tp2_matches_tp1_and_rank_death_stops_the_server(server_factory, tiny_chat_model, reference):
+def test_tp2_matches_tp1_and_rank_death_stops_the_server(server_factory, tiny_chat_model, reference, tmp_path):
     server = server_factory(
         "--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--tp-size", "2", "--chunked-prefill-size", "16"
     )
     long_prompt = " ".join(PROMPTS) * 3  # > 16 tokens: chunked
+    # /start_profile reaches the follower rank through rank 0: each rank writes its own trace
+    assert server.post("/start_profile", {"output_dir": str(tmp_path), "profile_id": "tp"}).status_code == 200
     assert ids(server.generate(text=PROMPTS, sampling_params=PARAMS)) == reference
+    assert server.post("/stop_profile").status_code == 200
+    wait_until(lambda: (tmp_path / "tp-TP-1.trace.json.gz").exists(), 30, what="the follower's trace")
+    assert (tmp_path / "tp-TP-0.trace.json.gz").exists()
     first = server.generate(text=long_prompt, sampling_params=PARAMS)
     again = server.generate(text=long_prompt, sampling_params=PARAMS)
     assert again["meta_info"]["cached_tokens"] > 16 and again["output_ids"] == first["output_ids"]

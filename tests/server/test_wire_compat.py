@@ -3,6 +3,7 @@ the tiny model (its outputs are meaningless; their consistency across modes is w
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -179,10 +180,108 @@ def test_tokenize_and_detokenize_routes(tiny_server):
         assert r.status_code == 400 and field in r.json()["error"]["message"], (path, body, r.text)
 
 
-def test_probes_and_their_auth(shared_server, tiny_chat_model):
-    server = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "4096", "--api-key", "sk-wire")
+def test_probes_and_their_auth(shared_server, tiny_chat_model, tmp_path):
+    keys = ("--api-key", "sk-wire", "--admin-api-key", "sk-op")
+    server = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "4096", *keys)
+    user, admin = {"Authorization": "Bearer sk-wire"}, {"Authorization": "Bearer sk-op"}
     for path in ("/health", "/ready", "/ping"):  # probes answer without the key
         assert requests.get(server.url + path, timeout=30).status_code == 200
     assert server.post("/v1/tokenize", {"prompt": "hi"}).status_code == 401
-    r = server.post("/v1/tokenize", {"prompt": "hi"}, headers={"Authorization": "Bearer sk-wire"})
+    r = server.post("/v1/tokenize", {"prompt": "hi"}, headers=user)
     assert r.status_code == 200 and r.json()["count"] > 0
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert server.post("/invocations", chat).status_code == 401
+    assert server.post("/invocations", chat, headers=user).status_code == 200
+    # operator routes need the admin key, not a user's
+    for path, body in [
+        ("/start_profile", {"output_dir": str(tmp_path)}),
+        ("/stop_profile", None),
+        ("/configure_logging", {"log_requests": False}),
+    ]:
+        r = server.post(path, body, headers=user)
+        assert r.status_code == 401 and "admin" in r.json()["error"]["message"], (path, r.text)
+        assert server.post(path, body, headers=admin).status_code == 200, path
+    assert len(list(tmp_path.glob("*.trace.json.gz"))) == 1
+
+
+def test_invocations_answers_like_chat_completions(tiny_server):
+    body = {"model": "anything", "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8}
+    body["temperature"] = 0
+    sagemaker = tiny_server.post("/invocations", body).json()
+    chat = tiny_server.post("/v1/chat/completions", body).json()
+    assert sagemaker["object"] == "chat.completion"
+    assert sagemaker["choices"] == chat["choices"] and sagemaker["model"] == chat["model"]
+    assert sagemaker["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"] == 8
+    bad = tiny_server.post("/invocations", {"messages": "hi"})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+
+
+def read_trace(path) -> list[str]:
+    with gzip.open(path) as f:
+        return [e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def test_profile_writes_a_trace_of_the_forward_passes(tiny_server, tmp_path):
+    out = tmp_path / "manual"
+    r = tiny_server.post("/start_profile", {"output_dir": str(out), "profile_id": "run1", "record_shapes": True})
+    assert r.status_code == 200 and r.text.startswith("Start profiling.")
+    again = tiny_server.post("/start_profile", {"output_dir": str(out)})
+    assert again.status_code == 400 and "already in progress" in again.json()["error"]["message"]
+    tiny_server.generate(text="Profile me", sampling_params={"max_new_tokens": 4})
+    stop = tiny_server.post("/stop_profile")
+    trace = out / "run1-TP-0.trace.json.gz"
+    assert stop.status_code == 200 and str(trace) in stop.text
+    names = read_trace(trace)
+    assert any(n.startswith("aten::") for n in names)  # the model's ops, from the forward thread
+    late = tiny_server.post("/stop_profile")
+    assert late.status_code == 400 and "not in progress" in late.json()["error"]["message"]
+    # num_steps: it stops by itself after that many forward passes (GET with no body works too)
+    auto = tmp_path / "auto"
+    assert requests.get(tiny_server.url + "/start_profile", timeout=30).status_code == 200  # defaults
+    assert tiny_server.post("/stop_profile").status_code == 200
+    r = tiny_server.post("/start_profile", {"output_dir": str(auto), "num_steps": 2, "activities": ["CPU", "MEM"]})
+    assert r.status_code == 200
+    tiny_server.generate(text="Profile me", sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+    assert [p.name.endswith("-TP-0.trace.json.gz") for p in auto.iterdir()] == [True]
+    assert tiny_server.post("/stop_profile").status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"activities": ["CPU", "TPU"]}, "activities holds 'TPU'"),
+        ({"num_steps": 0}, "num_steps = 0 must be an integer > 0"),
+        ({"start_step": "5"}, "start_step = '5'"),
+        ({"output_dir": 3}, "output_dir = 3"),
+        ({"profile_by_stage": True}, "profile_by_stage = true is not supported"),
+    ],
+)
+def test_profile_errors(tiny_server, body, message):
+    r = tiny_server.post("/start_profile", body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_configure_logging_logs_finished_requests(tiny_server):
+    def logged(rid: str) -> list[dict]:
+        lines = [x for x in tiny_server.log_text().splitlines() if "request finished: " in x and rid in x]
+        return [json.loads(x.split("request finished: ", 1)[1]) for x in lines]
+
+    params = {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0}
+    try:
+        for level in (3, 0):
+            r = tiny_server.post("/configure_logging", {"log_requests": True, "log_requests_level": level})
+            assert r.json() == {"log_requests": True, "log_requests_level": level}
+            out = tiny_server.generate(text="Log me", sampling_params=params, rid=f"logged-{level}")
+            (record,) = logged(f"logged-{level}")
+            assert record["id"] == f"logged-{level}" and record["completion_tokens"] == 3
+            if level == 3:
+                assert record["output_ids"] == out["output_ids"] and record["input_text"] == "Log me"
+                assert record["sampling_params"]["max_new_tokens"] == 3
+            else:
+                assert "sampling_params" not in record and "output_text" not in record
+    finally:
+        assert tiny_server.post("/configure_logging", {"log_requests": False}).status_code == 200
+    tiny_server.generate(text="Not logged", sampling_params=params, rid="unlogged")
+    assert logged("unlogged") == []
+    bad = tiny_server.post("/configure_logging", {"log_requests_level": 7})
+    assert bad.status_code == 400 and "log_requests_level = 7" in bad.json()["error"]["message"]
