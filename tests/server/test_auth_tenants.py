@@ -7,12 +7,21 @@ import pytest
 import requests
 
 USER_A, USER_B, ADMIN = "sk-user-a", "sk-user-b", "sk-admin"
-ADMIN_PATHS = {"/flush_cache", "/server_info", "/get_server_info"}
+ADMIN_PATHS = {
+    "/flush_cache",
+    "/server_info",
+    "/get_server_info",
+    "/start_profile",
+    "/stop_profile",
+    "/configure_logging",
+}
 
 
 @pytest.fixture(scope="module")
-def server(shared_server, tiny_chat_model):
+def server(shared_server, tiny_chat_model, tmp_path_factory):
     return shared_server(
+        "--profile-dir",  # the route sweep starts and stops a profile with the defaults
+        str(tmp_path_factory.mktemp("profiles")),
         "--model-path",
         tiny_chat_model,
         "--max-total-tokens",

@@ -78,21 +78,37 @@ def test_radix_cache_and_chunking_do_not_change_int8_outputs(shared_server, chat
     prefix = prefix[:600]
     prompts = [prefix + p for p in chat_prompts[:3]]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    fresh = []
+    fresh, margins = [], []
     for p in prompts:
         server.flush_cache()
-        out = server.generate(input_ids=p, sampling_params=params)
+        out = server.generate(input_ids=p, sampling_params=params, return_logprob=True, top_logprobs_num=2)
         assert out["meta_info"]["cached_tokens"] == 0
         fresh.append(out["output_ids"])
+        margins.append([top[0][0] - top[1][0] for top in out["meta_info"]["output_top_logprobs"]])
     server.flush_cache()
     server.generate(input_ids=prefix + [42], sampling_params={"max_new_tokens": 1})
-    for p, want in zip(prompts, fresh):
+    for p, want, margin in zip(prompts, fresh, margins):
         out = server.generate(input_ids=p, sampling_params=params)
         assert out["meta_info"]["cached_tokens"] >= 600
-        assert out["output_ids"] == want
+        same_or_near_tie(out["output_ids"], want, margin)
     # and a batch of them at once (batch composition, decode over cached and fresh rows)
     together = server.generate(input_ids=prompts, sampling_params=params)
-    assert [o["output_ids"] for o in together] == fresh
+    for out, want, margin in zip(together, fresh, margins):
+        same_or_near_tie(out["output_ids"], want, margin)
+
+
+# Chunks of other lengths multiply with other GEMM blockings, whose float rounding differs in the
+# last bits on some CPUs (seen on a Sapphire Rapids Xeon, not on an EPYC); an int8 cache can round
+# such a difference to a different level. Greedy outputs then stay equal except where the top two
+# tokens were nearly tied; a wrong KV read diverges at confident tokens.
+NEAR_TIE = 0.1  # nats between the top-2 logprobs
+
+
+def same_or_near_tie(got: list[int], want: list[int], margin: list[float]) -> None:
+    if got == want:
+        return
+    k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    assert margin[k] < NEAR_TIE, f"outputs diverge at token {k} where the margin was {margin[k]:.3f} nats"
 
 
 def test_bad_kv_cache_flags_are_start_up_errors(tmp_path):
