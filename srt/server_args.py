@@ -21,6 +21,8 @@ from srt.configs.runtime_choices import (
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 LOAD_FORMATS = ("auto", "dummy")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+NGRAM_DEFAULT_DRAFT_TOKENS = 8
 
 
 @dataclass
@@ -91,11 +93,23 @@ class ServerArgs:
     log_requests: bool = False  # log each finished request (changeable at run time: /configure_logging)
     log_requests_level: int = 2  # 0 metadata, 1 + sampling params, 2 + partial text, 3 + full text and ids
     profile_dir: str | None = None  # /start_profile's default output_dir (else $SGLANG_TORCH_PROFILER_DIR, /tmp)
+    # Speculative decoding (SGLang's flags)
+    speculative_algorithm: str | None = None  # NGRAM (STANDALONE: a draft model)
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None  # draft depth
+    speculative_eagle_topk: int | None = None  # branching per draft step (STANDALONE)
+    speculative_num_draft_tokens: int | None = None  # tree nodes verified per step, the last token included
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_capacity: int = 1_000_000  # n-gram trie nodes
     # Wire behaviour
     incremental_streaming_output: bool = False  # /generate stream chunks carry only what is new
     weight_version: str = "default"  # reported in every response's meta_info
 
     def __post_init__(self):
+        self._check_speculative()
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size < 1:
@@ -221,10 +235,64 @@ class ServerArgs:
     def api_keys(self) -> list[str]:
         return [k.strip() for k in self.api_key.split(",")] if self.api_key else []
 
+    def _check_speculative(self) -> None:
+        """Start-up errors for invalid speculative combinations; fills the automatic values."""
+        algo = self.speculative_algorithm
+        spec_flags = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+        if algo is None:
+            given = [f for f in (*spec_flags, "speculative_draft_model_path") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; got {algo!r}"
+            )
+        if algo == "STANDALONE":
+            raise ValueError("--speculative-algorithm STANDALONE (a draft model) is not implemented yet; use NGRAM")
+        if self.speculative_draft_model_path is not None:
+            raise ValueError("--speculative-draft-model-path is for STANDALONE; NGRAM proposes from its n-gram cache")
+        set_ = [getattr(self, f) is not None for f in spec_flags]
+        if any(set_) and not all(set_):
+            raise ValueError(
+                "--speculative-num-steps, --speculative-eagle-topk and --speculative-num-draft-tokens: "
+                "set all three or none (automatic values)"
+            )
+        if not any(set_):
+            self.speculative_num_draft_tokens = NGRAM_DEFAULT_DRAFT_TOKENS
+            self.speculative_num_steps = NGRAM_DEFAULT_DRAFT_TOKENS - 1
+            self.speculative_eagle_topk = 1
+        steps, topk, tokens = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        assert steps is not None and topk is not None and tokens is not None
+        if steps < 1 or topk < 1 or tokens < 2:
+            raise ValueError(
+                "--speculative-num-steps and --speculative-eagle-topk must be >= 1 and "
+                f"--speculative-num-draft-tokens >= 2; got {steps}, {topk}, {tokens}"
+            )
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                f"--speculative-ngram-max-match-window-size; got {lo} and {hi}"
+            )
+        lo, hi = self.speculative_ngram_min_bfs_breadth, self.speculative_ngram_max_bfs_breadth
+        if not 1 <= lo <= hi:
+            raise ValueError(
+                f"--speculative-ngram-min-bfs-breadth must be >= 1 and <= --speculative-ngram-max-bfs-breadth; "
+                f"got {lo} and {hi}"
+            )
+        if self.speculative_ngram_capacity < 1000:
+            raise ValueError(f"--speculative-ngram-capacity must be >= 1000, got {self.speculative_ngram_capacity}")
+        if self.enable_overlap_schedule:
+            raise ValueError(
+                "--enable-overlap-schedule does not work with --speculative-algorithm yet: each step's "
+                "drafts depend on the previous step's accepted tokens"
+            )
+
     def overlap_schedule_enabled(self, device: str) -> bool:
         """On by default where the forward runs asynchronously (GPU); on CPU only when forced."""
-        if self.disable_overlap_schedule:
-            return False
+        if self.disable_overlap_schedule or self.speculative_algorithm is not None:
+            return False  # speculative: each step's drafts depend on the previous step's accepted tokens
         return self.enable_overlap_schedule or device == "cuda"
 
     @staticmethod
@@ -526,6 +594,29 @@ class ServerArgs:
             help="where /start_profile writes torch profiler traces unless the request names an output_dir "
             "(default $SGLANG_TORCH_PROFILER_DIR, else /tmp)",
         )
+        g = parser.add_argument_group("speculative decoding")
+        g.add_argument(
+            "--speculative-algorithm",
+            choices=SPECULATIVE_ALGORITHMS,
+            type=str.upper,
+            help="NGRAM: draft trees from an n-gram cache over prompts and outputs, verified exactly in one forward",
+        )
+        g.add_argument("--speculative-draft-model-path", help="the draft model of STANDALONE")
+        g.add_argument("--speculative-num-steps", type=int, help="maximum draft depth (automatic: 7 for NGRAM)")
+        g.add_argument("--speculative-eagle-topk", type=int, help="branching per draft step (STANDALONE)")
+        g.add_argument(
+            "--speculative-num-draft-tokens",
+            type=int,
+            help="draft tree nodes verified per request and step, its last token included (automatic: 8)",
+        )
+        for name, default, what in [
+            ("min-match-window-size", d.speculative_ngram_min_match_window_size, "shortest suffix matched"),
+            ("max-match-window-size", d.speculative_ngram_max_match_window_size, "longest suffix matched"),
+            ("min-bfs-breadth", d.speculative_ngram_min_bfs_breadth, "branching after the longest match"),
+            ("max-bfs-breadth", d.speculative_ngram_max_bfs_breadth, "branching after the shortest match"),
+            ("capacity", d.speculative_ngram_capacity, "n-gram trie nodes before old counts decay"),
+        ]:
+            g.add_argument(f"--speculative-ngram-{name}", type=int, default=default, help=f"NGRAM: {what}")
         g = parser.add_argument_group("wire")
         g.add_argument(
             "--incremental-streaming-output",

@@ -43,7 +43,7 @@ class LogitsProcessor(nn.Module):
         self, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch
     ) -> LogitsProcessorOutput:
         fb = forward_batch
-        if fb.forward_mode.is_decode():
+        if fb.forward_mode.is_decode() or fb.forward_mode.is_target_verify():  # every row's logits
             last = hidden_states
         else:
             last = hidden_states.index_select(0, fb.extend_start_loc + fb.extend_seq_lens - 1)

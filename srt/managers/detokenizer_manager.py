@@ -143,6 +143,7 @@ class DetokenizerManager:
             input_token_ids_logprobs=batch.input_token_ids_logprobs,
             output_token_ids_logprobs=batch.output_token_ids_logprobs,
             dp_rank=batch.dp_rank,
+            spec=batch.spec,
         )
 
     def event_loop(self) -> None:

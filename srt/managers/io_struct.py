@@ -334,6 +334,8 @@ class BatchTokenIDOutput:
     input_token_ids_logprobs: list[list] = field(default_factory=list)
     output_token_ids_logprobs: list[list] = field(default_factory=list)
     dp_rank: int = 0  # the data-parallel replica whose scheduler sent it
+    # speculative servers: per request (verify steps, drafts proposed, drafts accepted, histogram)
+    spec: list[tuple[int, int, int, list[int]] | None] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -354,3 +356,5 @@ class BatchStrOutput:
     input_token_ids_logprobs: list[list] = field(default_factory=list)
     output_token_ids_logprobs: list[list] = field(default_factory=list)
     dp_rank: int = 0  # the data-parallel replica whose scheduler sent it
+    # speculative servers: per request (verify steps, drafts proposed, drafts accepted, histogram)
+    spec: list[tuple[int, int, int, list[int]] | None] = field(default_factory=list)

@@ -29,6 +29,8 @@ from srt.sampling.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from srt.speculative.ngram_cache import DraftTree
+
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
@@ -72,6 +74,16 @@ class Req:
     # structured output: the xgrammar GrammarMatcher once the grammar compiled (srt/constrained)
     grammar: GrammarMatcher | None = None
     timeout: float | None = None  # seconds from arrival until the request is aborted
+    # speculative decoding (srt/speculative): n-gram cache feeding, adaptivity and SGLang's stats
+    spec_fed: int = 0  # leading fill_ids tokens fed to the n-gram cache
+    spec_open: list = field(default_factory=list)  # the cache's open n-gram nodes after them
+    spec_draft_budget: int = 0  # drafts per step (0: the server's maximum)
+    spec_misses: int = 0  # drafting steps in a row that accepted nothing
+    spec_pause: int = 0  # steps left without drafting
+    spec_verify_ct: int = 0  # decode steps (each verifies a draft tree, maybe just the last token)
+    spec_proposed: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # draft tokens accepted
+    spec_histogram: list[int] = field(default_factory=list)  # [k] = steps that accepted k drafts
     # how much has been sent to the detokenizer
     sent_output_len: int = 0
     sent_input_logprob_len: int = 0
@@ -170,6 +182,7 @@ class ScheduleBatch:
     reqs: list[Req]
     forward_mode: ForwardMode = ForwardMode.DECODE
     future_slots: list[int] | None = None  # set when launched
+    spec_trees: list[DraftTree] | None = None  # TARGET_VERIFY: each request's draft tree
     kv_ends: list[int] | None = None  # each request's kv_len right after this batch was launched
 
     def filter_finished(self) -> None:
@@ -206,10 +219,16 @@ class BatchBuilder:
         """The ForwardBatch for batch, and the future-map slot of each row's sampled token."""
         if batch.forward_mode.is_extend():
             fb = self.prepare_for_extend(batch)
+        elif batch.forward_mode.is_target_verify():
+            fb = self.prepare_for_verify(batch)
         else:
             fb = self.prepare_for_decode(batch)
+        # each row's sampled token sits right after the KV of the request's last token
+        positions = [r.kv_len for r in batch.reqs]
+        if batch.spec_trees is not None:
+            positions = [k - len(t) + 1 for k, t in zip(positions, batch.spec_trees)]
         fb.sampling_info = SamplingBatchInfo.from_reqs(
-            batch.reqs, vocab_size, eos_token_ids, self.device, positions=[r.kv_len for r in batch.reqs]
+            batch.reqs, vocab_size, eos_token_ids, self.device, positions=positions
         )
         slots = self.future_map.alloc(len(batch.reqs))
         for r, slot in zip(batch.reqs, slots):
@@ -278,6 +297,45 @@ class BatchBuilder:
             token_ids_logprobs=_token_ids_logprobs(reqs),
             extend_logprob_start_lens_cpu=starts,
             extend_input_logprob_token_ids=torch.tensor(next_tokens, dtype=torch.int64).to(self.device),
+        )
+
+    def rows_slots_needed(self, req: Req, rows: int) -> int:
+        """Free slots (whole pages) that `rows` new positions after req's KV take."""
+        p = self.allocator.page_size
+        return (-(-(req.kv_len + rows) // p) - -(-req.kv_len // p)) * p
+
+    def prepare_for_verify(self, batch: ScheduleBatch) -> ForwardBatch:
+        """Each request's last token and its draft tree as one extend, in the tree's BFS order,
+        at the positions of the nodes' depths; the tree masks say which rows see which."""
+        reqs, trees = batch.reqs, batch.spec_trees
+        assert trees is not None and len(trees) == len(reqs), "the scheduler drafts before it launches"
+        prefix_lens = [r.kv_len for r in reqs]
+        seq_lens = [p + len(t) for p, t in zip(prefix_lens, trees)]
+        self._ensure_free(sum(self.rows_slots_needed(r, len(t)) for r, t in zip(reqs, trees)))
+        loc = self.allocator.alloc_extend(prefix_lens, seq_lens, self._last_locs(reqs, prefix_lens))
+        if loc is None:
+            raise RuntimeError("KV pool exhausted during verify; drafting should have fit its trees")
+        offset, input_ids, positions = 0, [], []
+        for r, p, s, t in zip(reqs, prefix_lens, seq_lens, trees):
+            self.req_to_token_pool.write(r.req_pool_idx, p, loc[offset : offset + s - p])
+            offset += s - p
+            input_ids += [r.output_ids[-1], *t.tokens[1:]]
+            positions += [p + d for d in t.depths]
+            r.kv_len = s  # until the result says how many rows are kept
+        masks = [torch.tensor(t.ancestors_mask(), dtype=torch.bool).to(self.device, non_blocking=True) for t in trees]
+        return ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY,
+            input_ids,
+            _pool_indices(reqs),
+            seq_lens,
+            prefix_lens,
+            loc,
+            self.device,
+            positions=positions,
+            tree_masks=masks,
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+            token_ids_logprobs=_token_ids_logprobs(reqs),
         )
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:

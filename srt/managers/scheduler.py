@@ -53,6 +53,7 @@ from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
+from srt.speculative.ngram_worker import NgramProposer
 from srt.utils import rank_log_prefix, start_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         self.init_stats()
         self.init_guard()
+        self.speculative = server_args.speculative_algorithm is not None
+        self.proposer = NgramProposer(server_args, self.model_config.context_len) if self.speculative else None
         broadcaster = self.tp_worker.broadcaster
         self.profiler = ForwardProfiler(
             tp_rank, dp_rank, server_args.dp_size, broadcaster.post if broadcaster is not None else None
@@ -370,8 +373,19 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         if self.running_batch.reqs:
             self.update_running_batch()
             if self.running_batch.reqs:
-                return ScheduleBatch(list(self.running_batch.reqs), ForwardMode.DECODE)
+                return self.decode_or_verify_batch(list(self.running_batch.reqs))
         return None
+
+    def decode_or_verify_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        """A decode step; with speculative decoding, a verify step when some request has a draft."""
+        if self.proposer is None:
+            return ScheduleBatch(reqs, ForwardMode.DECODE)
+        # update_running_batch made room for one decode step; drafts use what is left
+        spare = self.allocator.available_size() + self.tree_cache.evictable_size()
+        trees = self.proposer.draft(reqs, self.builder, spare - self.builder.decode_slots_needed(reqs))
+        if not any(t.num_drafts for t in trees):
+            return ScheduleBatch(reqs, ForwardMode.DECODE)  # the fast decode path
+        return ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, spec_trees=trees)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
@@ -457,6 +471,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         if batch.forward_mode.is_extend():
             self.process_prefill_result(batch, result)
+        elif batch.forward_mode.is_target_verify():
+            self.process_verify_result(batch, result)
         else:
             self.process_decode_result(batch, result)
 
@@ -503,9 +519,79 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 self.release(req)
             elif req.grammar is not None and self.jump_forward:
                 self.try_jump_forward(req)
+        if self.speculative:  # a step where no request had a draft
+            self.spec_req_steps += len(progressed)
+            self.spec_step_tokens += len(progressed)
+            for req in progressed:
+                req.spec_verify_ct += 1
+                req.spec_histogram[:1] = [(req.spec_histogram[0] if req.spec_histogram else 0) + 1]
         self.stream_output(progressed)
         self.num_generated_tokens += len(progressed)
         self.maybe_log_decode_stats()
+
+    def process_verify_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
+        """Accept each request's longest draft path that matches the target's greedy tokens, plus
+        the target's token after it; keep the KV of the accepted path (moved to consecutive slots),
+        free the rest, and apply the stop conditions token by token."""
+        assert batch.spec_trees is not None and batch.kv_ends is not None and batch.future_slots is not None
+        assert res.verify_argmax is not None and self.proposer is not None
+        progressed, row0, generated = [], 0, 0
+        for i, (req, tree) in enumerate(zip(batch.reqs, batch.spec_trees)):
+            start, row0 = row0, row0 + len(tree)
+            if req.finished:
+                continue
+            progressed.append(req)
+            path, tokens = [0], [res.next_token_ids[i]]
+            if tree.num_drafts:
+                tokens = []
+                while True:
+                    target = res.verify_argmax[start + path[-1]]
+                    tokens.append(target)
+                    child = tree.child_with(path[-1], target)
+                    if child is None:
+                        break
+                    path.append(child)
+            self.keep_verified_rows(req, batch.kv_ends[i] - len(tree), path, len(tree))
+            req.spec_verify_ct += 1
+            req.spec_proposed += tree.num_drafts
+            req.spec_accepted += len(path) - 1
+            self.spec_proposed += tree.num_drafts
+            self.spec_accepted += len(path) - 1
+            req.spec_histogram += [0] * (len(path) - len(req.spec_histogram))
+            req.spec_histogram[len(path) - 1] += 1
+            self.proposer.adapt(req, tree.num_drafts, len(path) - 1)
+            self.take_future_slot(req, batch.future_slots[i])
+            for token in tokens:  # the stop conditions apply to each accepted token in order
+                self.append_token(req, token, res, i)
+                generated += 1
+                req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
+                if req.finished:
+                    break
+            if req.finished:
+                self.release(req)
+            elif req.grammar is not None and self.jump_forward:
+                self.try_jump_forward(req)
+        self.stream_output(progressed)
+        self.num_generated_tokens += generated
+        self.spec_req_steps += len(progressed)
+        self.spec_step_tokens += generated
+        self.maybe_log_decode_stats()
+
+    def keep_verified_rows(self, req: Req, kv_start: int, path: list[int], rows: int) -> None:
+        """Rows `path` of the `rows` written from position kv_start on hold the accepted tokens'
+        KV: move them to positions kv_start, kv_start + 1, ... and free the pages past them."""
+        table = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+        moved = [(kv_start + node, kv_start + j) for j, node in enumerate(path) if node != j]
+        if moved:
+            src = table[[a for a, _ in moved]].long()
+            dst = table[[b for _, b in moved]].long()
+            self.runner.token_to_kv_pool.move_kv(src, dst)
+        keep_end = kv_start + len(path)
+        page = self.allocator.page_size
+        first_free = -(-keep_end // page) * page  # the kept tail's page stays with the request
+        if first_free < kv_start + rows:
+            self.allocator.free(table[first_free : kv_start + rows].long())
+        req.kv_len = keep_end
 
     def try_jump_forward(self, req: Req) -> None:
         """Append the string the grammar forces next without decoding it token by token.

@@ -33,6 +33,7 @@ class SchedulerOutputProcessorMixin:
     server_args: ServerArgs
     dp_rank: int
     profiler: ForwardProfiler
+    speculative: bool
     overlap: bool
     runner: ModelRunner
     allocator: TokenToKVPoolAllocator
@@ -58,6 +59,8 @@ class SchedulerOutputProcessorMixin:
         self.last_decode_log = time.monotonic()
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
+        # decode steps of requests, the tokens they produced, and the drafts they verified / accepted
+        self.spec_req_steps = self.spec_step_tokens = self.spec_proposed = self.spec_accepted = 0
         self.integrity_ok = True
         # Forward worker time: busy computing vs waiting for the scheduler between batches.
         self.forward_busy_s = self.forward_wait_s = 0.0
@@ -153,6 +156,8 @@ class SchedulerOutputProcessorMixin:
             out.output_top_logprobs.append(r.output_top_logprobs[r.sent_output_logprob_len :])
             out.input_token_ids_logprobs.append(r.input_token_ids_logprobs[r.sent_input_logprob_len :])
             out.output_token_ids_logprobs.append(r.output_token_ids_logprobs[r.sent_output_logprob_len :])
+            if self.speculative:
+                out.spec.append((r.spec_verify_ct, r.spec_proposed, r.spec_accepted, list(r.spec_histogram)))
             r.sent_output_len = len(r.output_ids)
             r.sent_input_logprob_len = len(r.input_token_logprobs)
             r.sent_output_logprob_len = len(r.output_token_logprobs)
@@ -231,6 +236,8 @@ class SchedulerOutputProcessorMixin:
             "forward_wait_s": self.forward_wait_s,
             "forward_idle_fraction": self.forward_idle_fraction(self.forward_busy_s, self.forward_wait_s),
             "overlap_schedule": self.overlap,
+            "avg_spec_accept_length": self.spec_step_tokens / self.spec_req_steps if self.spec_req_steps else 0.0,
+            "spec_accept_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "cuda_graph": self.runner.cuda_graph_status(),

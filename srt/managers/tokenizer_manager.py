@@ -91,6 +91,7 @@ class ReqState:
     input_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     output_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     dp_rank: int = 0
+    spec: tuple[int, int, int, list[int]] | None = None
 
 
 class TokenizerManager:
@@ -387,6 +388,12 @@ class TokenizerManager:
         }
         if self.server_args.dp_size > 1:
             meta["dp_rank"] = s.dp_rank
+        if s.spec is not None:  # SGLang's speculative decoding stats
+            verify_ct, proposed, accepted, histogram = s.spec
+            meta["spec_verify_ct"] = verify_ct
+            meta["spec_accept_length"] = s.completion_tokens / verify_ct if verify_ct else 0.0
+            meta["spec_accept_rate"] = accepted / proposed if proposed else 0.0
+            meta["spec_accept_histogram"] = histogram
         if s.obj.return_logprob or s.obj.token_ids_logprob is not None:
             with_text = s.obj.return_text_in_logprobs
             meta["input_token_logprobs"] = self._lp_entries(s.input_token_logprobs, with_text)
@@ -472,6 +479,8 @@ class TokenizerManager:
             s.input_token_ids_logprobs.extend(out.input_token_ids_logprobs[i])
             s.output_token_ids_logprobs.extend(out.output_token_ids_logprobs[i])
             s.dp_rank = out.dp_rank
+            if out.spec:
+                s.spec = out.spec[i]
             if out.finished_reasons[i] is not None:
                 s.finish_reason, s.finished = out.finished_reasons[i], True
             s.event.set()

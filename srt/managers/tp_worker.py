@@ -30,6 +30,7 @@ class BatchResult:
     # per request: (logprob per row, top-k values per row, top-k ids per row, asked-id logprobs
     # per row) for prompt rows
     input_logprobs: list[tuple[list[float], list, list, list]] | None = None
+    verify_argmax: list[int] | None = None  # TARGET_VERIFY: the target's greedy token at every row
     forward_start: float = 0.0
     forward_end: float = 0.0
 
@@ -118,9 +119,18 @@ class TpModelWorker:
         start = time.perf_counter()
         fb = dataclasses.replace(fb, input_ids=self.future_map.resolve(fb.input_ids))
         logits_output = self.forward(fb)
+        verify_argmax = None
+        if fb.forward_mode.is_target_verify():
+            # every row's argmax checks the drafts; each request's first row is sampled like a decode step
+            rows = logits_output.next_token_logits
+            verify_argmax = rows.argmax(dim=-1)
+            assert fb.extend_start_loc is not None, "verify batches are extends"
+            logits_output.next_token_logits = rows.index_select(0, fb.extend_start_loc)
         next_token_ids = self.model_runner.sample(logits_output, fb)
         slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
         self.future_map.tokens[slots] = next_token_ids
         result = to_batch_result(logits_output, next_token_ids, fb)
+        if verify_argmax is not None:
+            result.verify_argmax = verify_argmax.tolist()
         result.forward_start, result.forward_end = start, time.perf_counter()
         return result

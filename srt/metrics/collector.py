@@ -64,6 +64,8 @@ GAUGES = {
     "cache_hit_rate": "Fraction of prompt tokens served from the radix cache",
     "gen_throughput": "Output tokens per second over the last decode log interval",
     "num_retractions": "Requests retracted to the queue for lack of KV memory, since start",
+    "spec_accept_length": "Speculative decoding: tokens per request per decode step, since start (1 without drafts)",
+    "spec_accept_rate": "Speculative decoding: fraction of draft tokens accepted, since start",
 }
 
 
@@ -153,6 +155,8 @@ class _StateCollector:
                 "cache_hit_rate": st["cache_hit_rate"],
                 "gen_throughput": metrics["gen_throughput"],
                 "num_retractions": st["total_retractions"],
+                "spec_accept_length": st["avg_spec_accept_length"],
+                "spec_accept_rate": st["spec_accept_rate"],
             }
             for name in GAUGES:
                 families[name].add_metric(labels, gauges[name])

@@ -17,12 +17,17 @@ if TYPE_CHECKING:
 class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill: new prompt tokens after an optional cached prefix
     DECODE = auto()  # one new token per request
+    # speculative decoding: each request's last token and its draft tree, logits for every row
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
         return self == ForwardMode.EXTEND
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
 
 @dataclass
@@ -43,6 +48,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
     extend_start_loc_cpu: list[int] | None = None
+    # Target verify only: per request, its draft tree's mask ([n, n] bool, True = may attend).
+    tree_masks: list[torch.Tensor] | None = None
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
@@ -64,28 +71,32 @@ class ForwardBatch:
         prefix_lens: list[int],
         out_cache_loc: torch.Tensor,
         device,
+        positions: list[int] | None = None,
         **extra,
     ) -> ForwardBatch:
         """Tensors for a batch where request i extends from prefix_lens[i] to seq_lens[i]
-        (a decode request is an extend of one token)."""
+        (a decode request is an extend of one token). `positions` overrides the rows' positions
+        (a draft tree's nodes sit at their depth, not their row)."""
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
-        if mode.is_decode():
+        if positions is not None:
+            positions_t = torch.tensor(positions, dtype=torch.int64)
+        elif mode.is_decode():
             assert all(n == 1 for n in extend_lens), "decode batches extend each request by one token"
-            positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64)
+            positions_t = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64)
         else:
-            positions = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
+            positions_t = torch.cat([torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)])
         fb = cls(
             forward_mode=mode,
             batch_size=len(seq_lens),
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-            positions=positions.to(device, non_blocking=True),
+            positions=positions_t.to(device, non_blocking=True),
             req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64).to(device, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
             seq_lens_cpu=list(seq_lens),
             out_cache_loc=out_cache_loc.to(device, non_blocking=True),
             **extra,
         )
-        if mode.is_extend():
+        if not mode.is_decode():
             starts = [0]
             for n in extend_lens[:-1]:
                 starts.append(starts[-1] + n)

@@ -282,7 +282,10 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(fb)
         if self.compiled_decode is not None and self.compiled_decode.can_run(fb):
             return self.compiled_decode.forward(fb)
-        self.attn_backend.init_forward_metadata(fb)
+        if fb.forward_mode.is_target_verify():
+            self.attn_backend.init_target_verify_metadata(fb)
+        else:
+            self.attn_backend.init_forward_metadata(fb)
         return self.model.forward(fb.input_ids, fb.positions, fb)
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:

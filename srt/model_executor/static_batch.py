@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -121,7 +122,7 @@ class StaticBatchGenerator:
         prefix_lens = [r.prefix_len for r in reqs]
         loc = self._alloc_kv(prefix_lens, ends, reqs)
         input_ids = [t for r, p, e in zip(reqs, prefix_lens, ends) for t in r.origin_input_ids[p:e]]
-        extra = {}
+        extra: dict[str, Any] = {}
         if return_logprob:
             # Row j reads the logprob of the prompt token after it; the final row has none (its
             # next token is sampled), so any id will do there and the value is dropped.

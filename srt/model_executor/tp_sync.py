@@ -53,6 +53,14 @@ def _unpack(p: _Packed, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(p.data), dtype=dtype).view(p.shape).to(device)
 
 
+def _unpack_field(v, device):
+    if isinstance(v, _Packed):
+        return _unpack(v, device)
+    if isinstance(v, list) and v and isinstance(v[0], _Packed):
+        return [_unpack(p, device) for p in v]
+    return v
+
+
 class ForwardBroadcaster:
     """Rank 0's side: one message per forward pass, keep-alives while idle, a goodbye at exit."""
 
@@ -84,7 +92,11 @@ class ForwardBroadcaster:
             if f.name in _NOT_SENT:
                 continue
             value = getattr(fb, f.name)
-            fields[f.name] = _pack(value) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                value = _pack(value)
+            elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):  # tree masks
+                value = [_pack(t) for t in value]
+            fields[f.name] = value
         rows = [req_to_token[i, :n] for i, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu)]
         self._send({"kind": "forward", "fields": fields, "rows": _pack(torch.cat(rows))})
 
@@ -113,7 +125,5 @@ def receive_forward(device, on_control: Callable[[Any], object] | None = None) -
         if msg["kind"] == "control" and on_control is not None:
             on_control(msg["control"])
         if msg["kind"] == "forward":
-            fields: dict[str, Any] = {
-                k: _unpack(v, device) if isinstance(v, _Packed) else v for k, v in msg["fields"].items()
-            }
+            fields: dict[str, Any] = {k: _unpack_field(v, device) for k, v in msg["fields"].items()}
             return ReceivedForward(ForwardBatch(**fields), _unpack(msg["rows"], device))

@@ -53,7 +53,27 @@ class AttentionBackend(ABC):
             v.view(-1, layer.tp_v_head_num, layer.head_dim),
         )
 
+    def init_target_verify_metadata(self, forward_batch) -> None:
+        """Instead of init_forward_metadata for a TARGET_VERIFY batch: every backend verifies
+        draft trees through SDPA over each request's gathered K/V, with the tree mask."""
+        from srt.layers.attention.torch_native_backend import extend_reqs_meta
+
+        self.verify_reqs = extend_reqs_meta(forward_batch, list(range(forward_batch.batch_size)))
+
+    def forward_target_verify(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        """Each row (a draft tree node) attends to the request's cached positions and to its own
+        ancestors in the tree."""
+        from srt.layers.attention.torch_native_backend import extend_with_sdpa
+
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        out = torch.empty_like(q)
+        extend_with_sdpa(q, out, layer, forward_batch, self.verify_reqs)
+        return out
+
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        if forward_batch.forward_mode.is_target_verify():
+            return self.forward_target_verify(q, k, v, layer, forward_batch, save_kv_cache)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)

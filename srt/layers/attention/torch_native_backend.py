@@ -57,7 +57,11 @@ def extend_reqs_meta(fb, indices: list[int]) -> list[_ExtendReq]:
         slots = req_to_token[fb.req_pool_indices[i], :seq].long()
         kv_index = slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1)
         mask = None
-        if prefix:
+        if fb.tree_masks is not None:  # target verify: the prefix, then the tree's ancestors
+            mask = torch.ones(n, seq, dtype=torch.bool, device=slots.device)
+            mask[:, prefix:] = fb.tree_masks[i]
+            mask = mask.view(1, 1, n, seq)
+        elif prefix:
             q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
             mask = (torch.arange(seq, device=slots.device).unsqueeze(0) <= q_pos).view(1, 1, n, seq)
         out.append(_ExtendReq(fb.extend_start_loc_cpu[i], n, kv_index.reshape(-1), mask, seq))

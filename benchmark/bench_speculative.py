@@ -1,0 +1,147 @@
+"""Speculative decoding (NGRAM) on vs off, one run, same machine: output tok/s and accept length.
+
+    python benchmark/bench_speculative.py                     # default model, batch 1 and 16
+    python benchmark/bench_speculative.py --batch-sizes 1 --max-new-tokens 128 --json spec.json
+
+Two workloads through /generate (chat-formatted with the model's own template, greedy):
+- repetitive: the model is given a source file of this project (or a passage of its README) and
+  asked to copy it or to repeat a part of it, so outputs copy the prompt (what n-gram drafts are for);
+- random: open questions whose answers share little with the prompt.
+Each (workload, batch size) sends `batch` requests at once, each with its own prompt, to a server
+without speculation and then to one with `--speculative-algorithm NGRAM` (started one after the
+other, never both at once), and reports output tok/s, their ratio, and the mean spec_accept_length
+of the requests. Goal (issue 20): >= 2.0x at batch 1 on the repetitive workload, >= 0.95x on the random one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx  # noqa: E402
+import jinja2  # noqa: E402
+from bench_quant import cpu_busy, cpu_line, cpu_summary, our_server  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = ["srt/mem_cache/allocator.py", "srt/speculative/ngram_cache.py", "srt/managers/schedule_policy.py"]
+QUESTIONS = [
+    "Why is the sky blue? Explain it to a child.",
+    "Write a short poem about autumn leaves.",
+    "What are three good habits for staying healthy?",
+    "Describe how a bicycle works.",
+    "Give me a recipe idea for dinner tonight.",
+    "What is the difference between a virus and a bacterium?",
+    "Tell me a story about a dragon who loves books.",
+    "How do airplanes stay in the air?",
+]
+
+
+def repetitive_prompts(n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        path = SOURCES[i % len(SOURCES)]
+        with open(os.path.join(ROOT, path)) as f:
+            lines = f.read().splitlines()
+        start = (i // len(SOURCES)) * 7 % max(len(lines) - 40, 1)
+        code = "\n".join(lines[start : start + 40])
+        out.append(f"Here is part of a Python file:\n```python\n{code}\n```\nCopy the code above exactly, unchanged.")
+    return out
+
+
+def random_prompts(n: int) -> list[str]:
+    return [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" (variant {i})") for i in range(n)]
+
+
+def chat_texts(url: str, prompts: list[str]) -> list[str]:
+    info = httpx.get(url + "/model_info", timeout=30).json()
+    template = jinja2.Environment().from_string(info["chat_template"])
+    return [
+        template.render(messages=[{"role": "user", "content": p}], add_generation_prompt=True, bos_token="")
+        for p in prompts
+    ]
+
+
+def run_batch(url: str, texts: list[str], max_new_tokens: int) -> dict:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
+
+    def one(text):
+        r = httpx.post(url + "/generate", json={"text": text, "sampling_params": params}, timeout=3600)
+        r.raise_for_status()
+        return r.json()
+
+    start = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(texts)) as pool:
+        outs = list(pool.map(one, texts))
+    wall = time.perf_counter() - start
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    lengths = [o["meta_info"].get("spec_accept_length") for o in outs]
+    lengths = [x for x in lengths if x is not None]
+    return {
+        "tok_s": tokens / wall,
+        "tokens": tokens,
+        "wall_s": wall,
+        "accept_length": sum(lengths) / len(lengths) if lengths else None,
+        "output_ids": [o["output_ids"] for o in outs],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="default: the default model")
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--extra-flags", default="", help="more server flags for both servers")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    from srt.model_loader.default_model import resolve_model_path
+
+    model = resolve_model_path(args.model_path)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    cpu = cpu_summary()
+    print(cpu_line(cpu))
+    print(f"CPU busy before the run: {cpu_busy():.0f}%")
+    workloads = {"repetitive": repetitive_prompts, "random": random_prompts}
+    results: dict = {"cpu": cpu, "model": model, "max_new_tokens": args.max_new_tokens, "runs": {}}
+    extra = args.extra_flags.split()
+    modes = {"off": extra, "ngram": [*extra, "--speculative-algorithm", "NGRAM"]}
+    steps = tqdm(total=len(modes) * len(workloads) * len(sizes), desc="runs")
+    for mode, flags in modes.items():
+        with our_server(model, flags, args.threads) as server:
+            for name, make in workloads.items():
+                for bs in sizes:
+                    texts = chat_texts(server.url, make(bs))
+                    run_batch(server.url, texts[:1], 8)  # warm up this prompt shape
+                    results["runs"][f"{mode}/{name}/{bs}"] = run_batch(server.url, texts, args.max_new_tokens)
+                    steps.update()
+    steps.close()
+    print(
+        f"\n{'workload':<12}{'batch':>6}{'off tok/s':>12}{'ngram tok/s':>13}{'ratio':>8}{'accept len':>12}{'same':>6}"
+    )
+    for name in workloads:
+        for bs in sizes:
+            off, on = results["runs"][f"off/{name}/{bs}"], results["runs"][f"ngram/{name}/{bs}"]
+            ratio = on["tok_s"] / off["tok_s"]
+            same = on["output_ids"] == off["output_ids"]
+            results["runs"][f"ratio/{name}/{bs}"] = {"ratio": ratio, "same_outputs": same}
+            print(
+                f"{name:<12}{bs:>6}{off['tok_s']:>12.1f}{on['tok_s']:>13.1f}{ratio:>7.2f}x"
+                f"{on['accept_length'] or 0:>12.2f}{'yes' if same else 'NO':>6}"
+            )
+    if args.json:
+        for run in results["runs"].values():
+            run.pop("output_ids", None)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""`--speculative-algorithm NGRAM`: draft trees for the running requests from the server's n-gram
+cache, and the per-request adaptivity that keeps speculation cheap where it does not pay.
+
+A request gets a draft only where verifying it is exact and cheap to check: greedy sampling
+without logit processors (penalties, logit bias, the min_new_tokens ban, grammars) and without
+logprobs. The others (and requests whose drafts keep failing) run their step as plain decoding
+inside the same verify batch, with their one row sampled exactly as a decode step samples it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from srt.speculative.ngram_cache import DraftTree, NgramCache
+
+if TYPE_CHECKING:
+    from srt.managers.schedule_batch import BatchBuilder, Req
+    from srt.server_args import ServerArgs
+
+# After this many drafting steps in a row accept nothing, a request pauses drafting for
+# 2**(misses - MISS_LIMIT + 1) steps (capped), then tries again.
+MISS_LIMIT = 2
+MAX_PAUSE = 64
+
+
+class NgramProposer:
+    def __init__(self, server_args: ServerArgs, context_len: int):
+        a = server_args
+        assert a.speculative_num_draft_tokens is not None and a.speculative_num_steps is not None
+        self.max_drafts = a.speculative_num_draft_tokens - 1
+        self.max_depth = a.speculative_num_steps
+        self.windows = (a.speculative_ngram_min_match_window_size, a.speculative_ngram_max_match_window_size)
+        self.breadths = (a.speculative_ngram_min_bfs_breadth, a.speculative_ngram_max_bfs_breadth)
+        self.cache = NgramCache(self.windows[1] + self.max_depth, a.speculative_ngram_capacity)
+        self.context_len = context_len
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        p = req.sampling_params
+        return p.is_greedy and not req.needs_fresh_history and not p.logit_bias and not req.return_logprob
+
+    def observe(self, req: Req) -> None:
+        """Feed the request's tokens the cache has not seen yet (its prompt, then its outputs)."""
+        ids = req.fill_ids
+        if req.spec_fed < len(ids):
+            req.spec_open = self.cache.feed(ids[req.spec_fed :], req.spec_open)
+            req.spec_fed = len(ids)
+
+    def draft(self, reqs: list[Req], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
+        """One tree per request (root only where it gets no draft), within `free_slots` beyond
+        what one decode step of every request needs."""
+        trees = []
+        for r in reqs:
+            self.observe(r)
+            tree = DraftTree()
+            if self.eligible(r) and r.spec_pause == 0:
+                p = r.sampling_params
+                room = self.context_len - r.seq_len - 1
+                if p.max_new_tokens is not None:
+                    room = min(room, p.max_new_tokens - len(r.output_ids) - 1)
+                n = min(self.max_drafts, r.spec_draft_budget or self.max_drafts, room)
+                if n > 0:
+                    tree = self.cache.propose(r.fill_ids, n, self.max_depth, *self.windows, *self.breadths)
+                    extra = builder.rows_slots_needed(r, len(tree)) - builder.rows_slots_needed(r, 1)
+                    if extra > free_slots:
+                        tree = DraftTree()
+                    else:
+                        free_slots -= extra
+            elif r.spec_pause > 0:
+                r.spec_pause -= 1
+            trees.append(tree)
+        return trees
+
+    def adapt(self, req: Req, proposed: int, accepted: int) -> None:
+        """Fewer drafts while they fail, more while they hold; a pause after repeated misses."""
+        if proposed == 0:
+            return
+        budget = req.spec_draft_budget or self.max_drafts
+        if accepted == 0:
+            req.spec_misses += 1
+            req.spec_draft_budget = max(1, budget // 2)
+            if req.spec_misses >= MISS_LIMIT:
+                req.spec_pause = min(MAX_PAUSE, 2 ** (req.spec_misses - MISS_LIMIT + 1))
+        else:
+            req.spec_misses = 0
+            if accepted == proposed or accepted >= budget // 2:
+                req.spec_draft_budget = min(self.max_drafts, budget * 2)

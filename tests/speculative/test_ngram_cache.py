@@ -1,0 +1,95 @@
+"""The n-gram trie behind NGRAM speculation: counting, proposals as BFS draft trees, bounded size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from srt.server_args import ServerArgs
+from srt.speculative.ngram_cache import DraftTree, NgramCache
+
+
+def propose(cache, context, n=7, depth=7, windows=(1, 4), breadths=(1, 1)):
+    return cache.propose(context, n, depth, *windows, *breadths)
+
+
+def test_feeding_in_pieces_counts_like_feeding_at_once():
+    seq = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5]
+    whole, pieces = NgramCache(4, 10**6), NgramCache(4, 10**6)
+    whole.feed(seq)
+    open_nodes = None
+    for k in range(0, len(seq), 3):
+        open_nodes = pieces.feed(seq[k : k + 3], open_nodes)
+
+    def dump(node, prefix=()):
+        out = {}
+        for t, c in node.children.items():
+            out[(*prefix, t)] = c.count
+            out.update(dump(c, (*prefix, t)))
+        return out
+
+    assert dump(whole.root) == dump(pieces.root)
+    assert dump(whole.root)[(1, 2)] == 3 and dump(whole.root)[(1, 2, 3)] == 2
+    assert max(len(k) for k in dump(whole.root)) == 4  # n-grams up to max_depth
+
+
+def test_proposal_follows_the_longest_match_most_frequent_first():
+    cache = NgramCache(8, 10**6)
+    cache.feed([7, 1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 5, 1, 2, 8])
+    tree = propose(cache, [0, 1, 2])  # "1 2" was followed by "3 4 9" twice and by "8" once
+    assert tree.tokens[1:4] == [3, 4, 9] and tree.parents[1:4] == [0, 1, 2]
+    wide = propose(cache, [0, 1, 2], n=2, breadths=(2, 2))
+    assert sorted(wide.tokens[1:]) == [3, 8] and wide.parents[1:] == [0, 0] and wide.depths == [0, 1, 1]
+    assert propose(cache, [6, 6]).num_drafts == 0  # no match: no draft
+    assert propose(cache, [0, 1, 2], n=7, depth=2).depths[-1] == 2
+
+
+def test_tree_mask_and_children():
+    tree = DraftTree()
+    a = tree.add(0, 10)
+    b = tree.add(0, 11)
+    c = tree.add(a, 12)
+    mask = tree.ancestors_mask()
+    assert mask[c] == [True, True, False, True] and mask[b] == [True, False, True, False]
+    assert tree.child_with(0, 11) == b and tree.child_with(a, 12) == c and tree.child_with(b, 12) is None
+
+
+def test_capacity_bounds_the_trie():
+    cache = NgramCache(6, 2000)
+    rng = random.Random(0)
+    open_nodes = None
+    for _ in range(200):
+        open_nodes = cache.feed([rng.randrange(500) for _ in range(50)], open_nodes)
+        assert cache.num_nodes <= 2000
+    frequent = [1, 2, 3, 4, 5]
+    for _ in range(50):
+        cache.feed(frequent)
+    assert propose(cache, [1, 2]).tokens[1:4] == [3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(speculative_algorithm="EAGLE"), "--speculative-algorithm must be one of"),
+        (dict(speculative_algorithm="NGRAM", speculative_num_steps=3), "set all three or none"),
+        (dict(speculative_num_draft_tokens=4), "--speculative-num-draft-tokens needs --speculative-algorithm"),
+        (
+            dict(
+                speculative_algorithm="NGRAM", speculative_ngram_min_bfs_breadth=3, speculative_ngram_max_bfs_breadth=2
+            ),
+            "--speculative-ngram-min-bfs-breadth",
+        ),
+        (dict(speculative_algorithm="NGRAM", enable_overlap_schedule=True), "--enable-overlap-schedule"),
+        (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="/x"), "--speculative-draft-model-path"),
+    ],
+)
+def test_invalid_flag_combinations_name_the_flags(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(model_path="x", **kwargs)
+
+
+def test_automatic_values():
+    args = ServerArgs(model_path="x", speculative_algorithm="NGRAM")
+    assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (8, 7, 1)
+    assert not args.overlap_schedule_enabled("cuda")
