@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -182,7 +182,8 @@ class ScheduleBatch:
     reqs: list[Req]
     forward_mode: ForwardMode = ForwardMode.DECODE
     future_slots: list[int] | None = None  # set when launched
-    spec_trees: list[DraftTree] | None = None  # TARGET_VERIFY: each request's draft tree
+    # speculative: each request's draft tree (DECODE when they are all chains, else TARGET_VERIFY)
+    spec_trees: list[DraftTree] | None = None
     kv_ends: list[int] | None = None  # each request's kv_len right after this batch was launched
 
     def filter_finished(self) -> None:
@@ -217,10 +218,10 @@ class BatchBuilder:
 
     def build(self, batch: ScheduleBatch, vocab_size: int, eos_token_ids: set[int]) -> tuple[ForwardBatch, list[int]]:
         """The ForwardBatch for batch, and the future-map slot of each row's sampled token."""
-        if batch.forward_mode.is_extend():
-            fb = self.prepare_for_extend(batch)
-        elif batch.forward_mode.is_target_verify():
+        if batch.spec_trees is not None:
             fb = self.prepare_for_verify(batch)
+        elif batch.forward_mode.is_extend():
+            fb = self.prepare_for_extend(batch)
         else:
             fb = self.prepare_for_decode(batch)
         # each row's sampled token sits right after the KV of the request's last token
@@ -305,8 +306,10 @@ class BatchBuilder:
         return (-(-(req.kv_len + rows) // p) - -(-req.kv_len // p)) * p
 
     def prepare_for_verify(self, batch: ScheduleBatch) -> ForwardBatch:
-        """Each request's last token and its draft tree as one extend, in the tree's BFS order,
-        at the positions of the nodes' depths; the tree masks say which rows see which."""
+        """Each request's last token and its draft tree, in the tree's BFS order, at the positions
+        of the nodes' depths. Chains (a DECODE batch) run as decode rows, one per node, each seeing
+        its request's KV up to itself: the decode kernels, fused layers and graphs verify them. Trees
+        (TARGET_VERIFY) run as one extend per request with the tree mask."""
         reqs, trees = batch.reqs, batch.spec_trees
         assert trees is not None and len(trees) == len(reqs), "the scheduler drafts before it launches"
         prefix_lens = [r.kv_len for r in reqs]
@@ -315,13 +318,27 @@ class BatchBuilder:
         loc = self.allocator.alloc_extend(prefix_lens, seq_lens, self._last_locs(reqs, prefix_lens))
         if loc is None:
             raise RuntimeError("KV pool exhausted during verify; drafting should have fit its trees")
-        offset, input_ids, positions = 0, [], []
+        offset, input_ids, row0 = 0, [], []
         for r, p, s, t in zip(reqs, prefix_lens, seq_lens, trees):
             self.req_to_token_pool.write(r.req_pool_idx, p, loc[offset : offset + s - p])
+            row0.append(offset)
             offset += s - p
             input_ids += [r.output_ids[-1], *t.tokens[1:]]
-            positions += [p + d for d in t.depths]
             r.kv_len = s  # until the result says how many rows are kept
+        common: dict[str, Any] = dict(
+            spec_row0=torch.tensor(row0, dtype=torch.int64).to(self.device, non_blocking=True),
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+            token_ids_logprobs=_token_ids_logprobs(reqs),
+        )
+        if batch.forward_mode.is_decode():
+            rows_seq = [p + d + 1 for p, t in zip(prefix_lens, trees) for d in t.depths]
+            rows_pool = [i for i, t in zip(_pool_indices(reqs), trees) for _ in range(len(t))]
+            rows_prefix = [n - 1 for n in rows_seq]
+            return ForwardBatch.build(
+                ForwardMode.DECODE, input_ids, rows_pool, rows_seq, rows_prefix, loc, self.device, **common
+            )
+        positions = [p + d for p, t in zip(prefix_lens, trees) for d in t.depths]
         masks = [torch.tensor(t.ancestors_mask(), dtype=torch.bool).to(self.device, non_blocking=True) for t in trees]
         return ForwardBatch.build(
             ForwardMode.TARGET_VERIFY,
@@ -333,9 +350,7 @@ class BatchBuilder:
             self.device,
             positions=positions,
             tree_masks=masks,
-            return_logprob=any(r.return_logprob for r in reqs),
-            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
-            token_ids_logprobs=_token_ids_logprobs(reqs),
+            **common,
         )
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:

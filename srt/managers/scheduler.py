@@ -121,6 +121,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.init_guard()
         self.speculative = server_args.speculative_algorithm is not None
         self.proposer = NgramProposer(server_args, self.model_config.context_len) if self.speculative else None
+        self.step_started = 0.0  # when the current decode step started drafting (speculative)
         broadcaster = self.tp_worker.broadcaster
         self.profiler = ForwardProfiler(
             tp_rank, dp_rank, server_args.dp_size, broadcaster.post if broadcaster is not None else None
@@ -380,12 +381,19 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         """A decode step; with speculative decoding, a verify step when some request has a draft."""
         if self.proposer is None:
             return ScheduleBatch(reqs, ForwardMode.DECODE)
+        self.step_started = time.perf_counter()
+        if not self.proposer.should_draft(len(reqs)):
+            for r in reqs:  # the n-gram cache still learns from every token
+                self.proposer.observe(r)
+            return ScheduleBatch(reqs, ForwardMode.DECODE)
         # update_running_batch made room for one decode step; drafts use what is left
         spare = self.allocator.available_size() + self.tree_cache.evictable_size()
         trees = self.proposer.draft(reqs, self.builder, spare - self.builder.decode_slots_needed(reqs))
         if not any(t.num_drafts for t in trees):
-            return ScheduleBatch(reqs, ForwardMode.DECODE)  # the fast decode path
-        return ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, spec_trees=trees)
+            return ScheduleBatch(reqs, ForwardMode.DECODE)
+        # chains verify as decode rows (the fast decode path); trees need the tree mask
+        mode = ForwardMode.DECODE if all(t.is_chain for t in trees) else ForwardMode.TARGET_VERIFY
+        return ScheduleBatch(reqs, mode, spec_trees=trees)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
@@ -469,10 +477,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     # -- running ---------------------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        if batch.forward_mode.is_extend():
-            self.process_prefill_result(batch, result)
-        elif batch.forward_mode.is_target_verify():
+        if batch.spec_trees is not None:
             self.process_verify_result(batch, result)
+        elif batch.forward_mode.is_extend():
+            self.process_prefill_result(batch, result)
         else:
             self.process_decode_result(batch, result)
 
@@ -519,12 +527,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 self.release(req)
             elif req.grammar is not None and self.jump_forward:
                 self.try_jump_forward(req)
-        if self.speculative:  # a step where no request had a draft
+        if self.proposer is not None:  # a step where no request had a draft
             self.spec_req_steps += len(progressed)
             self.spec_step_tokens += len(progressed)
             for req in progressed:
                 req.spec_verify_ct += 1
                 req.spec_histogram[:1] = [(req.spec_histogram[0] if req.spec_histogram else 0) + 1]
+            seconds = time.perf_counter() - self.step_started
+            self.proposer.record(len(batch.reqs), False, len(progressed), seconds)
         self.stream_output(progressed)
         self.num_generated_tokens += len(progressed)
         self.maybe_log_decode_stats()
@@ -575,6 +585,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.num_generated_tokens += generated
         self.spec_req_steps += len(progressed)
         self.spec_step_tokens += generated
+        self.proposer.record(len(batch.reqs), True, generated, time.perf_counter() - self.step_started)
         self.maybe_log_decode_stats()
 
     def keep_verified_rows(self, req: Req, kv_start: int, path: list[int], rows: int) -> None:

@@ -120,12 +120,11 @@ class TpModelWorker:
         fb = dataclasses.replace(fb, input_ids=self.future_map.resolve(fb.input_ids))
         logits_output = self.forward(fb)
         verify_argmax = None
-        if fb.forward_mode.is_target_verify():
+        if fb.spec_row0 is not None:
             # every row's argmax checks the drafts; each request's first row is sampled like a decode step
             rows = logits_output.next_token_logits
             verify_argmax = rows.argmax(dim=-1)
-            assert fb.extend_start_loc is not None, "verify batches are extends"
-            logits_output.next_token_logits = rows.index_select(0, fb.extend_start_loc)
+            logits_output.next_token_logits = rows.index_select(0, fb.spec_row0)
         next_token_ids = self.model_runner.sample(logits_output, fb)
         slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
         self.future_map.tokens[slots] = next_token_ids

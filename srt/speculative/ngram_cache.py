@@ -43,6 +43,10 @@ class DraftTree:
         self.depths.append(self.depths[parent] + 1)
         return len(self.tokens) - 1
 
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents) if i)
+
     def child_with(self, node: int, token: int) -> int | None:
         """The child of `node` proposing `token`, if any (children follow their parent in BFS order)."""
         for c in range(node + 1, len(self.tokens)):

@@ -8,6 +8,7 @@ inside the same verify batch, with their one row sampled exactly as a decode ste
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from srt.speculative.ngram_cache import DraftTree, NgramCache
@@ -15,6 +16,10 @@ from srt.speculative.ngram_cache import DraftTree, NgramCache
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import BatchBuilder, Req
     from srt.server_args import ServerArgs
+
+# Step rates: one exploring step of the other kind every EXPLORE_EVERY steps of a batch size bucket.
+EXPLORE_EVERY = 16
+RATE_EMA = 0.3
 
 # After this many drafting steps in a row accept nothing, a request pauses drafting for
 # 2**(misses - MISS_LIMIT + 1) steps (capped), then tries again.
@@ -32,6 +37,35 @@ class NgramProposer:
         self.breadths = (a.speculative_ngram_min_bfs_breadth, a.speculative_ngram_max_bfs_breadth)
         self.cache = NgramCache(self.windows[1] + self.max_depth, a.speculative_ngram_capacity)
         self.context_len = context_len
+        self.rates: dict[tuple[int, bool], float] = {}  # (batch size bucket, drafted) -> tokens/s (EMA)
+        self.steps: dict[int, int] = {}
+        # RADIXSERVE_SPEC_ALWAYS_DRAFT=1: draft every step (tests of exactness; A/B measurements)
+        self.always_draft = os.environ.get("RADIXSERVE_SPEC_ALWAYS_DRAFT") == "1"
+
+    def should_draft(self, batch_size: int) -> bool:
+        """Whether this step drafts: the kind of step (with drafts or plain decoding) that has been
+        producing more tokens per second at this batch size, with an occasional step of the other
+        kind so both rates stay current (a verify costs more rows than a decode step; whether the
+        accepted tokens pay for them depends on the batch size, the machine and the workload)."""
+        if self.always_draft:
+            return True
+        bucket = batch_size.bit_length()
+        n = self.steps.get(bucket, 0)
+        self.steps[bucket] = n + 1
+        spec, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if spec is None or plain is None:
+            return spec is None
+        better = spec > plain
+        return not better if n % EXPLORE_EVERY == 0 else better
+
+    def record(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step's output: `tokens` in `seconds` (drafting to processed results)."""
+        if seconds <= 0:
+            return
+        key = (batch_size.bit_length(), drafted)
+        rate = tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + RATE_EMA * (rate - old)
 
     @staticmethod
     def eligible(req: Req) -> bool:

@@ -19,16 +19,27 @@ PROMPTS = [
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
 NGRAM = ("--speculative-algorithm", "NGRAM")
+ALWAYS = {"RADIXSERVE_SPEC_ALWAYS_DRAFT": "1"}  # exactness needs drafts, whether or not they pay here
 
 
 @pytest.fixture(scope="module")
 def ngram(shared_server, tiny_chat_model):
-    return shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "8192", *NGRAM)
+    """Chains (breadth 1): verified as decode rows."""
+    return shared_server(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        "--speculative-ngram-max-bfs-breadth",
+        "1",
+        *NGRAM,
+        env=ALWAYS,
+    )
 
 
 @pytest.fixture(scope="module")
 def ngram_paged(shared_server, tiny_chat_model):
-    """Pages of 4 (accepted KV moved within pages), chunked prompts, wider trees."""
+    """Trees (breadth up to 3, verified with tree masks; accepted KV moved), pages of 4, chunked prompts."""
     return shared_server(
         "--model-path",
         tiny_chat_model,
@@ -47,6 +58,7 @@ def ngram_paged(shared_server, tiny_chat_model):
         "--speculative-eagle-topk",
         "1",
         *NGRAM,
+        env=ALWAYS,
     )
 
 

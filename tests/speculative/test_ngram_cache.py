@@ -6,8 +6,11 @@ import random
 
 import pytest
 
+from srt.managers.schedule_batch import Req
+from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.speculative.ngram_cache import DraftTree, NgramCache
+from srt.speculative.ngram_worker import NgramProposer
 
 
 def propose(cache, context, n=7, depth=7, windows=(1, 4), breadths=(1, 1)):
@@ -93,3 +96,31 @@ def test_automatic_values():
     args = ServerArgs(model_path="x", speculative_algorithm="NGRAM")
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (8, 7, 1)
     assert not args.overlap_schedule_enabled("cuda")
+
+
+def proposer() -> NgramProposer:
+    return NgramProposer(ServerArgs(model_path="x", speculative_algorithm="NGRAM"), 8192)
+
+
+def test_step_rates_pick_the_faster_kind_and_keep_exploring(monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_SPEC_ALWAYS_DRAFT", raising=False)
+    p = proposer()
+    assert p.should_draft(4)  # nothing known: try drafting
+    p.record(4, True, 4, 1.0)
+    assert not p.should_draft(4)  # then a plain step
+    p.record(4, False, 4, 0.5)  # plain decoding is faster here
+    assert [p.should_draft(4) for _ in range(32)].count(True) == 2  # one exploring step in 16
+    p.record(4, True, 40, 1.0)  # drafts started to pay
+    assert p.should_draft(4) and p.should_draft(5)  # the same bucket (4..7)
+    assert p.should_draft(8)  # another bucket starts over
+
+
+def test_failing_drafts_shrink_then_pause():
+    p = proposer()
+    req = Req(rid="r", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0))
+    p.adapt(req, 7, 0)
+    assert req.spec_draft_budget == 3 and req.spec_pause == 0
+    p.adapt(req, 3, 0)
+    assert req.spec_draft_budget == 1 and req.spec_pause == 2
+    p.adapt(req, 1, 1)  # a hit: the budget grows again
+    assert req.spec_draft_budget == 2 and req.spec_misses == 0
