@@ -4,9 +4,9 @@
     python benchmark/bench_speculative.py --batch-sizes 1 --max-new-tokens 128 --json spec.json
 
 Two workloads through /generate (chat-formatted with the model's own template, greedy):
-- repetitive: the model is given a source file of this project (or a passage of its README) and
-  asked to copy it or to repeat a part of it, so outputs copy the prompt (what n-gram drafts are for);
-- random: open questions whose answers share little with the prompt.
+- repetitive: raw completion of 40 lines of a source file of this project followed by the start of
+  "an identical copy" of them, so outputs copy the prompt (what n-gram drafts are for);
+- random: open chat questions (the model's template) whose answers share little with the prompt.
 Each (workload, batch size) sends `batch` requests at once, each with its own prompt, to a server
 without speculation and then to one with `--speculative-algorithm NGRAM` (started one after the
 other, never both at once), and reports output tok/s, their ratio, and the mean spec_accept_length
@@ -45,6 +45,8 @@ QUESTIONS = [
 
 
 def repetitive_prompts(n: int) -> list[str]:
+    """Raw completion prompts (no chat template): a part of a source file, then the start of an
+    identical copy, so the continuation repeats the prompt."""
     out = []
     for i in range(n):
         path = SOURCES[i % len(SOURCES)]
@@ -52,7 +54,8 @@ def repetitive_prompts(n: int) -> list[str]:
             lines = f.read().splitlines()
         start = (i // len(SOURCES)) * 7 % max(len(lines) - 40, 1)
         code = "\n".join(lines[start : start + 40])
-        out.append(f"Here is part of a Python file:\n```python\n{code}\n```\nCopy the code above exactly, unchanged.")
+        first = code.splitlines()[0]
+        out.append(f"# {path}\n{code}\n\n# {path}, an identical copy of the code above:\n{first}\n")
     return out
 
 
@@ -118,7 +121,7 @@ def main() -> None:
         with our_server(model, flags, args.threads) as server:
             for name, make in workloads.items():
                 for bs in sizes:
-                    texts = chat_texts(server.url, make(bs))
+                    texts = make(bs) if name == "repetitive" else chat_texts(server.url, make(bs))
                     run_batch(server.url, texts[:1], 8)  # warm up this prompt shape
                     results["runs"][f"{mode}/{name}/{bs}"] = run_batch(server.url, texts, args.max_new_tokens)
                     steps.update()
