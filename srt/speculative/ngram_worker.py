@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # Step rates: one exploring step of the other kind every EXPLORE_EVERY steps of a batch size bucket.
 EXPLORE_EVERY = 16
-RATE_EMA = 0.3
+RATE_EMA = 0.2
 
 # After this many drafting steps in a row accept nothing, a request pauses drafting for
 # 2**(misses - MISS_LIMIT + 1) steps (capped), then tries again.
@@ -37,7 +37,8 @@ class NgramProposer:
         self.breadths = (a.speculative_ngram_min_bfs_breadth, a.speculative_ngram_max_bfs_breadth)
         self.cache = NgramCache(self.windows[1] + self.max_depth, a.speculative_ngram_capacity)
         self.context_len = context_len
-        self.rates: dict[tuple[int, bool], float] = {}  # (batch size bucket, drafted) -> tokens/s (EMA)
+        # (batch size bucket, drafted) -> (tokens per step, seconds per step), moving averages
+        self.rates: dict[tuple[int, bool], tuple[float, float]] = {}
         self.steps: dict[int, int] = {}
         # RADIXSERVE_SPEC_ALWAYS_DRAFT=1: draft every step (tests of exactness; A/B measurements)
         self.always_draft = os.environ.get("RADIXSERVE_SPEC_ALWAYS_DRAFT") == "1"
@@ -52,20 +53,28 @@ class NgramProposer:
         bucket = batch_size.bit_length()
         n = self.steps.get(bucket, 0)
         self.steps[bucket] = n + 1
-        spec, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        spec, plain = self.rate(bucket, True), self.rate(bucket, False)
         if spec is None or plain is None:
             return spec is None
         better = spec > plain
         return not better if n % EXPLORE_EVERY == 0 else better
+
+    def rate(self, bucket: int, drafted: bool) -> float | None:
+        """Tokens per second: averaged tokens over averaged seconds (a verify step yields 1 to n
+        tokens, so the average of per-step rates would swing with each step)."""
+        avg = self.rates.get((bucket, drafted))
+        return None if avg is None else avg[0] / avg[1]
 
     def record(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step's output: `tokens` in `seconds` (drafting to processed results)."""
         if seconds <= 0:
             return
         key = (batch_size.bit_length(), drafted)
-        rate = tokens / seconds
         old = self.rates.get(key)
-        self.rates[key] = rate if old is None else old + RATE_EMA * (rate - old)
+        if old is None:
+            self.rates[key] = (float(tokens), seconds)
+        else:
+            self.rates[key] = (old[0] + RATE_EMA * (tokens - old[0]), old[1] + RATE_EMA * (seconds - old[1]))
 
     @staticmethod
     def eligible(req: Req) -> bool:

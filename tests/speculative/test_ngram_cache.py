@@ -110,7 +110,8 @@ def test_step_rates_pick_the_faster_kind_and_keep_exploring(monkeypatch):
     assert not p.should_draft(4)  # then a plain step
     p.record(4, False, 4, 0.5)  # plain decoding is faster here
     assert [p.should_draft(4) for _ in range(32)].count(True) == 2  # one exploring step in 16
-    p.record(4, True, 40, 1.0)  # drafts started to pay
+    for _ in range(5):
+        p.record(4, True, 40, 1.0)  # drafts started to pay
     assert p.should_draft(4) and p.should_draft(5)  # the same bucket (4..7)
     assert p.should_draft(8)  # another bucket starts over
 
