@@ -269,18 +269,11 @@ class ServerArgs:
                 "--speculative-num-steps and --speculative-eagle-topk must be >= 1 and "
                 f"--speculative-num-draft-tokens >= 2; got {steps}, {topk}, {tokens}"
             )
-        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        if not 1 <= lo <= hi:
-            raise ValueError(
-                "--speculative-ngram-min-match-window-size must be >= 1 and <= "
-                f"--speculative-ngram-max-match-window-size; got {lo} and {hi}"
-            )
-        lo, hi = self.speculative_ngram_min_bfs_breadth, self.speculative_ngram_max_bfs_breadth
-        if not 1 <= lo <= hi:
-            raise ValueError(
-                f"--speculative-ngram-min-bfs-breadth must be >= 1 and <= --speculative-ngram-max-bfs-breadth; "
-                f"got {lo} and {hi}"
-            )
+        for what in ("match_window_size", "bfs_breadth"):
+            lo, hi = (getattr(self, f"speculative_ngram_{end}_{what}") for end in ("min", "max"))
+            if not 1 <= lo <= hi:
+                flag = "--speculative-ngram-{}-" + what.replace("_", "-")
+                raise ValueError(f"{flag.format('min')} must be >= 1 and <= {flag.format('max')}; got {lo} and {hi}")
         if self.speculative_ngram_capacity < 1000:
             raise ValueError(f"--speculative-ngram-capacity must be >= 1000, got {self.speculative_ngram_capacity}")
         if self.enable_overlap_schedule:

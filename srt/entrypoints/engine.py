@@ -49,10 +49,6 @@ class Engine:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    @staticmethod
-    def _request(prompt, **fields) -> GenerateReqInput:
-        return GenerateReqInput(text=prompt, **fields)
-
     def generate(
         self,
         prompt: str | list[str] | None = None,
@@ -68,8 +64,8 @@ class Engine:
         priority: int | list[int] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Same arguments and outputs as POST /generate. With stream=True, an iterator of chunks."""
-        obj = self._request(
-            prompt,
+        obj = GenerateReqInput(
+            text=prompt,
             sampling_params=sampling_params,
             input_ids=input_ids,
             return_logprob=return_logprob,
@@ -127,8 +123,8 @@ class Engine:
         priority=None,
     ):
         """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
-        obj = self._request(
-            prompt,
+        obj = GenerateReqInput(
+            text=prompt,
             sampling_params=sampling_params,
             input_ids=input_ids,
             return_logprob=return_logprob,

@@ -450,7 +450,8 @@ def _profile_request(body, args: ServerArgs) -> tuple[ProfileReq, str]:
 
     def field(name: str, kind, check=lambda v: True, limit: str = ""):
         v = body.get(name)
-        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or not check(v)):
+        wrong_kind = not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool)  # bool is an int
+        if v is not None and (wrong_kind or not check(v)):
             raise InvalidRequest(f"{name} = {v!r} must be {limit}")
         return v
 
@@ -464,7 +465,7 @@ def _profile_request(body, args: ServerArgs) -> tuple[ProfileReq, str]:
     if unknown:
         raise InvalidRequest(f"activities holds {unknown[0]!r}: must be among {list(PROFILE_ACTIVITIES)}")
     for name in ("profile_by_stage", "merge_profiles"):
-        if field(name, bool, lambda v: True, "a boolean"):
+        if field(name, bool, limit="a boolean"):
             raise InvalidRequest(f"{name} = true is not supported by this server (one trace per rank)")
     req = ProfileReq(
         output_dir=output_dir,

@@ -78,6 +78,6 @@ def gather_token_ids(logprobs: torch.Tensor, lens: list[int], token_ids: list[li
     out, k = [], 0
     for n, ids in zip(lens, token_ids):
         rows = logprobs[k : k + n]
-        out.append(rows[:, torch.tensor(ids, device=rows.device)] if ids else None)
+        out.append(rows[:, ids] if ids else None)
         k += n
     return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt.layers.logits_processor import gather_token_ids
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 _M32 = 0xFFFFFFFF
@@ -90,6 +89,7 @@ class Sampler(nn.Module):
                 logits_output.next_token_top_logprobs_val = vals
                 logits_output.next_token_top_logprobs_idx = idx
             if token_ids_logprobs is not None:
-                per_row = gather_token_ids(logprobs, [1] * len(token_ids_logprobs), token_ids_logprobs)
-                logits_output.next_token_ids_logprobs = [None if t is None else t[0] for t in per_row]
+                logits_output.next_token_ids_logprobs = [
+                    logprobs[i, ids] if ids else None for i, ids in enumerate(token_ids_logprobs)
+                ]
         return ids

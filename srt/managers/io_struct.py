@@ -111,13 +111,10 @@ class GenerateReqInput:
         if not isinstance(self.stream, bool):
             raise InvalidRequest(f"`stream` must be a boolean, got {self.stream!r}")
         ids = self.token_ids_logprob
-        if (
-            isinstance(ids, list)
-            and ids
-            and all(isinstance(x, list) for x in ids)
-            and (not self.is_batch or len(ids) != n)
-        ):
-            raise InvalidRequest(f"`token_ids_logprob` is a list of {len(ids)} lists but the request has {n} prompt(s)")
+        if self._token_ids_per_prompt and (not self.is_batch or len(ids or ()) != n):
+            raise InvalidRequest(
+                f"`token_ids_logprob` is a list of {len(ids or ())} lists but the request has {n} prompt(s)"
+            )
 
     def item(self, i: int) -> GenerateReqInput:
         b = self.is_batch
@@ -142,12 +139,16 @@ class GenerateReqInput:
             data_parallel_rank=self.data_parallel_rank,
         )
 
-    def _token_ids_item(self, i: int) -> list[int] | None:
-        """One list for every prompt, or (a batch) a list per prompt."""
+    @property
+    def _token_ids_per_prompt(self) -> bool:
+        """`token_ids_logprob` holds one list per prompt (else one list for every prompt)."""
         ids = self.token_ids_logprob
-        if self.is_batch and isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
-            return cast("list[list[int]]", ids)[i]
-        return cast("list[int] | None", ids)
+        return isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
+
+    def _token_ids_item(self, i: int) -> list[int] | None:
+        if self.is_batch and self._token_ids_per_prompt:
+            return cast("list[list[int]]", self.token_ids_logprob)[i]
+        return cast("list[int] | None", self.token_ids_logprob)
 
 
 def _is_token(t) -> bool:
@@ -334,8 +335,8 @@ class BatchTokenIDOutput:
     input_token_ids_logprobs: list[list] = field(default_factory=list)
     output_token_ids_logprobs: list[list] = field(default_factory=list)
     dp_rank: int = 0  # the data-parallel replica whose scheduler sent it
-    # speculative servers: per request (verify steps, drafts proposed, drafts accepted, histogram)
-    spec: list[tuple[int, int, int, list[int]] | None] = field(default_factory=list)
+    # speculative servers: per request (drafts proposed, steps by accepted drafts: Req.spec_histogram)
+    spec: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -356,5 +357,5 @@ class BatchStrOutput:
     input_token_ids_logprobs: list[list] = field(default_factory=list)
     output_token_ids_logprobs: list[list] = field(default_factory=list)
     dp_rank: int = 0  # the data-parallel replica whose scheduler sent it
-    # speculative servers: per request (verify steps, drafts proposed, drafts accepted, histogram)
-    spec: list[tuple[int, int, int, list[int]] | None] = field(default_factory=list)
+    # speculative servers: per request (drafts proposed, steps by accepted drafts: Req.spec_histogram)
+    spec: list[tuple[int, list[int]]] = field(default_factory=list)

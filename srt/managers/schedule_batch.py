@@ -80,10 +80,10 @@ class Req:
     spec_draft_budget: int = 0  # drafts per step (0: the server's maximum)
     spec_misses: int = 0  # drafting steps in a row that accepted nothing
     spec_pause: int = 0  # steps left without drafting
-    spec_verify_ct: int = 0  # decode steps (each verifies a draft tree, maybe just the last token)
     spec_proposed: int = 0  # draft tokens verified
-    spec_accepted: int = 0  # draft tokens accepted
-    spec_histogram: list[int] = field(default_factory=list)  # [k] = steps that accepted k drafts
+    # [k] = decode steps that accepted k drafts (a step without drafts accepts 0): their sum is the
+    # verify count, sum(k * [k]) the accepted drafts
+    spec_histogram: list[int] = field(default_factory=list)
     # how much has been sent to the detokenizer
     sent_output_len: int = 0
     sent_input_logprob_len: int = 0
@@ -195,6 +195,15 @@ def _token_ids_logprobs(reqs: list[Req]) -> list[list[int] | None] | None:
     if not any(r.return_logprob and r.token_ids_logprob for r in reqs):
         return None
     return [r.token_ids_logprob if r.return_logprob else None for r in reqs]
+
+
+def _output_logprob_fields(reqs: list[Req]) -> dict[str, Any]:
+    """The ForwardBatch fields for the logprobs of the tokens a decode or verify step samples."""
+    return dict(
+        return_logprob=any(r.return_logprob for r in reqs),
+        top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+        token_ids_logprobs=_token_ids_logprobs(reqs),
+    )
 
 
 def _pool_indices(reqs: list[Req]) -> list[int]:
@@ -325,12 +334,8 @@ class BatchBuilder:
             offset += s - p
             input_ids += [r.output_ids[-1], *t.tokens[1:]]
             r.kv_len = s  # until the result says how many rows are kept
-        common: dict[str, Any] = dict(
-            spec_row0=torch.tensor(row0, dtype=torch.int64).to(self.device, non_blocking=True),
-            return_logprob=any(r.return_logprob for r in reqs),
-            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
-            token_ids_logprobs=_token_ids_logprobs(reqs),
-        )
+        common = _output_logprob_fields(reqs)
+        common["spec_row0"] = torch.tensor(row0, dtype=torch.int64).to(self.device, non_blocking=True)
         if batch.forward_mode.is_decode():
             rows_seq = [p + d + 1 for p, t in zip(prefix_lens, trees) for d in t.depths]
             rows_pool = [i for i, t in zip(_pool_indices(reqs), trees) for _ in range(len(t))]
@@ -354,8 +359,7 @@ class BatchBuilder:
         )
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:
-        page = self.allocator.page_size
-        return sum(1 for r in reqs if r.kv_len % page == 0) * page
+        return sum(self.rows_slots_needed(r, 1) for r in reqs)
 
     def prepare_for_decode(self, batch: ScheduleBatch) -> ForwardBatch:
         reqs = batch.reqs
@@ -380,7 +384,5 @@ class BatchBuilder:
             prefix_lens,
             loc,
             self.device,
-            return_logprob=any(r.return_logprob for r in reqs),
-            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
-            token_ids_logprobs=_token_ids_logprobs(reqs),
+            **_output_logprob_fields(reqs),
         )

@@ -53,6 +53,7 @@ from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
+from srt.speculative.ngram_cache import DraftTree
 from srt.speculative.ngram_worker import NgramProposer
 from srt.utils import rank_log_prefix, start_child_process, zmq_socket
 
@@ -119,8 +120,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         self.init_stats()
         self.init_guard()
-        self.speculative = server_args.speculative_algorithm is not None
-        self.proposer = NgramProposer(server_args, self.model_config.context_len) if self.speculative else None
+        self.proposer = (
+            NgramProposer(server_args, self.model_config.context_len) if server_args.speculative_algorithm else None
+        )
         self.step_started = 0.0  # when the current decode step started drafting (speculative)
         broadcaster = self.tp_worker.broadcaster
         self.profiler = ForwardProfiler(
@@ -477,11 +479,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     # -- running ---------------------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        if batch.spec_trees is not None:
-            self.process_verify_result(batch, result)
-        elif batch.forward_mode.is_extend():
+        if batch.forward_mode.is_extend():
             self.process_prefill_result(batch, result)
-        else:
+        else:  # decode, or a verify of draft trees (as decode rows or TARGET_VERIFY)
             self.process_decode_result(batch, result)
 
     def process_prefill_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
@@ -514,64 +514,26 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.stream_output(progressed)
 
     def process_decode_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
-        assert batch.future_slots is not None, "set when the batch was launched"
-        progressed = []
+        """Each request's new tokens: its sampled one, or with draft trees the longest draft path that
+        matches the target's greedy tokens plus the target's token after it. The stop conditions
+        apply to each token in order; tokens after a stop are dropped."""
+        assert batch.future_slots is not None and batch.kv_ends is not None, "set when the batch was launched"
+        trees = batch.spec_trees
+        progressed, generated, row = [], 0, 0
         for i, req in enumerate(batch.reqs):
+            tree = trees[i] if trees is not None else None
+            start, row = row, row + (len(tree) if tree is not None else 1)
             if req.finished:
-                continue  # finished in the previous step's results: this step's token is dropped
+                continue  # finished in the previous step's results: this step's tokens are dropped
             progressed.append(req)
-            self.append_token(req, res.next_token_ids[i], res, i)
+            drafts = tree.num_drafts if tree is not None else 0
+            tokens = [res.next_token_ids[i]]  # a request without drafts keeps its sampled token
+            if tree is not None and drafts:
+                tokens = self.accept_drafts(req, tree, res, start, batch.kv_ends[i])
+            if self.proposer is not None:
+                self.note_spec_step(req, drafts, len(tokens) - 1)
             self.take_future_slot(req, batch.future_slots[i])
-            req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
-            if req.finished:
-                self.release(req)
-            elif req.grammar is not None and self.jump_forward:
-                self.try_jump_forward(req)
-        if self.proposer is not None:  # a step where no request had a draft
-            self.spec_req_steps += len(progressed)
-            self.spec_step_tokens += len(progressed)
-            for req in progressed:
-                req.spec_verify_ct += 1
-                req.spec_histogram[:1] = [(req.spec_histogram[0] if req.spec_histogram else 0) + 1]
-            seconds = time.perf_counter() - self.step_started
-            self.proposer.record(len(batch.reqs), False, len(progressed), seconds)
-        self.stream_output(progressed)
-        self.num_generated_tokens += len(progressed)
-        self.maybe_log_decode_stats()
-
-    def process_verify_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
-        """Accept each request's longest draft path that matches the target's greedy tokens, plus
-        the target's token after it; keep the KV of the accepted path (moved to consecutive slots),
-        free the rest, and apply the stop conditions token by token."""
-        assert batch.spec_trees is not None and batch.kv_ends is not None and batch.future_slots is not None
-        assert res.verify_argmax is not None and self.proposer is not None
-        progressed, row0, generated = [], 0, 0
-        for i, (req, tree) in enumerate(zip(batch.reqs, batch.spec_trees)):
-            start, row0 = row0, row0 + len(tree)
-            if req.finished:
-                continue
-            progressed.append(req)
-            path, tokens = [0], [res.next_token_ids[i]]
-            if tree.num_drafts:
-                tokens = []
-                while True:
-                    target = res.verify_argmax[start + path[-1]]
-                    tokens.append(target)
-                    child = tree.child_with(path[-1], target)
-                    if child is None:
-                        break
-                    path.append(child)
-            self.keep_verified_rows(req, batch.kv_ends[i] - len(tree), path, len(tree))
-            req.spec_verify_ct += 1
-            req.spec_proposed += tree.num_drafts
-            req.spec_accepted += len(path) - 1
-            self.spec_proposed += tree.num_drafts
-            self.spec_accepted += len(path) - 1
-            req.spec_histogram += [0] * (len(path) - len(req.spec_histogram))
-            req.spec_histogram[len(path) - 1] += 1
-            self.proposer.adapt(req, tree.num_drafts, len(path) - 1)
-            self.take_future_slot(req, batch.future_slots[i])
-            for token in tokens:  # the stop conditions apply to each accepted token in order
+            for token in tokens:
                 self.append_token(req, token, res, i)
                 generated += 1
                 req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
@@ -581,12 +543,39 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 self.release(req)
             elif req.grammar is not None and self.jump_forward:
                 self.try_jump_forward(req)
+        if self.proposer is not None:
+            self.spec_req_steps += len(progressed)
+            self.spec_step_tokens += generated
+            seconds = time.perf_counter() - self.step_started
+            self.proposer.record(len(batch.reqs), trees is not None, generated, seconds)
         self.stream_output(progressed)
         self.num_generated_tokens += generated
-        self.spec_req_steps += len(progressed)
-        self.spec_step_tokens += generated
-        self.proposer.record(len(batch.reqs), True, generated, time.perf_counter() - self.step_started)
         self.maybe_log_decode_stats()
+
+    def accept_drafts(self, req: Req, tree: DraftTree, res: BatchResult, start: int, kv_end: int) -> list[int]:
+        """Walk the tree from its root (row `start` of the batch) along the target's greedy tokens;
+        keep the accepted rows' KV. Returns the accepted draft tokens and the target's next one."""
+        assert res.verify_argmax is not None, "verify batches report every row's argmax"
+        path, tokens = [0], []
+        while True:
+            target = res.verify_argmax[start + path[-1]]
+            tokens.append(target)
+            child = tree.child_with(path[-1], target)
+            if child is None:
+                break
+            path.append(child)
+        self.keep_verified_rows(req, kv_end - len(tree), path, len(tree))
+        return tokens
+
+    def note_spec_step(self, req: Req, proposed: int, accepted: int) -> None:
+        """SGLang's speculative stats of one decode step of req (a step without drafts accepts 0)."""
+        assert self.proposer is not None
+        req.spec_proposed += proposed
+        req.spec_histogram += [0] * (accepted + 1 - len(req.spec_histogram))
+        req.spec_histogram[accepted] += 1
+        self.spec_proposed += proposed
+        self.spec_accepted += accepted
+        self.proposer.adapt(req, proposed, accepted)
 
     def keep_verified_rows(self, req: Req, kv_start: int, path: list[int], rows: int) -> None:
         """Rows `path` of the `rows` written from position kv_start on hold the accepted tokens'

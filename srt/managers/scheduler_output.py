@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from srt.metrics.collector import SchedulerMetrics
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
+    from srt.speculative.ngram_worker import NgramProposer
 
 logger = logging.getLogger("srt.managers.scheduler")
 
@@ -33,7 +34,7 @@ class SchedulerOutputProcessorMixin:
     server_args: ServerArgs
     dp_rank: int
     profiler: ForwardProfiler
-    speculative: bool
+    proposer: NgramProposer | None
     overlap: bool
     runner: ModelRunner
     allocator: TokenToKVPoolAllocator
@@ -156,8 +157,8 @@ class SchedulerOutputProcessorMixin:
             out.output_top_logprobs.append(r.output_top_logprobs[r.sent_output_logprob_len :])
             out.input_token_ids_logprobs.append(r.input_token_ids_logprobs[r.sent_input_logprob_len :])
             out.output_token_ids_logprobs.append(r.output_token_ids_logprobs[r.sent_output_logprob_len :])
-            if self.speculative:
-                out.spec.append((r.spec_verify_ct, r.spec_proposed, r.spec_accepted, list(r.spec_histogram)))
+            if self.proposer is not None:
+                out.spec.append((r.spec_proposed, list(r.spec_histogram)))
             r.sent_output_len = len(r.output_ids)
             r.sent_input_logprob_len = len(r.input_token_logprobs)
             r.sent_output_logprob_len = len(r.output_token_logprobs)

@@ -71,6 +71,12 @@ def _clip(text: str | None) -> str | None:
     return f"{text[:LOG_CLIP_CHARS]}...({len(text) - 2 * LOG_CLIP_CHARS} characters)...{text[-LOG_CLIP_CHARS:]}"
 
 
+def _merged(replies: list) -> dict:
+    """success and message of one control call from every replica's reply (distinct failures joined)."""
+    failed = [r.message for r in replies if not r.success]
+    return {"success": not failed, "message": "; ".join(dict.fromkeys(failed))}
+
+
 @dataclasses.dataclass
 class ReqState:
     obj: GenerateReqInput
@@ -91,7 +97,7 @@ class ReqState:
     input_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     output_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     dp_rank: int = 0
-    spec: tuple[int, int, int, list[int]] | None = None
+    spec: tuple[int, list[int]] | None = None  # speculative: drafts proposed, steps by accepted drafts
 
 
 class TokenizerManager:
@@ -389,7 +395,8 @@ class TokenizerManager:
         if self.server_args.dp_size > 1:
             meta["dp_rank"] = s.dp_rank
         if s.spec is not None:  # SGLang's speculative decoding stats
-            verify_ct, proposed, accepted, histogram = s.spec
+            proposed, histogram = s.spec
+            verify_ct, accepted = sum(histogram), sum(k * n for k, n in enumerate(histogram))
             meta["spec_verify_ct"] = verify_ct
             meta["spec_accept_length"] = s.completion_tokens / verify_ct if verify_ct else 0.0
             meta["spec_accept_rate"] = accepted / proposed if proposed else 0.0
@@ -502,18 +509,13 @@ class TokenizerManager:
     async def flush_cache(self, timeout: float = 60.0) -> FlushCacheReqOutput:
         req = FlushCacheReq()
         replies: list[FlushCacheReqOutput] = await self._control(req, timeout)
-        failed = [r.message for r in replies if not r.success]
-        return FlushCacheReqOutput(rid=req.rid, success=not failed, message="; ".join(dict.fromkeys(failed)))
+        return FlushCacheReqOutput(rid=req.rid, **_merged(replies))
 
     async def profile(self, req: ProfileReq, timeout: float = 300.0) -> ProfileReqOutput:
         """Start or stop the profiler of every data-parallel replica (each tells its tensor-parallel
         ranks); a stop returns once each replica's rank 0 has written its trace."""
         replies: list[ProfileReqOutput] = await self._control(req, timeout)
-        failed = [r.message for r in replies if not r.success]
-        traces = sorted(t for r in replies for t in r.traces)
-        return ProfileReqOutput(
-            rid=req.rid, success=not failed, message="; ".join(dict.fromkeys(failed)), traces=traces
-        )
+        return ProfileReqOutput(rid=req.rid, traces=sorted(t for r in replies for t in r.traces), **_merged(replies))
 
     async def get_internal_states(self, timeout: float = 10.0) -> list[dict]:
         """One state per data-parallel replica, ordered by `dp_rank`."""
