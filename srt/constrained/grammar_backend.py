@@ -9,7 +9,7 @@ nothing ever runs unconstrained by accident.
 A running request holds an xgrammar `GrammarMatcher` (`Req.grammar`): it fills the request's row
 of the batch's token bitmask before sampling, accepts each sampled token, and finishes the request
 when the grammar terminates. With jump-forward on, a string the grammar forces is appended without
-forward passes (see `Scheduler.try_jump_forward`).
+forward passes (see `Scheduler.jump_forward_tokens`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from srt.sampling.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
-    from srt.speculative.ngram_cache import DraftTree
+    from srt.speculative.draft_tree import DraftTree
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -233,13 +233,15 @@ class BatchBuilder:
             fb = self.prepare_for_extend(batch)
         else:
             fb = self.prepare_for_decode(batch)
-        # each row's sampled token sits right after the KV of the request's last token
-        positions = [r.kv_len for r in batch.reqs]
         if batch.spec_trees is not None:
-            positions = [k - len(t) + 1 for k, t in zip(positions, batch.spec_trees)]
-        fb.sampling_info = SamplingBatchInfo.from_reqs(
-            batch.reqs, vocab_size, eos_token_ids, self.device, positions=positions
-        )
+            fb.sampling_info = SamplingBatchInfo.for_tree_rows(
+                batch.reqs, batch.spec_trees, vocab_size, eos_token_ids, self.device
+            )
+        else:  # each row's sampled token sits right after the KV of the request's last token
+            positions = [r.kv_len for r in batch.reqs]
+            fb.sampling_info = SamplingBatchInfo.from_reqs(
+                batch.reqs, vocab_size, eos_token_ids, self.device, positions=positions
+            )
         slots = self.future_map.alloc(len(batch.reqs))
         for r, slot in zip(batch.reqs, slots):
             r.future_slot = slot
@@ -334,7 +336,8 @@ class BatchBuilder:
             offset += s - p
             input_ids += [r.output_ids[-1], *t.tokens[1:]]
             r.kv_len = s  # until the result says how many rows are kept
-        common = _output_logprob_fields(reqs)
+        # every row is sampled (as its request's token after the node's path) and gets logprobs
+        common = _output_logprob_fields([r for r, t in zip(reqs, trees) for _ in range(len(t))])
         common["spec_row0"] = torch.tensor(row0, dtype=torch.int64).to(self.device, non_blocking=True)
         if batch.forward_mode.is_decode():
             rows_seq = [p + d + 1 for p, t in zip(prefix_lens, trees) for d in t.depths]

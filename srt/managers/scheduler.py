@@ -53,7 +53,6 @@ from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
-from srt.speculative.ngram_cache import DraftTree
 from srt.speculative.ngram_worker import NgramProposer
 from srt.utils import rank_log_prefix, start_child_process, zmq_socket
 
@@ -514,9 +513,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.stream_output(progressed)
 
     def process_decode_result(self, batch: ScheduleBatch, res: BatchResult) -> None:
-        """Each request's new tokens: its sampled one, or with draft trees the longest draft path that
-        matches the target's greedy tokens plus the target's token after it. The stop conditions
-        apply to each token in order; tokens after a stop are dropped."""
+        """Each request's new tokens: its sampled one, or with a draft tree the samples along the
+        accepted path (see `DraftTree.accepted_path`: each is a sample of the target's distribution
+        after the tokens before it, exactly as decoding draws it; with deterministic drafts this is
+        speculative rejection sampling, a draft x accepted with probability p(x), else the token
+        drawn from p without the rejected drafts). The stop conditions, and a grammar's jump
+        forward, apply after each token in order as they would in decoding; the tokens after are
+        dropped with their KV."""
         assert batch.future_slots is not None and batch.kv_ends is not None, "set when the batch was launched"
         trees = batch.spec_trees
         progressed, generated, row = [], 0, 0
@@ -527,22 +530,28 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 continue  # finished in the previous step's results: this step's tokens are dropped
             progressed.append(req)
             drafts = tree.num_drafts if tree is not None else 0
-            tokens = [res.next_token_ids[i]]  # a request without drafts keeps its sampled token
+            path = [0]  # a request without drafts keeps its sampled token
             if tree is not None and drafts:
-                tokens = self.accept_drafts(req, tree, res, start, batch.kv_ends[i])
-            if self.proposer is not None:
-                self.note_spec_step(req, drafts, len(tokens) - 1)
+                path = tree.accepted_path(res.next_token_ids[start : start + len(tree)])
             self.take_future_slot(req, batch.future_slots[i])
-            for token in tokens:
-                self.append_token(req, token, res, i)
-                generated += 1
+            kept, jump = 0, None
+            for node in path:
+                self.append_token(req, res.next_token_ids[start + node], res, start + node)
+                kept += 1
                 req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
                 if req.finished:
                     break
+                if req.grammar is not None and self.jump_forward and (jump := self.jump_forward_tokens(req)):
+                    break
+            generated += kept
+            if tree is not None and drafts:  # the kept tokens' KV: the path's first `kept` nodes
+                self.keep_verified_rows(req, batch.kv_ends[i] - len(tree), path[:kept], len(tree))
+            if self.proposer is not None:
+                self.note_spec_step(req, drafts, kept - 1)
             if req.finished:
                 self.release(req)
-            elif req.grammar is not None and self.jump_forward:
-                self.try_jump_forward(req)
+            elif jump:
+                self.jump(req, jump)
         if self.proposer is not None:
             self.spec_req_steps += len(progressed)
             self.spec_step_tokens += generated
@@ -551,21 +560,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.stream_output(progressed)
         self.num_generated_tokens += generated
         self.maybe_log_decode_stats()
-
-    def accept_drafts(self, req: Req, tree: DraftTree, res: BatchResult, start: int, kv_end: int) -> list[int]:
-        """Walk the tree from its root (row `start` of the batch) along the target's greedy tokens;
-        keep the accepted rows' KV. Returns the accepted draft tokens and the target's next one."""
-        assert res.verify_argmax is not None, "verify batches report every row's argmax"
-        path, tokens = [0], []
-        while True:
-            target = res.verify_argmax[start + path[-1]]
-            tokens.append(target)
-            child = tree.child_with(path[-1], target)
-            if child is None:
-                break
-            path.append(child)
-        self.keep_verified_rows(req, kv_end - len(tree), path, len(tree))
-        return tokens
 
     def note_spec_step(self, req: Req, proposed: int, accepted: int) -> None:
         """SGLang's speculative stats of one decode step of req (a step without drafts accepts 0)."""
@@ -593,45 +587,49 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             self.allocator.free(table[first_free : kv_start + rows].long())
         req.kv_len = keep_end
 
-    def try_jump_forward(self, req: Req) -> None:
-        """Append the string the grammar forces next without decoding it token by token.
+    def jump_forward_tokens(self, req: Req) -> list[int] | None:
+        """The tokens of the string the grammar forces next, to append without decoding them token
+        by token (the grammar has accepted them), or None.
 
         The forced string is tokenized together with the last generated tokens; it is used only
         when that keeps those tokens (else decoding goes on, and the next step tries again at a
         cleaner boundary). The request then leaves the decode batch with its KV in the prefix
-        cache and comes back as one extend over the appended tokens."""
+        cache and comes back as one extend over the appended tokens (see `jump`)."""
         p, grammar = req.sampling_params, req.grammar
         assert grammar is not None, "only constrained requests jump forward"
         if req.return_logprob or p.stop_strs:  # no logprobs for jumped tokens; a stop string could fire inside
-            return
+            return None
         forced = grammar.find_jump_forward_string()
         if not forced:
-            return
+            return None
         out = req.output_ids
         tail = out[-JUMP_FORWARD_CONTEXT_TOKENS:]  # earlier tokens belong to finished pre-tokens
         tail_text = self.tokenizer.decode(tail, clean_up_tokenization_spaces=False)
         assert isinstance(tail_text, str)  # one sequence of ids decodes to one string
         ids = self.tokenizer.encode(tail_text + forced, add_special_tokens=False)
         if ids[: len(tail)] != tail:
-            return
+            return None
         # The last forced token is left to the model: it may merge with the free text after it
         # (e.g. ' "' + 'S' -> ' "S'), and decoding it keeps the tokens greedy decoding would pick.
         extra = ids[len(tail) : -1]
         if len(extra) < JUMP_FORWARD_MIN_TOKENS:
-            return
+            return None
         if (
             p.max_new_tokens is not None
             and len(out) + len(extra) >= p.max_new_tokens
             or req.seq_len + len(extra) >= self.model_config.context_len
         ):
-            return
+            return None
         if set(extra) & (set(p.stop_token_ids or ()) | self.eos_token_ids):
-            return  # a stop token inside the forced string: decode it normally
+            return None  # a stop token inside the forced string: decode it normally
         for k, t in enumerate(extra):
             if not grammar.accept_token(t):
                 grammar.rollback(k)
-                return
-        out.extend(extra)
+                return None
+        return extra
+
+    def jump(self, req: Req, extra: list[int]) -> None:
+        req.output_ids.extend(extra)
         self.total_jump_forward_tokens += len(extra)
         if req in self.running_batch.reqs:  # defensive: a decode result's request is normally still running
             self.running_batch.reqs.remove(req)

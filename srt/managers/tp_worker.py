@@ -21,7 +21,8 @@ from srt.server_args import ServerArgs
 
 @dataclass
 class BatchResult:
-    """A forward pass's outputs, moved to the host once per batch."""
+    """A forward pass's outputs, moved to the host once per batch: a row per request, or in a
+    speculative verify batch a row per draft tree node (the next_token_* lists)."""
 
     next_token_ids: list[int]
     next_token_logprobs: list[float] | None = None
@@ -30,7 +31,6 @@ class BatchResult:
     # per request: (logprob per row, top-k values per row, top-k ids per row, asked-id logprobs
     # per row) for prompt rows
     input_logprobs: list[tuple[list[float], list, list, list]] | None = None
-    verify_argmax: list[int] | None = None  # TARGET_VERIFY: the target's greedy token at every row
     forward_start: float = 0.0
     forward_end: float = 0.0
 
@@ -119,17 +119,12 @@ class TpModelWorker:
         start = time.perf_counter()
         fb = dataclasses.replace(fb, input_ids=self.future_map.resolve(fb.input_ids))
         logits_output = self.forward(fb)
-        verify_argmax = None
-        if fb.spec_row0 is not None:
-            # every row's argmax checks the drafts; each request's first row is sampled like a decode step
-            rows = logits_output.next_token_logits
-            verify_argmax = rows.argmax(dim=-1)
-            logits_output.next_token_logits = rows.index_select(0, fb.spec_row0)
+        # a verify batch samples every row (each request's token after that node's path); a
+        # request's first row is the token the next step feeds when its drafts fail
         next_token_ids = self.model_runner.sample(logits_output, fb)
+        fed = next_token_ids if fb.spec_row0 is None else next_token_ids.index_select(0, fb.spec_row0)
         slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.future_map.tokens[slots] = next_token_ids
+        self.future_map.tokens[slots] = fed
         result = to_batch_result(logits_output, next_token_ids, fb)
-        if verify_argmax is not None:
-            result.verify_argmax = verify_argmax.tolist()
         result.forward_start, result.forward_end = start, time.perf_counter()
         return result

@@ -48,8 +48,9 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
     extend_start_loc_cpu: list[int] | None = None
-    # Speculative verify: each request's first row (its last token; the sampler samples it like a
-    # decode step) and, for TARGET_VERIFY, its draft tree's mask ([n, n] bool, True = may attend).
+    # Speculative verify: each request's first row (its last token: the row whose sample is its next
+    # token when no draft is accepted; every row is sampled) and, for TARGET_VERIFY, its draft
+    # tree's mask ([n, n] bool, True = may attend).
     spec_row0: torch.Tensor | None = None
     tree_masks: list[torch.Tensor] | None = None
     # Logprobs.

@@ -8,6 +8,7 @@ import torch
 
 from srt.constrained.grammar_backend import allocate_token_bitmask, apply_token_bitmask
 from srt.sampling.penaltylib import Penalties
+from srt.speculative.draft_tree import fill_tree_bitmask
 
 
 @dataclass
@@ -32,10 +33,18 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_reqs(
-        cls, reqs, vocab_size: int, eos_token_ids: set[int], device, positions: list[int] | None = None
+        cls,
+        reqs,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        device,
+        positions: list[int] | None = None,
+        depths: list[int] | None = None,
     ) -> SamplingBatchInfo:
         """positions: the sequence position of each row's sampled token (seeds hash it); by
-        default the request's current length."""
+        default the request's current length. depths (speculative verify, where a request has a
+        row per draft tree node): how many drafts precede each row's token; rows at depth > 0 get
+        their grammar mask from `fill_tree_bitmask`."""
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k for p in ps]
@@ -62,7 +71,7 @@ class SamplingBatchInfo:
         block = []
         for i, r in enumerate(reqs):
             p = r.sampling_params
-            if len(r.output_ids) < p.min_new_tokens:
+            if len(r.output_ids) + (depths[i] if depths else 0) < p.min_new_tokens:
                 banned = set(p.stop_token_ids or []) | (set() if p.ignore_eos else eos_token_ids)
                 if banned:
                     block.append((i, sorted(banned)))
@@ -78,7 +87,25 @@ class SamplingBatchInfo:
         if rows:
             info.vocab_mask, info.vocab_mask_rows = allocate_token_bitmask(len(reqs), vocab_size), rows
             for i in rows:
-                reqs[i].grammar.fill_next_token_bitmask(info.vocab_mask, i)
+                if not depths or depths[i] == 0:
+                    reqs[i].grammar.fill_next_token_bitmask(info.vocab_mask, i)
+        return info
+
+    @classmethod
+    def for_tree_rows(cls, reqs, trees, vocab_size: int, eos_token_ids: set[int], device) -> SamplingBatchInfo:
+        """Speculative verify: a row per node of each request's draft tree, sampled as the request's
+        token after that node's path: its seed hashes that token's position, the min_new_tokens ban
+        counts the drafts before it, its grammar mask is the state after the path."""
+        rows = [r for r, t in zip(reqs, trees) for _ in range(len(t))]
+        depths = [d for t in trees for d in t.depths]
+        positions = [r.kv_len - len(t) + 1 + d for r, t in zip(reqs, trees) for d in t.depths]
+        info = cls.from_reqs(rows, vocab_size, eos_token_ids, device, positions=positions, depths=depths)
+        first = 0
+        for r, t in zip(reqs, trees):
+            if r.grammar is not None and len(t) > 1:
+                assert info.vocab_mask is not None, "from_reqs allocates masks for constrained rows"
+                fill_tree_bitmask(t, r.grammar, info.vocab_mask, first)
+            first += len(t)
         return info
 
     @property

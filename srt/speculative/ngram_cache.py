@@ -10,7 +10,7 @@ and the n-grams that reach zero are dropped, so frequent n-grams survive and mem
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from srt.speculative.draft_tree import DraftTree
 
 
 class _Node:
@@ -19,51 +19,6 @@ class _Node:
     def __init__(self) -> None:
         self.children: dict[int, _Node] = {}
         self.count = 0
-
-
-@dataclass
-class DraftTree:
-    """Proposed tokens as a tree under the request's last token (node 0, the root). Nodes are in
-    BFS order, so a parent always comes before its children and depths never decrease."""
-
-    tokens: list[int] = field(default_factory=lambda: [-1])  # node 0's token is the request's last one
-    parents: list[int] = field(default_factory=lambda: [-1])
-    depths: list[int] = field(default_factory=lambda: [0])
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_drafts(self) -> int:
-        return len(self.tokens) - 1
-
-    def add(self, parent: int, token: int) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        return len(self.tokens) - 1
-
-    @property
-    def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents) if i)
-
-    def child_with(self, node: int, token: int) -> int | None:
-        """The child of `node` proposing `token`, if any (children follow their parent in BFS order)."""
-        for c in range(node + 1, len(self.tokens)):
-            if self.parents[c] == node and self.tokens[c] == token:
-                return c
-        return None
-
-    def ancestors_mask(self) -> list[list[bool]]:
-        """mask[i][j]: node i may attend to node j (j is i or one of its ancestors)."""
-        n = len(self.tokens)
-        mask = [[False] * n for _ in range(n)]
-        for i in range(n):
-            j = i
-            while j >= 0:
-                mask[i][j] = True
-                j = self.parents[j]
-        return mask
 
 
 class NgramCache:

@@ -1,17 +1,20 @@
 """`--speculative-algorithm NGRAM`: draft trees for the running requests from the server's n-gram
 cache, and the per-request adaptivity that keeps speculation cheap where it does not pay.
 
-A request gets a draft only where verifying it is exact and cheap to check: greedy sampling
-without logit processors (penalties, logit bias, the min_new_tokens ban, grammars) and without
-logprobs. The others (and requests whose drafts keep failing) run their step as plain decoding
-inside the same verify batch, with their one row sampled exactly as a decode step samples it."""
+Every row of a verify batch is sampled with its request's parameters as the token after that node's
+path (greedy or sampled, top-k/p, min-p, seeds, logit bias, the min_new_tokens ban, the grammar's
+mask), so drafts are exact for all requests except those with penalties, whose logits depend on the
+path's own tokens: they (and requests whose drafts keep failing) run their step as plain decoding
+inside the same verify batch, with one row. A grammar drops the drafts it forbids before they are
+verified."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
 
-from srt.speculative.ngram_cache import DraftTree, NgramCache
+from srt.speculative.draft_tree import DraftTree, prune_by_grammar
+from srt.speculative.ngram_cache import NgramCache
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import BatchBuilder, Req
@@ -78,8 +81,9 @@ class NgramProposer:
 
     @staticmethod
     def eligible(req: Req) -> bool:
+        """Not with penalties (frequency, presence, repetition): they read the output so far."""
         p = req.sampling_params
-        return p.is_greedy and not req.needs_fresh_history and not p.logit_bias and not req.return_logprob
+        return p.frequency_penalty == 0 and p.presence_penalty == 0 and p.repetition_penalty == 1
 
     def observe(self, req: Req) -> None:
         """Feed the request's tokens the cache has not seen yet (its prompt, then its outputs)."""
@@ -103,6 +107,8 @@ class NgramProposer:
                 n = min(self.max_drafts, r.spec_draft_budget or self.max_drafts, room)
                 if n > 0:
                     tree = self.cache.propose(r.fill_ids, n, self.max_depth, *self.windows, *self.breadths)
+                    if r.grammar is not None:
+                        tree = prune_by_grammar(tree, r.grammar)
                     extra = builder.rows_slots_needed(r, len(tree)) - builder.rows_slots_needed(r, 1)
                     if extra > free_slots:
                         tree = DraftTree()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
+from collections import Counter
 
 import pytest
 
@@ -123,26 +125,119 @@ def test_stop_conditions_apply_to_every_accepted_token(ngram, tiny_server, refer
     at_baseline(ngram)
 
 
-def test_requests_without_drafts_run_exactly_as_decoding(ngram, tiny_server):
-    """Sampled (seeded), logprob and constrained requests share verify batches with drafted ones."""
-    seeded = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 24, "sampling_seed": 7, "ignore_eos": True}
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+# low enough that the tiny random model's samples often follow its repetitive greedy text, which the
+# n-gram cache proposes
+SAMPLED = {"temperature": 0.05, "top_p": 0.95, "top_k": 40, "max_new_tokens": 32, "ignore_eos": True}
+
+
+def accepted_drafts(outs: list[dict]) -> int:
+    return sum(k * n for o in outs for k, n in enumerate(o["meta_info"]["spec_accept_histogram"]))
+
+
+def generate_all(server, bodies: list[dict]) -> list[dict]:
+    with cf.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda b: server.generate(**b), bodies))
+
+
+def test_seeded_sampling_is_unchanged_by_drafts(ngram_paged, tiny_server):
+    """Each verify row is sampled with the noise of its token's position, so a seeded request draws
+    the same tokens with speculation as without, drafts accepted or not."""
+    bodies = [{"text": p, "sampling_params": {**SAMPLED, "sampling_seed": s}} for p in PROMPTS for s in (1, 2, 3)]
+    want = generate_all(tiny_server, bodies)
+    got = generate_all(ngram_paged, bodies)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    print("accepted", accepted_drafts(got), [o["meta_info"]["spec_accept_length"] for o in got])
+    assert accepted_drafts(got) > len(bodies)
+    for o in got:
+        check_spec_meta(o)
+    at_baseline(ngram_paged)
+
+
+def test_every_accepted_token_has_its_logprobs(ngram, tiny_server):
+    body = {"sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17]}
+    bodies = [{"text": p, **body} for p in PROMPTS]
+    want = generate_all(tiny_server, bodies)
+    got = generate_all(ngram, bodies)
+    assert accepted_drafts(got) > 0
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        gm, wm = g["meta_info"], w["meta_info"]
+        assert len(gm["output_token_logprobs"]) == len(g["output_ids"])
+        assert [t for _, t, _ in gm["output_token_logprobs"]] == g["output_ids"]
+        assert [v for v, _, _ in gm["output_token_logprobs"]] == pytest.approx(
+            [v for v, _, _ in wm["output_token_logprobs"]], abs=1e-4
+        )
+        for gt, wt in zip(gm["output_top_logprobs"], wm["output_top_logprobs"]):
+            assert [t for _, t, _ in gt] == [t for _, t, _ in wt]
+            assert [v for v, _, _ in gt] == pytest.approx([v for v, _, _ in wt], abs=1e-4)
+        for gt, wt in zip(gm["output_token_ids_logprobs"], wm["output_token_ids_logprobs"]):
+            assert [v for v, _, _ in gt] == pytest.approx([v for v, _, _ in wt], abs=1e-4)
+    at_baseline(ngram)
+
+
+def test_constrained_and_min_new_tokens_requests_draft_exactly(ngram_paged, tiny_server):
+    """The grammar drops drafts it forbids and masks each verify row after its path; the
+    min_new_tokens ban counts the drafts before each row."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]}
+    regex = "(one two three four ){3,}"
     bodies = [
-        {"text": PROMPTS[0], "sampling_params": seeded},
-        {"text": PROMPTS[1], "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 2},
+        {"text": PROMPTS[0], "sampling_params": {**GREEDY, "regex": regex, "ignore_eos": False}},
         {"text": PROMPTS[2], "sampling_params": {**GREEDY, "json_schema": json.dumps(schema), "ignore_eos": False}},
+        {"text": PROMPTS[1], "sampling_params": {**SAMPLED, "sampling_seed": 5, "regex": regex, "ignore_eos": False}},
+        {"text": PROMPTS[0], "sampling_params": {**GREEDY, "min_new_tokens": 20, "stop_token_ids": [1, 2]}},
+    ]
+    for _ in range(2):
+        want = generate_all(tiny_server, bodies)
+        got = generate_all(ngram_paged, bodies)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        assert [o["text"] for o in got] == [o["text"] for o in want]
+    print("accepted", [o["meta_info"]["spec_accept_histogram"] for o in got], [o["text"] for o in got])
+    assert accepted_drafts(got[:1]) > 0  # the regex's repetition is what the n-gram cache proposes
+    at_baseline(ngram_paged)
+
+
+def test_penalized_requests_run_exactly_as_decoding(ngram, tiny_server):
+    """Penalties read the path's own tokens, so penalized requests verify no drafts; they share verify
+    batches with drafted ones."""
+    bodies = [
         {"text": PROMPTS[4], "sampling_params": {**GREEDY, "repetition_penalty": 1.3}},
+        {"text": PROMPTS[0], "sampling_params": {**GREEDY, "frequency_penalty": 0.5}},
     ]
     with cf.ThreadPoolExecutor(len(bodies) + 1) as pool:
         drafted = pool.submit(ngram.generate, text=PROMPTS[2], sampling_params=GREEDY)
         got = list(pool.map(lambda b: ngram.generate(**b), bodies))
-        drafted.result()
+        assert accepted_drafts([drafted.result()]) > 0
     for body, out in zip(bodies, got):
-        want = tiny_server.generate(**body)
-        assert out["output_ids"] == want["output_ids"], body
-        if body.get("return_logprob"):  # the same numbers, from the verify forward's first rows
-            got_lp, want_lp = out["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"]
-            assert [t for _, t, _ in got_lp] == [t for _, t, _ in want_lp]
-            assert [v for v, _, _ in got_lp] == pytest.approx([v for v, _, _ in want_lp], abs=1e-4)
-    assert got[2]["text"].startswith('{"n": ')  # constrained (the tiny model never closes it in 48 tokens)
+        assert out["output_ids"] == tiny_server.generate(**body)["output_ids"], body
+        assert out["meta_info"]["spec_accept_histogram"] == [out["meta_info"]["spec_verify_ct"]]
     at_baseline(ngram)
+
+
+def chi_square_critical(df: int, z: float = 3.090) -> float:
+    """Wilson-Hilferty: the chi-square quantile at the normal quantile z (3.090: significance 0.001)."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def test_unseeded_sampling_keeps_its_distribution(ngram_paged, tiny_server):
+    """The first three sampled tokens of 1200 unseeded requests with drafts and 1200 without come
+    from one distribution: a two-sample chi-square test at significance 0.001 (outcomes seen fewer
+    than 10 times in all are pooled)."""
+    n, params = 1200, {"temperature": 0.05, "max_new_tokens": 3, "ignore_eos": True}
+    prompt = PROMPTS[0]
+    ngram_paged.generate(text=prompt, sampling_params=GREEDY)  # the n-gram cache knows the greedy text
+    runs = [server.generate(text=[prompt] * n, sampling_params=params) for server in (ngram_paged, tiny_server)]
+    assert accepted_drafts(runs[0]) > n // 4, "drafts must be accepted for the test to mean anything"
+    counts = [Counter(tuple(o["output_ids"]) for o in outs) for outs in runs]
+    cells, pooled = [], [0, 0]
+    for seq in set(counts[0]) | set(counts[1]):
+        a, b = counts[0][seq], counts[1][seq]
+        if a + b < 10:
+            pooled = [pooled[0] + a, pooled[1] + b]
+        else:
+            cells.append((a, b))
+    cells.append(tuple(pooled))
+    stat = sum((a - (a + b) / 2) ** 2 / ((a + b) / 2) * 2 for a, b in cells if a + b)
+    print("chi-square", stat, len(cells), accepted_drafts(runs[0]))
+    assert len(cells) > 5 and stat < chi_square_critical(len(cells) - 1)
+    at_baseline(ngram_paged)

@@ -9,7 +9,8 @@ import pytest
 from srt.managers.schedule_batch import Req
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
-from srt.speculative.ngram_cache import DraftTree, NgramCache
+from srt.speculative.draft_tree import DraftTree
+from srt.speculative.ngram_cache import NgramCache
 from srt.speculative.ngram_worker import NgramProposer
 
 
