@@ -22,7 +22,9 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 LOAD_FORMATS = ("auto", "dummy")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-NGRAM_DEFAULT_DRAFT_TOKENS = 8
+# automatic (num_steps, eagle_topk, num_draft_tokens): NGRAM drafts a chain of up to 7 tokens (wider
+# trees with --speculative-ngram-max-bfs-breadth); a draft model a chain of 4
+AUTO_SPECULATIVE = {"NGRAM": (7, 1, 8), "STANDALONE": (4, 1, 5)}
 
 
 @dataclass
@@ -249,8 +251,11 @@ class ServerArgs:
                 f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; got {algo!r}"
             )
         if algo == "STANDALONE":
-            raise ValueError("--speculative-algorithm STANDALONE (a draft model) is not implemented yet; use NGRAM")
-        if self.speculative_draft_model_path is not None:
+            if self.speculative_draft_model_path is None:
+                raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+            if self.tp_size > 1:
+                raise ValueError("--speculative-algorithm STANDALONE does not work with --tp-size > 1 yet")
+        elif self.speculative_draft_model_path is not None:
             raise ValueError("--speculative-draft-model-path is for STANDALONE; NGRAM proposes from its n-gram cache")
         set_ = [getattr(self, f) is not None for f in spec_flags]
         if any(set_) and not all(set_):
@@ -259,15 +264,23 @@ class ServerArgs:
                 "set all three or none (automatic values)"
             )
         if not any(set_):
-            self.speculative_num_draft_tokens = NGRAM_DEFAULT_DRAFT_TOKENS
-            self.speculative_num_steps = NGRAM_DEFAULT_DRAFT_TOKENS - 1
-            self.speculative_eagle_topk = 1
+            steps, topk, tokens = AUTO_SPECULATIVE[algo]
+            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = (
+                steps,
+                topk,
+                tokens,
+            )
         steps, topk, tokens = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
         assert steps is not None and topk is not None and tokens is not None
         if steps < 1 or topk < 1 or tokens < 2:
             raise ValueError(
                 "--speculative-num-steps and --speculative-eagle-topk must be >= 1 and "
                 f"--speculative-num-draft-tokens >= 2; got {steps}, {topk}, {tokens}"
+            )
+        if algo == "STANDALONE" and tokens - 1 > steps * topk:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {tokens} is more than the root and --speculative-num-steps "
+                f"({steps}) x --speculative-eagle-topk ({topk}) draft tokens"
             )
         for what in ("match_window_size", "bfs_breadth"):
             lo, hi = (getattr(self, f"speculative_ngram_{end}_{what}") for end in ("min", "max"))
@@ -592,15 +605,25 @@ class ServerArgs:
             "--speculative-algorithm",
             choices=SPECULATIVE_ALGORITHMS,
             type=str.upper,
-            help="NGRAM: draft trees from an n-gram cache over prompts and outputs, verified exactly in one forward",
+            help="NGRAM: draft trees from an n-gram cache over prompts and outputs; STANDALONE: from a smaller "
+            "draft model with the same tokenizer; either verified exactly in one target forward",
         )
-        g.add_argument("--speculative-draft-model-path", help="the draft model of STANDALONE")
-        g.add_argument("--speculative-num-steps", type=int, help="maximum draft depth (automatic: 7 for NGRAM)")
-        g.add_argument("--speculative-eagle-topk", type=int, help="branching per draft step (STANDALONE)")
+        g.add_argument(
+            "--speculative-draft-model-path", help="STANDALONE's draft model (a folder, GGUF file or model name)"
+        )
+        g.add_argument(
+            "--speculative-num-steps", type=int, help="maximum draft depth (automatic: 7 for NGRAM, 4 for STANDALONE)"
+        )
+        g.add_argument(
+            "--speculative-eagle-topk",
+            type=int,
+            help="STANDALONE: the draft model's top-k first tokens branch from the root (automatic: 1, a chain)",
+        )
         g.add_argument(
             "--speculative-num-draft-tokens",
             type=int,
-            help="draft tree nodes verified per request and step, its last token included (automatic: 8)",
+            help="draft tree nodes verified per request and step, its last token included "
+            "(automatic: 8 for NGRAM, 5 for STANDALONE)",
         )
         for name, default, what in [
             ("min-match-window-size", d.speculative_ngram_min_match_window_size, "shortest suffix matched"),

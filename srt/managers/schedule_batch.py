@@ -74,13 +74,16 @@ class Req:
     # structured output: the xgrammar GrammarMatcher once the grammar compiled (srt/constrained)
     grammar: GrammarMatcher | None = None
     timeout: float | None = None  # seconds from arrival until the request is aborted
-    # speculative decoding (srt/speculative): n-gram cache feeding, adaptivity and SGLang's stats
+    # speculative decoding (srt/speculative): n-gram cache feeding, the draft model's cache,
+    # adaptivity and SGLang's stats
     spec_fed: int = 0  # leading fill_ids tokens fed to the n-gram cache
     spec_open: list = field(default_factory=list)  # the cache's open n-gram nodes after them
     spec_draft_budget: int = 0  # drafts per step (0: the server's maximum)
     spec_misses: int = 0  # drafting steps in a row that accepted nothing
     spec_pause: int = 0  # steps left without drafting
     spec_proposed: int = 0  # draft tokens verified
+    draft_rows: list[int] = field(default_factory=list)  # STANDALONE: draft request-table rows, one per branch
+    draft_kv_len: int = 0  # STANDALONE: confirmed tokens with KV in the draft cache
     # [k] = decode steps that accepted k drafts (a step without drafts accepts 0): their sum is the
     # verify count, sum(k * [k]) the accepted drafts
     spec_histogram: list[int] = field(default_factory=list)

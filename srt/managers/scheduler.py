@@ -53,7 +53,9 @@ from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
+from srt.speculative.draft_worker import DraftModelProposer
 from srt.speculative.ngram_worker import NgramProposer
+from srt.speculative.proposer import Proposer
 from srt.utils import rank_log_prefix, start_child_process, zmq_socket
 
 logger = logging.getLogger(__name__)
@@ -119,9 +121,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.jump_forward = not (server_args.disable_jump_forward or server_args.disable_radix_cache)
         self.init_stats()
         self.init_guard()
-        self.proposer = (
-            NgramProposer(server_args, self.model_config.context_len) if server_args.speculative_algorithm else None
-        )
+        self.proposer: Proposer | None = None
+        if server_args.speculative_algorithm == "NGRAM":
+            self.proposer = NgramProposer(server_args, self.model_config.context_len)
+        elif server_args.speculative_algorithm == "STANDALONE":
+            self.proposer = DraftModelProposer(server_args, runner, self.model_config)
         self.step_started = 0.0  # when the current decode step started drafting (speculative)
         broadcaster = self.tp_worker.broadcaster
         self.profiler = ForwardProfiler(
@@ -640,6 +644,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         """Take a running request off the device: its computed KV goes into the prefix cache, which
         its next prefill matches, so only the tokens without KV are computed again."""
         self.tree_cache.cache_finished_req(req)
+        if self.proposer is not None:
+            self.proposer.forget(req)
         req.reset_for_retract(count=retraction)
 
     @staticmethod
@@ -650,6 +656,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
 
     def release(self, req: Req) -> None:
         self.tree_cache.cache_finished_req(req)
+        if self.proposer is not None:
+            self.proposer.forget(req)
 
     # -- idle, integrity, control ----------------------------------------------------------------
 
@@ -677,6 +685,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             problems.append(f"{self.tree_cache.protected_size()} cached tokens still locked while idle")
         if slots.available_size() != slots.size:
             problems.append(f"request slots: {slots.size - slots.available_size()} still held while idle")
+        if self.proposer is not None and (held := self.proposer.stats().get("draft_kv_used")):
+            problems.append(f"draft model KV: {held} slots still held while idle")
         self.integrity_ok = not problems
         if problems:
             msg = "KV pool integrity violated: " + "; ".join(problems)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from srt.metrics.collector import SchedulerMetrics
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
-    from srt.speculative.ngram_worker import NgramProposer
+    from srt.speculative.proposer import Proposer
 
 logger = logging.getLogger("srt.managers.scheduler")
 
@@ -34,7 +34,7 @@ class SchedulerOutputProcessorMixin:
     server_args: ServerArgs
     dp_rank: int
     profiler: ForwardProfiler
-    proposer: NgramProposer | None
+    proposer: Proposer | None
     overlap: bool
     runner: ModelRunner
     allocator: TokenToKVPoolAllocator
@@ -239,6 +239,7 @@ class SchedulerOutputProcessorMixin:
             "overlap_schedule": self.overlap,
             "avg_spec_accept_length": self.spec_step_tokens / self.spec_req_steps if self.spec_req_steps else 0.0,
             "spec_accept_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
+            "speculative": self.proposer.stats() if self.proposer is not None else None,
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "cuda_graph": self.runner.cuda_graph_status(),

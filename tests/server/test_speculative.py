@@ -8,9 +8,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import math
+import os
+import shutil
 from collections import Counter
 
 import pytest
+import torch
 
 PROMPTS = [
     "one two three four one two three four one two three four one two",
@@ -241,3 +244,92 @@ def test_unseeded_sampling_keeps_its_distribution(ngram_paged, tiny_server):
     print("chi-square", stat, len(cells), accepted_drafts(runs[0]))
     assert len(cells) > 5 and stat < chi_square_critical(len(cells) - 1)
     at_baseline(ngram_paged)
+
+
+# -- STANDALONE: a draft model ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(tiny_chat_model, tmp_path_factory) -> str:
+    """A different draft model that often agrees with the target, but not always: the tiny model's
+    weights with seeded noise of a quarter of their scale."""
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path_factory.mktemp("tiny-draft"))
+    g = torch.Generator().manual_seed(0)
+    for name in os.listdir(tiny_chat_model):
+        if name.endswith(".safetensors"):
+            weights = load_file(os.path.join(tiny_chat_model, name))
+            noisy = {k: v + torch.randn(v.shape, generator=g) * 0.02 if v.dim() > 1 else v for k, v in weights.items()}
+            save_file(noisy, os.path.join(path, name))
+        else:
+            shutil.copy(os.path.join(tiny_chat_model, name), path)
+    return path
+
+
+STANDALONE = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path")
+
+
+@pytest.fixture(scope="module")
+def standalone_self(shared_server, tiny_chat_model):
+    """The target as its own draft, two branches from the root (a tree) and chains 3 deep."""
+    return shared_server(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        *STANDALONE,
+        tiny_chat_model,
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "2",
+        "--speculative-num-draft-tokens",
+        "6",
+        env=ALWAYS,
+    )
+
+
+@pytest.fixture(scope="module")
+def standalone_noisy(shared_server, tiny_chat_model, noisy_draft):
+    """A different draft model, automatic chains, pages of 4 and chunked prompts on the target."""
+    return shared_server(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "8192",
+        "--page-size",
+        "4",
+        "--chunked-prefill-size",
+        "16",
+        *STANDALONE,
+        noisy_draft,
+        env=ALWAYS,
+    )
+
+
+@pytest.mark.parametrize("name", ["standalone_self", "standalone_noisy"])
+def test_draft_model_outputs_equal_the_plain_server(request, name, reference, tiny_server):
+    server = request.getfixturevalue(name)
+    seeded = [{"text": p, "sampling_params": {**SAMPLED, "sampling_seed": 11}} for p in PROMPTS]
+    want_seeded = generate_all(tiny_server, seeded)
+    for _ in range(2):  # the second round hits the target's radix cache
+        outs = server.generate(text=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in reference]
+        for o in outs:
+            check_spec_meta(o)
+        got_seeded = generate_all(server, seeded)
+        assert [o["output_ids"] for o in got_seeded] == [o["output_ids"] for o in want_seeded]
+    print(name, [o["meta_info"]["spec_accept_histogram"] for o in outs])
+    assert accepted_drafts(outs) > 0
+    at_baseline(server)
+    assert server.wait_idle()["speculative"]["draft_kv_used"] == 0  # every request's draft KV freed
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(standalone_self, reference):
+    """Greedy drafts of the target itself: every step accepts its whole depth, bar the last steps
+    before max_new_tokens."""
+    outs = standalone_self.generate(text=PROMPTS, sampling_params=GREEDY)
+    for o in outs:
+        hist = o["meta_info"]["spec_accept_histogram"]
+        assert hist[3] >= sum(hist) - 2, hist
