@@ -584,6 +584,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             src = table[[a for a, _ in moved]].long()
             dst = table[[b for _, b in moved]].long()
             self.runner.token_to_kv_pool.move_kv(src, dst)
+            if self.tp_worker.broadcaster is not None:  # every rank holds a shard of this KV
+                self.tp_worker.broadcaster.post_kv_move(src, dst)
         keep_end = kv_start + len(path)
         page = self.allocator.page_size
         first_free = -(-keep_end // page) * page  # the kept tail's page stays with the request

@@ -19,9 +19,12 @@ logger = logging.getLogger(__name__)
 
 def serve_forwards(runner: ModelRunner, profiler: ForwardProfiler) -> None:
     """Write each broadcast batch's page-table rows into this rank's table, then run it. Rank 0's
-    control messages start and stop this rank's profiler."""
+    control messages start and stop this rank's profiler; its KV moves (accepted draft rows) apply
+    to this rank's shard."""
     table = runner.req_to_token_pool.req_to_token
-    while (received := receive_forward(runner.device, lambda req: profiler.handle(req, 0))) is not None:
+    while (
+        received := receive_forward(runner.device, lambda req: profiler.handle(req, 0), runner.token_to_kv_pool.move_kv)
+    ) is not None:
         fb, offset = received.forward_batch, 0
         for slot, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
             table[slot, :n] = received.rows[offset : offset + n]

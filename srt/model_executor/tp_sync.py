@@ -73,13 +73,19 @@ class ForwardBroadcaster:
         """Queue a control message (a profiler start or stop) for the followers. Any thread may post;
         it goes out with the next forward or keep-alive, in order with the forwards."""
         with self.lock:
-            self.posted.append(control)
+            self.posted.append({"kind": "control", "control": control})
+
+    def post_kv_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue a KV copy (slots src -> dst, on every rank's shard) for the followers: speculative
+        verification keeps accepted draft rows by moving them; it happens before the next forward."""
+        with self.lock:
+            self.posted.append({"kind": "move_kv", "src": _pack(src), "dst": _pack(dst)})
 
     def _flush_posted(self) -> None:
         with self.lock:
             posted, self.posted = self.posted, []
-        for control in posted:
-            self._send({"kind": "control", "control": control})
+        for msg in posted:
+            self._send(msg)
 
     def _send(self, msg: dict) -> None:
         broadcast_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
@@ -115,15 +121,21 @@ class ReceivedForward(NamedTuple):
     rows: torch.Tensor  # the page-table rows of the batch's requests, concatenated in batch order
 
 
-def receive_forward(device, on_control: Callable[[Any], object] | None = None) -> ReceivedForward | None:
+def receive_forward(
+    device,
+    on_control: Callable[[Any], object] | None = None,
+    on_move_kv: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+) -> ReceivedForward | None:
     """A follower's side: block until rank 0's next forward (keep-alives are skipped, control
-    messages go to `on_control`); None when rank 0 says stop."""
+    messages go to `on_control`, KV moves to `on_move_kv`); None when rank 0 says stop."""
     while True:
         msg = pickle.loads(broadcast_bytes(None))
         if msg["kind"] == "stop":
             return None
         if msg["kind"] == "control" and on_control is not None:
             on_control(msg["control"])
+        if msg["kind"] == "move_kv" and on_move_kv is not None:
+            on_move_kv(_unpack(msg["src"], device), _unpack(msg["dst"], device))
         if msg["kind"] == "forward":
             fields: dict[str, Any] = {k: _unpack_field(v, device) for k, v in msg["fields"].items()}
             return ReceivedForward(ForwardBatch(**fields), _unpack(msg["rows"], device))

@@ -246,6 +246,49 @@ def test_unseeded_sampling_keeps_its_distribution(ngram_paged, tiny_server):
     at_baseline(ngram_paged)
 
 
+def test_n_samples_per_prompt(ngram, reference):
+    """n > 1: each sample is its own request with its own drafts."""
+    outs = ngram.generate(text=PROMPTS[:2], sampling_params={**GREEDY, "n": 2})
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in reference[:2] for _ in range(2)]
+    sampled = ngram.generate(text=PROMPTS[0], sampling_params={**SAMPLED, "n": 4})
+    assert len(sampled) == 4 and all(len(o["output_ids"]) == SAMPLED["max_new_tokens"] for o in sampled)
+    assert accepted_drafts(outs + sampled) > 0
+    at_baseline(ngram)
+
+
+def test_tensor_parallel_retraction_and_chunking(shared_server, tiny_chat_model):
+    """Two tensor-parallel ranks verify drafts; a tiny pool forces retractions (drafts get only what
+    one decode step of every request leaves free) and chunked prefills: outputs equal a roomy plain
+    server's and the pool is whole when idle."""
+    import asyncio
+
+    from test_retraction import run_all, tree_prompts
+
+    bodies = tree_prompts(120)
+    roomy = shared_server("--model-path", tiny_chat_model, "--max-total-tokens", "60000")
+    expect = asyncio.run(run_all(roomy.url, bodies))
+    tight = shared_server(
+        "--model-path",
+        tiny_chat_model,
+        "--max-total-tokens",
+        "600",
+        "--chunked-prefill-size",
+        "128",
+        "--tp-size",
+        "2",
+        *NGRAM,
+        env=ALWAYS,
+    )
+    before = tight.wait_idle()
+    got = asyncio.run(run_all(tight.url, bodies))
+    assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expect]
+    assert accepted_drafts(got) > 0
+    state = tight.wait_idle()
+    assert state["total_retractions"] > before["total_retractions"]
+    assert state["idle"] and state["integrity_ok"]
+    assert state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
+
+
 # -- STANDALONE: a draft model ---------------------------------------------------------------------
 
 

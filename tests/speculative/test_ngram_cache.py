@@ -86,6 +86,21 @@ def test_capacity_bounds_the_trie():
         ),
         (dict(speculative_algorithm="NGRAM", enable_overlap_schedule=True), "--enable-overlap-schedule"),
         (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="/x"), "--speculative-draft-model-path"),
+        (dict(speculative_algorithm="STANDALONE"), "STANDALONE needs --speculative-draft-model-path"),
+        (
+            dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="/x", tp_size=2),
+            "STANDALONE does not work with --tp-size > 1",
+        ),
+        (
+            dict(
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path="/x",
+                speculative_num_steps=2,
+                speculative_eagle_topk=2,
+                speculative_num_draft_tokens=6,
+            ),
+            r"--speculative-num-draft-tokens 6 is more than the root and --speculative-num-steps \(2\) x",
+        ),
     ],
 )
 def test_invalid_flag_combinations_name_the_flags(kwargs, message):
@@ -97,6 +112,8 @@ def test_automatic_values():
     args = ServerArgs(model_path="x", speculative_algorithm="NGRAM")
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (8, 7, 1)
     assert not args.overlap_schedule_enabled("cuda")
+    args = ServerArgs(model_path="x", speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")
+    assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (5, 4, 1)
 
 
 def proposer() -> NgramProposer:
