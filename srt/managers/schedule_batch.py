@@ -78,9 +78,7 @@ class Req:
     # adaptivity and SGLang's stats
     spec_fed: int = 0  # leading fill_ids tokens fed to the n-gram cache
     spec_open: list = field(default_factory=list)  # the cache's open n-gram nodes after them
-    spec_draft_budget: int = 0  # drafts per step (0: the server's maximum)
-    spec_misses: int = 0  # drafting steps in a row that accepted nothing
-    spec_pause: int = 0  # steps left without drafting
+    spec_accept_p: float = 0.6  # the proposer's estimate that its next draft is accepted
     spec_proposed: int = 0  # draft tokens verified
     draft_rows: list[int] = field(default_factory=list)  # STANDALONE: draft request-table rows, one per branch
     draft_kv_len: int = 0  # STANDALONE: confirmed tokens with KV in the draft cache

@@ -387,13 +387,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         if self.proposer is None:
             return ScheduleBatch(reqs, ForwardMode.DECODE)
         self.step_started = time.perf_counter()
-        if not self.proposer.should_draft(len(reqs)):
+        budgets = self.proposer.plan(reqs)
+        if not any(budgets):
             for r in reqs:  # the n-gram cache still learns from every token
                 self.proposer.observe(r)
             return ScheduleBatch(reqs, ForwardMode.DECODE)
         # update_running_batch made room for one decode step; drafts use what is left
         spare = self.allocator.available_size() + self.tree_cache.evictable_size()
-        trees = self.proposer.draft(reqs, self.builder, spare - self.builder.decode_slots_needed(reqs))
+        trees = self.proposer.draft(reqs, budgets, self.builder, spare - self.builder.decode_slots_needed(reqs))
         if not any(t.num_drafts for t in trees):
             return ScheduleBatch(reqs, ForwardMode.DECODE)
         # chains verify as decode rows (the fast decode path); trees need the tree mask
@@ -552,6 +553,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 self.keep_verified_rows(req, batch.kv_ends[i] - len(tree), path[:kept], len(tree))
             if self.proposer is not None:
                 self.note_spec_step(req, drafts, kept - 1)
+                if tree is not None:
+                    self.proposer.adapt(req, drafts, len(path) - 1, max(tree.depths))
             if req.finished:
                 self.release(req)
             elif jump:
@@ -560,7 +563,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             self.spec_req_steps += len(progressed)
             self.spec_step_tokens += generated
             seconds = time.perf_counter() - self.step_started
-            self.proposer.record(len(batch.reqs), trees is not None, generated, seconds)
+            rows = sum(len(t) for t in trees) if trees is not None else len(batch.reqs)
+            self.proposer.record(len(batch.reqs), rows, seconds)
         self.stream_output(progressed)
         self.num_generated_tokens += generated
         self.maybe_log_decode_stats()
@@ -573,7 +577,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         req.spec_histogram[accepted] += 1
         self.spec_proposed += proposed
         self.spec_accepted += accepted
-        self.proposer.adapt(req, proposed, accepted)
 
     def keep_verified_rows(self, req: Req, kv_start: int, path: list[int], rows: int) -> None:
         """Rows `path` of the `rows` written from position kv_start on hold the accepted tokens'

@@ -1,5 +1,5 @@
 """`--speculative-algorithm STANDALONE`: a smaller draft model with the target's tokenizer proposes
-each step's drafts (see `Proposer` for who drafts, how much, and when).
+each step's drafts (see `Proposer` for who drafts and how much).
 
 The draft model has its own runner, KV pool and request table, with no prefix sharing. Its cache
 holds KV only for a request's confirmed tokens (prompt and accepted outputs): a step first extends
@@ -89,6 +89,7 @@ class DraftModelProposer(Proposer):
 
     def stats(self) -> dict:
         return {
+            **super().stats(),
             "draft_kv_used": self.in_use(),
             "draft_kv_capacity": self.allocator.size,
             "draft_forwards": self.draft_forwards,
@@ -130,9 +131,9 @@ class DraftModelProposer(Proposer):
 
     # -- drafting -----------------------------------------------------------------------------------
 
-    def draft(self, reqs: list[Req], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
-        budgets = {id(r): self.budget(r) for r in reqs}
-        wanted = [r for r in reqs if budgets[id(r)] > 0 and r.seq_len + self.max_depth + 1 < self.draft_context_len]
+    def draft(self, reqs: list[Req], budgets: list[int], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
+        budget_of = {id(r): n for r, n in zip(reqs, budgets)}
+        wanted = [r for r, n in zip(reqs, budgets) if n > 0 and r.seq_len + self.max_depth + 1 < self.draft_context_len]
         trees = {id(r): DraftTree() for r in reqs}
         ready, (input_ids, rows, seq_lens, prefix_lens) = self._catch_up(wanted)
         if ready:
@@ -140,7 +141,7 @@ class DraftModelProposer(Proposer):
                 [self.table.req_to_token[row, p:s].long() for row, p, s in zip(rows, prefix_lens, seq_lens)]
             )
             logits = self._forward(ForwardMode.EXTEND, input_ids, rows, seq_lens, prefix_lens, loc)
-            for r, tree in zip(ready, self._grow(ready, logits, [budgets[id(r)] for r in ready])):
+            for r, tree in zip(ready, self._grow(ready, logits, [budget_of[id(r)] for r in ready])):
                 trees[id(r)], free_slots = self.fit(r, tree, builder, free_slots)
         return [trees[id(r)] for r in reqs]
 

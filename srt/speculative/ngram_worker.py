@@ -1,5 +1,5 @@
 """`--speculative-algorithm NGRAM`: draft trees for the running requests from the server's n-gram
-cache (see `Proposer` for who drafts, how much, and when)."""
+cache (see `Proposer` for who drafts and how much)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ class NgramProposer(Proposer):
             req.spec_open = self.cache.feed(ids[req.spec_fed :], req.spec_open)
             req.spec_fed = len(ids)
 
-    def draft(self, reqs: list[Req], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
+    def draft(self, reqs: list[Req], budgets: list[int], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
         trees = []
-        for r in reqs:
+        for r, n in zip(reqs, budgets):
             self.observe(r)
             tree = DraftTree()
-            if (n := self.budget(r)) > 0:
+            if n > 0:
                 tree = self.cache.propose(r.fill_ids, n, self.max_depth, *self.windows, *self.breadths)
                 tree, free_slots = self.fit(r, tree, builder, free_slots)
             trees.append(tree)

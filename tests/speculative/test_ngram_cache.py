@@ -120,26 +120,57 @@ def proposer() -> NgramProposer:
     return NgramProposer(ServerArgs(model_path="x", speculative_algorithm="NGRAM"), 8192)
 
 
-def test_step_rates_pick_the_faster_kind_and_keep_exploring(monkeypatch):
+def make_req(p_accept: float, max_new_tokens: int = 100) -> Req:
+    req = Req(
+        rid="r",
+        origin_input_ids=[1, 2, 3],
+        sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens),
+    )
+    req.spec_accept_p = p_accept
+    return req
+
+
+def test_the_cost_model_learns_plain_steps_then_drafted_rows(monkeypatch):
     monkeypatch.delenv("RADIXSERVE_SPEC_ALWAYS_DRAFT", raising=False)
     p = proposer()
-    assert p.should_draft(4)  # nothing known: try drafting
-    p.record(4, True, 4, 1.0)
-    assert not p.should_draft(4)  # then a plain step
-    p.record(4, False, 4, 0.5)  # plain decoding is faster here
-    assert [p.should_draft(4) for _ in range(32)].count(True) == 2  # one exploring step in 16
-    for _ in range(5):
-        p.record(4, True, 40, 1.0)  # drafts started to pay
-    assert p.should_draft(4) and p.should_draft(5)  # the same bucket (4..7)
-    assert p.should_draft(8)  # another bucket starts over
+    reqs = [make_req(0.6), make_req(0.6)]
+    assert p.plan(reqs) == [0, 0]  # first what a plain step costs
+    p.record(2, 2, 0.020)
+    assert p.plan(reqs) == [7, 7]  # then what a drafted row costs
+    p.record(2, 16, 0.020 + 14 * 0.002)
+    assert p.costs(2) == pytest.approx((0.020, 0.002))
+    assert p.costs(3) == pytest.approx((0.020, 0.002))  # the same bucket (2..3)
+    assert p.costs(64)[0] is None and p.costs(64)[1] == pytest.approx(0.002)  # another bucket's row cost
 
 
-def test_failing_drafts_shrink_then_pause():
+def test_drafts_go_where_they_pay(monkeypatch):
+    """A row costs a third of a plain step of one request: a draft must be accepted with p > 1/3
+    to pay; a likely request gets a long chain, an unlikely one none (its p drifts back up)."""
+    monkeypatch.delenv("RADIXSERVE_SPEC_ALWAYS_DRAFT", raising=False)
     p = proposer()
-    req = Req(rid="r", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0))
-    p.adapt(req, 7, 0)
-    assert req.spec_draft_budget == 3 and req.spec_pause == 0
-    p.adapt(req, 3, 0)
-    assert req.spec_draft_budget == 1 and req.spec_pause == 2
-    p.adapt(req, 1, 1)  # a hit: the budget grows again
-    assert req.spec_draft_budget == 2 and req.spec_misses == 0
+    p.record(1, 1, 0.018)
+    p.record(1, 2, 0.024)
+    assert p.plan([make_req(0.9)])[0] >= 3
+    assert p.plan([make_req(0.2)]) == [0]
+    unlikely = make_req(0.2)
+    drafted = [p.plan([unlikely])[0] for _ in range(100)]
+    assert drafted[0] == 0 and 0 < drafted[-1] <= 2  # tried again with a draft or two, once p drifted up
+    assert p.plan([make_req(0.5)]) == [1]
+    cheap = proposer()  # a nearly free row (a GPU at small batch): even a coin flip's chain pays
+    cheap.record(1, 1, 0.010)
+    cheap.record(1, 8, 0.0101)
+    assert cheap.plan([make_req(0.5)]) == [7]
+    assert p.plan([make_req(0.99, max_new_tokens=3)]) == [2]  # the last token is the target's own
+
+
+def test_acceptance_estimates_follow_verifies():
+    p = proposer()
+    req = make_req(0.6)
+    p.adapt(req, 7, 7, 7)
+    assert req.spec_accept_p > 0.95
+    for _ in range(5):
+        p.adapt(req, 3, 0, 3)
+    assert req.spec_accept_p < 0.2
+    before = req.spec_accept_p
+    p.adapt(req, 4, 2, 2)  # a tree two deep whose best path held: no failure observed
+    assert req.spec_accept_p > before
