@@ -123,7 +123,10 @@ def main() -> None:
                 for bs in sizes:
                     texts = make(bs) if name == "repetitive" else chat_texts(server.url, make(bs))
                     run_batch(server.url, texts[:1], 8)  # warm up this prompt shape
-                    results["runs"][f"{mode}/{name}/{bs}"] = run_batch(server.url, texts, args.max_new_tokens)
+                    run = run_batch(server.url, texts, args.max_new_tokens)
+                    info = httpx.get(server.url + "/server_info", timeout=30).json()
+                    run["policy"] = info["internal_states"][0].get("speculative")  # the learnt cost model
+                    results["runs"][f"{mode}/{name}/{bs}"] = run
                     steps.update()
     steps.close()
     print(
@@ -139,6 +142,10 @@ def main() -> None:
                 f"{name:<12}{bs:>6}{off['tok_s']:>12.1f}{on['tok_s']:>13.1f}{ratio:>7.2f}x"
                 f"{on['accept_length'] or 0:>12.2f}{'yes' if same else 'NO':>6}"
             )
+    for name in workloads:
+        for bs in sizes:
+            policy = results["runs"][f"ngram/{name}/{bs}"]["policy"]
+            print(f"policy after {name}/{bs}: {json.dumps(policy)}")
     if args.json:
         for run in results["runs"].values():
             run.pop("output_ids", None)

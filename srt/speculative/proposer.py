@@ -1,16 +1,16 @@
 """What every speculative proposer shares: which requests may draft, and how many drafts each
 verifies this step, chosen by a cost model so that speculation pays or stays out of the way.
 
-The model: a step of a batch of B requests verifying R rows in all (B without drafts) costs
-`plain(B) + per_row(B) * (R - B)` seconds, both learnt online from the steps themselves (moving
-averages per batch-size bucket); a request's next draft is accepted with its own probability p
-(a moving average over its verified drafts; drafts form a chain, so its n-th draft adds p**n
-expected tokens). Each step hands out drafts one at a time to the request whose next draft adds
-the most expected tokens, while that gain per extra second beats the step's tokens per second so
-far. So on a machine where an extra row costs a third of a decode step (a CPU), drafts need a high
-acceptance; where it is nearly free (a GPU at small batch), low acceptance still pays; a request
-whose drafts fail gets none, and its p drifts back toward the prior so it is tried again now and
-then with one draft.
+The model: a step verifying R rows in all (a row per request without drafts, plus one per draft)
+costs `base + per_row * R` seconds, a least-squares line through the recent steps (older ones weigh
+less; a step far slower than the line predicts is clipped, so one cold step cannot skew it); a
+request's next draft is accepted with its own probability p (a moving average over its verified
+drafts; drafts form a chain, so its n-th draft adds p**n expected tokens). Each step hands out
+drafts one at a time to the request whose next draft adds the most expected tokens, while that gain
+per extra second beats the step's tokens per second so far. So on a machine where an extra row costs
+a third of a decode step (a CPU), drafts need a high acceptance; where it is nearly free (a GPU at
+small batch), low acceptance still pays; a request whose drafts fail gets none, and its p drifts
+back toward the prior so it is tried again now and then with a draft or two.
 
 Every row of a verify batch is sampled with its request's parameters as the token after that node's
 path (greedy or sampled, top-k/p, min-p, seeds, logit bias, the min_new_tokens ban, the grammar's
@@ -30,10 +30,37 @@ if TYPE_CHECKING:
     from srt.managers.schedule_batch import BatchBuilder, Req
     from srt.server_args import ServerArgs
 
-COST_EMA = 0.1  # step cost moving averages
+COST_DECAY = 0.97  # per step, the weight of older steps in the cost line
+OUTLIER = 3.0  # a step slower than this many times the line's prediction counts as this many
 ACCEPT_EMA = 0.3  # a request's acceptance probability, per verified draft
 PRIOR_ACCEPT = 0.6  # a new request's acceptance probability
 DRIFT = 0.03  # per step without drafts, p moves this far back toward the prior
+
+
+class StepCost:
+    """Seconds per step as `base + per_row * rows`: weighted least squares over the steps seen,
+    each older step weighing COST_DECAY times less. The line is kept from the last time the rows
+    varied enough to fit it (a long run of same-sized plain steps says nothing about drafts)."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.line: tuple[float, float] | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        if self.line is not None:
+            seconds = min(seconds, OUTLIER * self.predict(rows))
+        d = COST_DECAY
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if self.w > 1.5 and var >= 0.05:
+            per_row = max((self.xy / self.w - mx * my) / var, 0.0)
+            self.line = (max(my - per_row * mx, 0.0), per_row)
+
+    def predict(self, rows: int) -> float:
+        assert self.line is not None, "fitted"
+        return self.line[0] + self.line[1] * rows
 
 
 class Proposer:
@@ -43,9 +70,7 @@ class Proposer:
         self.max_drafts = a.speculative_num_draft_tokens - 1
         self.max_depth = a.speculative_num_steps
         self.context_len = context_len
-        # per batch-size bucket: seconds of a step without drafts, and per extra verified row
-        self.plain_s: dict[int, float] = {}
-        self.row_s: dict[int, float] = {}
+        self.cost = StepCost()
         self.drafted_steps = self.plain_steps = 0
         # RADIXSERVE_SPEC_ALWAYS_DRAFT=1: every eligible request drafts its whole budget every step
         # (tests of exactness; A/B measurements)
@@ -58,39 +83,24 @@ class Proposer:
         to processed results)."""
         if seconds <= 0:
             return
-        bucket = batch_size.bit_length()
         if rows == batch_size:
             self.plain_steps += 1
-            old = self.plain_s.get(bucket)
-            self.plain_s[bucket] = seconds if old is None else old + COST_EMA * (seconds - old)
-            return
-        self.drafted_steps += 1
-        plain = self.plain_s.get(bucket)
-        if plain is None:
-            return
-        per_row = max(seconds - plain, 0.0) / (rows - batch_size)
-        old = self.row_s.get(bucket)
-        self.row_s[bucket] = per_row if old is None else old + COST_EMA * (per_row - old)
-
-    def costs(self, batch_size: int) -> tuple[float | None, float | None]:
-        bucket = batch_size.bit_length()
-        row = self.row_s.get(bucket)
-        if row is None and self.row_s:  # another batch size's per-row cost, until this one has its own
-            row = self.row_s[min(self.row_s, key=lambda b: abs(b - bucket))]
-        return self.plain_s.get(bucket), row
+        else:
+            self.drafted_steps += 1
+        self.cost.add(rows, seconds)
 
     def plan(self, reqs: list[Req]) -> list[int]:
         """Drafts each request verifies this step (see the module docstring)."""
         caps = [self.cap(r) for r in reqs]
         if self.always_draft:
             return caps
-        plain, row = self.costs(len(reqs))
-        if plain is None:  # learn the plain step's cost first
+        if self.cost.w == 0:  # learn the plain step's cost first
             return [0] * len(reqs)
-        if row is None:  # then what a drafted row costs
+        if self.cost.line is None:  # then what a drafted row costs
             return caps
+        row = self.cost.line[1]
         n = [0] * len(reqs)
-        tokens, seconds = float(len(reqs)), plain
+        tokens, seconds = float(len(reqs)), self.cost.predict(len(reqs))
         gains = [(-r.spec_accept_p, i) for i, (r, c) in enumerate(zip(reqs, caps)) if c > 0]
         heapq.heapify(gains)
         while gains:
@@ -111,8 +121,8 @@ class Proposer:
         return {
             "drafted_steps": self.drafted_steps,
             "plain_steps": self.plain_steps,
-            "plain_step_ms": {str(1 << (b - 1)): round(s * 1e3, 3) for b, s in sorted(self.plain_s.items())},
-            "row_ms": {str(1 << (b - 1)): round(s * 1e3, 3) for b, s in sorted(self.row_s.items())},
+            "step_base_ms": None if self.cost.line is None else round(self.cost.line[0] * 1e3, 3),
+            "step_per_row_ms": None if self.cost.line is None else round(self.cost.line[1] * 1e3, 3),
         }
 
     # -- per request --------------------------------------------------------------------------------

@@ -138,9 +138,12 @@ def test_the_cost_model_learns_plain_steps_then_drafted_rows(monkeypatch):
     p.record(2, 2, 0.020)
     assert p.plan(reqs) == [7, 7]  # then what a drafted row costs
     p.record(2, 16, 0.020 + 14 * 0.002)
-    assert p.costs(2) == pytest.approx((0.020, 0.002))
-    assert p.costs(3) == pytest.approx((0.020, 0.002))  # the same bucket (2..3)
-    assert p.costs(64)[0] is None and p.costs(64)[1] == pytest.approx(0.002)  # another bucket's row cost
+    assert p.cost.line == pytest.approx((0.016, 0.002))
+    p.record(2, 2, 10.0)  # a cold step far off the line is clipped
+    assert p.cost.predict(2) < 0.07
+    for _ in range(200):  # plain steps only: the line from the last varied rows stays
+        p.record(2, 2, 0.020)
+    assert p.cost.line[1] > 0.001
 
 
 def test_drafts_go_where_they_pay(monkeypatch):
