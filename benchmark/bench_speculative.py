@@ -1,16 +1,21 @@
-"""Speculative decoding (NGRAM) on vs off, one run, same machine: output tok/s and accept length.
+"""Speculative decoding (NGRAM or STANDALONE) on vs off, one run, same machine: output tok/s and accept length.
 
     python benchmark/bench_speculative.py                     # default model, batch 1 and 16
     python benchmark/bench_speculative.py --batch-sizes 1 --max-new-tokens 128 --json spec.json
+    python benchmark/bench_speculative.py --draft-model PATH    # STANDALONE instead of NGRAM
 
 Two workloads through /generate (chat-formatted with the model's own template, greedy):
 - repetitive: raw completion of 40 lines of a source file of this project followed by the start of
   "an identical copy" of them, so outputs copy the prompt (what n-gram drafts are for);
 - random: open chat questions (the model's template) whose answers share little with the prompt.
-Each (workload, batch size) sends `batch` requests at once, each with its own prompt, to a server
-without speculation and then to one with `--speculative-algorithm NGRAM` (started one after the
-other, never both at once), and reports output tok/s, their ratio, and the mean spec_accept_length
-of the requests. Goal (issue 20): >= 2.0x at batch 1 on the repetitive workload, >= 0.95x on the random one.
+Both servers (without speculation, and with `--speculative-algorithm NGRAM`, or STANDALONE with
+`--draft-model`) are up at once and take turns: each (workload, batch size) runs `--repeats` rounds,
+each round sends `batch` requests at once to one server, then the same requests to the other (the
+order alternates by round), and each round has prompts of its own (so no round finds the previous
+one's text in the n-gram or prefix cache). Reported: output tok/s (medians over rounds), the median
+of the rounds' ratios, the mean spec_accept_length, and whether the outputs were identical. On a
+shared machine the paired, alternating rounds keep drift from favouring one side.
+Goal (issue 20): >= 2.0x at batch 1 on the repetitive workload, >= 0.95x on the random one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -44,23 +50,26 @@ QUESTIONS = [
 ]
 
 
-def repetitive_prompts(n: int) -> list[str]:
+def repetitive_prompts(n: int, round_: int = 0) -> list[str]:
     """Raw completion prompts (no chat template): a part of a source file, then the start of an
     identical copy, so the continuation repeats the prompt."""
     out = []
     for i in range(n):
-        path = SOURCES[i % len(SOURCES)]
+        path = SOURCES[(i + round_) % len(SOURCES)]
         with open(os.path.join(ROOT, path)) as f:
             lines = f.read().splitlines()
-        start = (i // len(SOURCES)) * 7 % max(len(lines) - 40, 1)
+        start = (i // len(SOURCES) + 5 * round_) * 7 % max(len(lines) - 40, 1)
         code = "\n".join(lines[start : start + 40])
         first = code.splitlines()[0]
         out.append(f"# {path}\n{code}\n\n# {path}, an identical copy of the code above:\n{first}\n")
     return out
 
 
-def random_prompts(n: int) -> list[str]:
-    return [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" (variant {i})") for i in range(n)]
+def random_prompts(n: int, round_: int = 0) -> list[str]:
+    return [
+        QUESTIONS[(i + round_) % len(QUESTIONS)] + ("" if i + round_ == 0 else f" (variant {i}.{round_})")
+        for i in range(n)
+    ]
 
 
 def chat_texts(url: str, prompts: list[str]) -> list[str]:
@@ -103,6 +112,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--extra-flags", default="", help="more server flags for both servers")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per (workload, batch size)")
+    ap.add_argument(
+        "--draft-model", help="compare --speculative-algorithm STANDALONE with this draft model instead of NGRAM"
+    )
+    ap.add_argument("--spec-flags", default="", help="more flags for the speculative server only")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     from srt.model_loader.default_model import resolve_model_path
@@ -115,40 +129,57 @@ def main() -> None:
     workloads = {"repetitive": repetitive_prompts, "random": random_prompts}
     results: dict = {"cpu": cpu, "model": model, "max_new_tokens": args.max_new_tokens, "runs": {}}
     extra = args.extra_flags.split()
-    modes = {"off": extra, "ngram": [*extra, "--speculative-algorithm", "NGRAM"]}
-    steps = tqdm(total=len(modes) * len(workloads) * len(sizes), desc="runs")
-    for mode, flags in modes.items():
-        with our_server(model, flags, args.threads) as server:
-            for name, make in workloads.items():
-                for bs in sizes:
-                    texts = make(bs) if name == "repetitive" else chat_texts(server.url, make(bs))
-                    run_batch(server.url, texts[:1], 8)  # warm up this prompt shape
-                    run = run_batch(server.url, texts, args.max_new_tokens)
-                    info = httpx.get(server.url + "/server_info", timeout=30).json()
-                    run["policy"] = info["internal_states"][0].get("speculative")  # the learnt cost model
-                    results["runs"][f"{mode}/{name}/{bs}"] = run
+    spec = ["--speculative-algorithm", "NGRAM"]
+    if args.draft_model:
+        spec = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", args.draft_model]
+    spec_name = spec[1].lower()
+    steps = tqdm(total=len(workloads) * len(sizes) * args.repeats, desc="rounds")
+    with (
+        our_server(model, extra, args.threads) as off,
+        our_server(model, [*extra, *spec, *args.spec_flags.split()], args.threads) as on,
+    ):
+        servers = {"off": off, spec_name: on}
+        for name, make in workloads.items():
+            for bs in sizes:
+                rounds: dict[str, list[dict]] = {"off": [], spec_name: []}
+                for k in range(args.repeats):
+                    prompts = make(bs, k)
+                    order = ["off", spec_name] if k % 2 == 0 else [spec_name, "off"]
+                    for mode in order:
+                        url = servers[mode].url
+                        texts = prompts if name == "repetitive" else chat_texts(url, prompts)
+                        run_batch(url, texts[:1], 8)  # warm up this prompt shape
+                        rounds[mode].append(run_batch(url, texts, args.max_new_tokens))
                     steps.update()
+                info = httpx.get(on.url + "/server_info", timeout=30).json()
+                results["runs"][f"{name}/{bs}"] = {
+                    "off_tok_s": [r["tok_s"] for r in rounds["off"]],
+                    "on_tok_s": [r["tok_s"] for r in rounds[spec_name]],
+                    "ratios": [b["tok_s"] / a["tok_s"] for a, b in zip(rounds["off"], rounds[spec_name])],
+                    "accept_length": statistics.mean(r["accept_length"] or 0 for r in rounds[spec_name]),
+                    "same_outputs": all(
+                        a["output_ids"] == b["output_ids"] for a, b in zip(rounds["off"], rounds[spec_name])
+                    ),
+                    "policy": info["internal_states"][0].get("speculative"),  # the learnt cost model
+                }
     steps.close()
     print(
-        f"\n{'workload':<12}{'batch':>6}{'off tok/s':>12}{'ngram tok/s':>13}{'ratio':>8}{'accept len':>12}{'same':>6}"
+        f"\n{'workload':<12}{'batch':>6}{'off tok/s':>12}{spec_name + ' tok/s':>14}{'ratio':>8}"
+        f"{'accept len':>12}{'same':>6}"
     )
     for name in workloads:
         for bs in sizes:
-            off, on = results["runs"][f"off/{name}/{bs}"], results["runs"][f"ngram/{name}/{bs}"]
-            ratio = on["tok_s"] / off["tok_s"]
-            same = on["output_ids"] == off["output_ids"]
-            results["runs"][f"ratio/{name}/{bs}"] = {"ratio": ratio, "same_outputs": same}
+            run = results["runs"][f"{name}/{bs}"]
+            run["ratio"] = statistics.median(run["ratios"])
             print(
-                f"{name:<12}{bs:>6}{off['tok_s']:>12.1f}{on['tok_s']:>13.1f}{ratio:>7.2f}x"
-                f"{on['accept_length'] or 0:>12.2f}{'yes' if same else 'NO':>6}"
+                f"{name:<12}{bs:>6}{statistics.median(run['off_tok_s']):>12.1f}"
+                f"{statistics.median(run['on_tok_s']):>14.1f}{run['ratio']:>7.2f}x"
+                f"{run['accept_length']:>12.2f}{'yes' if run['same_outputs'] else 'NO':>6}"
             )
     for name in workloads:
         for bs in sizes:
-            policy = results["runs"][f"ngram/{name}/{bs}"]["policy"]
-            print(f"policy after {name}/{bs}: {json.dumps(policy)}")
+            print(f"policy after {name}/{bs}: {json.dumps(results['runs'][f'{name}/{bs}']['policy'])}")
     if args.json:
-        for run in results["runs"].values():
-            run.pop("output_ids", None)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
 

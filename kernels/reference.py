@@ -120,3 +120,26 @@ def paged_extend_attention(
         out[rows] = _attend(q[rows], k_buffer[slots], v_buffer[slots], torch.arange(prefix, n), scale)
         start += n - prefix
     return out
+
+
+def paged_tree_attention(
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, tree_masks, scale: float
+):
+    """Speculative verification: request b's new tokens are the nodes of its draft tree, at
+    positions prefix_b .. seq_len_b - 1 (KV in the pool); node i attends to the whole prefix and to
+    the nodes j with tree_masks[b][i, j]."""
+    out = torch.empty_like(q)
+    start = 0
+    for b in range(len(seq_lens)):
+        n, prefix = int(seq_lens[b]), int(extend_prefix_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), :n].long()
+        rows = slice(start, start + n - prefix)
+        group = q.shape[1] // k_buffer.shape[1]
+        k = k_buffer[slots].float().repeat_interleave(group, dim=1)
+        v = v_buffer[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", q[rows].float(), k) * scale
+        allowed = torch.cat([torch.ones(n - prefix, prefix, dtype=torch.bool), tree_masks[b].bool().cpu()], dim=1)
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        out[rows] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+        start += n - prefix
+    return out

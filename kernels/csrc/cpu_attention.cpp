@@ -619,6 +619,84 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
   });
 }
 
+// Speculative verification of draft trees: request b's n_b = extend_seq_lens[b] new tokens are
+// the nodes of its draft tree (BFS order, at positions prefix_b + i, KV already in the pool) and
+// `tree_mask` holds each request's [n_b, n_b] mask (row i may see node j), concatenated in batch
+// order. Every node sees the whole prefix, read in place once for all of a request's nodes, then
+// its own ancestors (and itself) among the nodes.
+void tree_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                    const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                    int64_t kv_format, double k_scale, double v_scale, const at::Tensor& req_to_token,
+                    const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                    const at::Tensor& extend_start_loc, const at::Tensor& extend_seq_lens,
+                    const at::Tensor& tree_mask, at::Tensor& out, double scale) {
+  check_inputs(q, k_buffer, v_buffer, req_to_token, out);
+  const int64_t heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
+  const PageTable pages(req_to_token, req_pool_indices, seq_lens);
+  const KvView kv = make_view(k_buffer, v_buffer, k_scales, v_scales, kv_format, k_scale, v_scale);
+  const float q_scale = static_cast<float>(scale) * kv.k_scale;
+  auto starts = extend_start_loc.to(at::kLong).contiguous();
+  auto ext = extend_seq_lens.to(at::kLong).contiguous();
+  auto mask = tree_mask.to(at::kBool).contiguous();
+  const int64_t batch = pages.batch();
+  const int64_t* sloc = starts.data_ptr<int64_t>();
+  const int64_t* elen = ext.data_ptr<int64_t>();
+  const bool* mp = mask.data_ptr<bool>();
+  std::vector<int64_t> mask_off(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) mask_off[b + 1] = mask_off[b] + elen[b] * elen[b];
+  TORCH_CHECK(mask.numel() == mask_off[batch], "tree_attention: tree_mask must hold sum(n_b^2) entries, has ",
+              mask.numel());
+  dispatch_kv(k_buffer, kv_format, [&](auto kv_tag, auto format) {
+    using kv_t = decltype(kv_tag);
+    constexpr int F = decltype(format)::value;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tree_attention_q", [&] {
+      const scalar_t* qp = q.data_ptr<scalar_t>();
+      scalar_t* op = out.data_ptr<scalar_t>();
+      at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qf, acc, m, l, scores;
+        std::vector<int64_t> limit;
+        std::vector<int32_t> own;  // one node's ancestors' slots, in position order
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / kv_heads, h = task % kv_heads, n = elen[b];
+          const int64_t prefix = pages.seq_len(b) - n, rows = n * group;
+          const int32_t* slots = pages.slots(b);
+          qf.resize(rows * d);
+          acc.assign(rows * d, 0.f);
+          m.assign(rows, kNegInf);
+          l.assign(rows, 0.f);
+          limit.assign(rows, prefix);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t g = 0; g < group; ++g)
+              load_query(qp + ((sloc[b] + i) * heads + h * group + g) * d, 1, d, q_scale,
+                         qf.data() + (i * group + g) * d);
+          if (prefix > 0)
+            attend<kv_t, F>(qf.data(), rows, limit.data(), kv, h, d, slots, 0, prefix, m.data(), l.data(),
+                            acc.data(), scores);
+          const bool* mb = mp + mask_off[b];
+          for (int64_t i = 0; i < n; ++i) {
+            own.clear();
+            for (int64_t j = 0; j < n; ++j)
+              if (mb[i * n + j]) own.push_back(slots[prefix + j]);
+            const int64_t r = i * group, cnt = static_cast<int64_t>(own.size());
+            std::fill(limit.begin() + r, limit.begin() + r + group, cnt);
+            attend<kv_t, F>(qf.data() + r * d, group, limit.data() + r, kv, h, d, own.data(), 0, cnt, m.data() + r,
+                            l.data() + r, acc.data() + r * d, scores);
+          }
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t r = i * group + g;
+              scalar_t* dst = op + ((sloc[b] + i) * heads + h * group + g) * d;
+              const float inv = l[r] > 0.f ? kv.v_scale / l[r] : 0.f;
+              for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(acc[r * d + x] * inv);
+            }
+          }
+        }
+      });
+    });
+  });
+}
+
 namespace {
 
 // One row of head_dim values into the stored format (bit-identical to kernels/reference.py's
@@ -700,6 +778,11 @@ TORCH_LIBRARY(radixserve, m) {
       "int kv_format, float k_scale, float v_scale, Tensor req_to_token, Tensor req_pool_indices, "
       "Tensor seq_lens, Tensor extend_start_loc, Tensor extend_seq_lens, Tensor(a!) out, float scale) -> ()");
   m.def(
+      "tree_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor? k_scales, Tensor? v_scales, "
+      "int kv_format, float k_scale, float v_scale, Tensor req_to_token, Tensor req_pool_indices, "
+      "Tensor seq_lens, Tensor extend_start_loc, Tensor extend_seq_lens, Tensor tree_mask, Tensor(a!) out, "
+      "float scale) -> ()");
+  m.def(
       "kv_store(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor(c!)? k_scales, Tensor(d!)? v_scales, "
       "int kv_format, float k_scale, float v_scale, Tensor loc, Tensor k, Tensor v) -> ()");
 }
@@ -707,5 +790,6 @@ TORCH_LIBRARY(radixserve, m) {
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("extend_attention", &extend_attention);
+  m.impl("tree_attention", &tree_attention);
   m.impl("kv_store", &kv_store);
 }

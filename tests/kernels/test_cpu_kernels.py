@@ -95,6 +95,46 @@ def test_extend_matches_reference(ops, kv_format, page, group, head_dim):
             torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa: f"{i}: {m}")
 
 
+def random_tree_mask(n: int, g: random.Random) -> torch.Tensor:
+    """The ancestor mask of a random tree of n nodes in BFS order (each node's parent comes before it)."""
+    parents = [-1] + [g.randrange(i) for i in range(1, n)]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+@pytest.mark.parametrize("kv_format", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("group,head_dim", SHAPES)
+def test_tree_attention_matches_reference(ops, kv_format, page, group, head_dim):
+    """Draft trees verified in place: every node sees its request's whole prefix and its ancestors."""
+    kv_heads = 2
+    prefix = [0, 17, 500, 3, 64]
+    nodes = [5, 8, 1, 12, 3]
+    seq = [p + e for p, e in zip(prefix, nodes)]
+    k, v, table, rows = make_pool(page, kv_heads, seq, torch.float32, seed=7 * group + page, d=head_dim)
+    cache, kf, vf = stored(k, v, kv_format)
+    q = torch.randn(sum(nodes), kv_heads * group, head_dim)
+    starts = torch.tensor([sum(nodes[:i]) for i in range(len(nodes))])
+    g = random.Random(group + page)
+    masks = [random_tree_mask(n, g) for n in nodes]
+    ref = reference.paged_tree_attention(
+        q, kf, vf, table, rows, torch.tensor(seq), torch.tensor(prefix), masks, head_dim**-0.5
+    )
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    with isa_variants(ops, highest="avx512") as isas:
+        for isa in isas:
+            out = torch.empty_like(q)
+            ops.tree_attention(
+                q, *cache, table, rows, torch.tensor(seq), starts, torch.tensor(nodes), flat, out, head_dim**-0.5
+            )
+            torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa: f"{i}: {m}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_queries(ops, dtype):
     """bf16 queries and outputs over a bf16 cache (a bf16 model's decode)."""

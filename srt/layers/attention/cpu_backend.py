@@ -75,3 +75,26 @@ class CpuAttnBackend(AttentionBackend):
         out = out.view(q.shape[0], -1)
         extend_with_sdpa(q, out, layer, fb, self.sdpa_reqs)
         return out
+
+    def init_target_verify_metadata(self, fb) -> None:
+        """Draft trees: each request's [n, n] tree mask, flattened and concatenated for the kernel."""
+        assert fb.tree_masks is not None, "TARGET_VERIFY batches carry their tree masks"
+        self.tree_mask = torch.cat([m.reshape(-1) for m in fb.tree_masks]).to(torch.bool)
+
+    def forward_target_verify(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+        """The C++ tree kernel: each request's prefix read in place once for all its nodes, then each
+        node's ancestors."""
+        kv, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        self.ops.tree_attention(
+            q3,
+            *kv,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            fb.extend_start_loc,
+            fb.extend_seq_lens,
+            self.tree_mask,
+            out,
+            layer.scaling,
+        )
+        return out.view(q.shape[0], -1)
