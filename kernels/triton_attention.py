@@ -520,6 +520,8 @@ def _extend_kernel(
     seq_lens,
     prefix_lens,
     start_loc,
+    TreeMask,
+    tree_mask_starts,
     scale_log2,
     v_scale,
     stride_qt,
@@ -545,6 +547,7 @@ def _extend_kernel(
     MMA_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FORMAT: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     head = tl.program_id(0)
     block_m = tl.program_id(1)
@@ -577,6 +580,17 @@ def _extend_kernel(
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
+            if TREE:  # draft tree nodes: the whole prefix, then the node's ancestors (its mask row)
+                in_tree = offs_n >= prefix
+                nodes = seq_len - prefix
+                mask_row = (
+                    TreeMask + tl.load(tree_mask_starts + b) + offs_m[:, None] * nodes + (offs_n - prefix)[None, :]
+                )
+                tree_ok = tl.load(mask_row, mask=mask_m[:, None] & (in_tree & mask_n)[None, :], other=0) != 0
+                # padding rows see everything: no row's running maximum stays -inf
+                allowed = mask_n[None, :] & ((offs_n < prefix)[None, :] | tree_ok | ~mask_m[:, None])
+            else:
+                allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             m, denom, acc = _attend_block(
                 q,
                 K,
@@ -586,7 +600,7 @@ def _extend_kernel(
                 table_row,
                 offs_n,
                 mask_n,
-                mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]),
+                allowed,
                 kv_head,
                 offs_d,
                 mask_d,
@@ -648,6 +662,8 @@ def extend_attention_fwd(
     kv_format: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tree_mask=None,
+    tree_mask_starts=None,
 ):
     """Causal attention for the new tokens of each request, whose K/V are already in the pool.
 
@@ -657,7 +673,11 @@ def extend_attention_fwd(
     written in place (and returned); rows of q that belong to no request are left untouched.
     req_pool_indices, seq_lens, extend_prefix_lens, extend_start_loc [B] (int64 or int32).
     max_extend_len: the longest extend in the batch, from host data; None computes it (one sync).
-    k_scales, v_scales, kv_format, k_scale, v_scale: the stored format, as in decode_attention_fwd."""
+    k_scales, v_scales, kv_format, k_scale, v_scale: the stored format, as in decode_attention_fwd.
+    tree_mask (speculative verification): the new tokens are draft tree nodes, and instead of
+    causally each attends to the whole prefix and to the nodes its row of its request's [n, n] mask
+    allows (flattened bool / uint8, request b's from tree_mask_starts[b]; a node's ancestors come
+    before it, in BFS order)."""
     _check_common("extend_attention_fwd", q, k_buffer, v_buffer, o, req_to_token, "T")
     _check_kv_format("extend_attention_fwd", k_buffer, v_buffer, k_scales, v_scales, kv_format)
     batch = seq_lens.shape[0]
@@ -679,6 +699,9 @@ def extend_attention_fwd(
     # Heads vary fastest in the grid, so a KV head's query group runs together and shares its K/V in L2.
     grid = (heads, triton.cdiv(max_extend_len, block_m), batch)
     ks, vs, stride_ksn, stride_ksh, stride_vsn, stride_vsh = _kernel_scale_args(k_scales, v_scales)
+    tree = tree_mask is not None
+    if tree and (tree_mask_starts is None or tree_mask_starts.shape != (batch,)):
+        raise ValueError("extend_attention_fwd: tree_mask needs tree_mask_starts [B]")
     _extend_kernel[grid](
         q,
         k_buffer,
@@ -691,6 +714,8 @@ def extend_attention_fwd(
         seq_lens,
         extend_prefix_lens,
         extend_start_loc,
+        tree_mask.to(torch.uint8) if tree else seq_lens,  # unread without a tree
+        tree_mask_starts if tree else seq_lens,
         _scale_log2(sm_scale, kv_format, k_scale),
         float(v_scale),
         q.stride(0),
@@ -715,6 +740,7 @@ def extend_attention_fwd(
         BLOCK_DV=block_dv,
         **_dot_config(q.dtype),
         KV_FORMAT=kv_format,
+        TREE=tree,
         num_warps=warps,
         num_stages=stages,
     )

@@ -195,6 +195,40 @@ def test_extend_skips_fully_cached_requests():
     torch.testing.assert_close(out, ref, **tol(torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [1, 16])
+def test_tree_verify_matches_reference(dtype, page):
+    """Draft trees (speculative verification): each node sees its request's whole prefix, read in
+    place, and its ancestors by its row of the tree mask."""
+    prefix, nodes = [17, 100, 3, 64], [5, 8, 1, 12]
+    seq = [p + n for p, n in zip(prefix, nodes)]
+    k, v, table, rows = make_pool(page, 2, seq, dtype, seed=page)
+    g = random.Random(page)
+    masks = []
+    for n in nodes:
+        parents = [-1] + [g.randrange(i) for i in range(1, n)]
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j], j = True, parents[j]
+        masks.append(m)
+    q = torch.randn(sum(nodes), 8, 64, generator=torch.Generator().manual_seed(page)).to(dtype).to(DEVICE)
+    starts = torch.tensor([sum(nodes[:i]) for i in range(len(nodes))], device=DEVICE)
+    mask_starts = torch.tensor([sum(n * n for n in nodes[:i]) for i in range(len(nodes))], device=DEVICE)
+    lens, prefix_lens = torch.tensor(seq, device=DEVICE), torch.tensor(prefix, device=DEVICE)
+    out = torch.empty_like(q)
+    flat = torch.cat([m.reshape(-1) for m in masks]).to(DEVICE)
+    extend_attention_fwd(
+        q, k, v, out, table, rows, lens, prefix_lens, starts, 64**-0.5, max(nodes),
+        tree_mask=flat, tree_mask_starts=mask_starts,
+    )  # fmt: skip
+    ref = reference.paged_tree_attention(
+        q.float(), k.float(), v.float(), table, rows, lens, prefix_lens, masks, 64**-0.5
+    )
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
 def test_value_head_dim_differs_from_key_head_dim():
     # the references assume Dv == D: zero-padding V to D and dropping the padding gives the same result
     k, v_full, table, rows = make_pool(16, 2, [70, 5], torch.float32, seed=5)

@@ -176,3 +176,49 @@ def test_backend_reads_a_quantized_pool_in_place(kv_format, mode):
             q3, k_ref, v_ref, table, fb.req_pool_indices, fb.seq_lens, fb.extend_prefix_lens, layer.scaling
         )
     torch.testing.assert_close(out, ref.view(out.shape), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_verify_agrees_across_backends(dtype):
+    """TARGET_VERIFY (speculative draft trees): the triton and C++ kernels, which read the paged
+    prefix in place, agree with torch_native's SDPA over gathered K/V with the tree mask."""
+    import random
+
+    from srt.layers.attention.cpu_backend import CpuAttnBackend
+    from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from srt.layers.attention.triton_backend import TritonAttnBackend
+    from srt.model_executor.forward_batch_info import ForwardMode
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, fb, layer, q, k, v = build_paged_batch("small", "extend", dtype, device)
+    g = random.Random(0)
+    masks = []
+    for n in fb.extend_seq_lens_cpu:
+        parents = [-1] + [g.randrange(i) for i in range(1, n)]
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j], j = True, parents[j]
+        masks.append(m.to(device))
+    fb.forward_mode, fb.tree_masks = ForwardMode.TARGET_VERIFY, masks
+    backends = [TorchNativeAttnBackend(), TritonAttnBackend()]
+    if device == "cpu":
+        backends.append(CpuAttnBackend())
+    outs = []
+    for backend in backends:
+        fb.attn_backend = backend
+        backend.init_target_verify_metadata(fb)
+        outs.append(layer(q, k, v, fb).float())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], **tol)
+    causal = [torch.tril(torch.ones(n, n, dtype=torch.bool, device=device)) for n in fb.extend_seq_lens_cpu]
+    fb.tree_masks = causal  # a chain is causal: the same as an extend
+    backends[0].init_target_verify_metadata(fb)
+    fb.attn_backend = backends[0]
+    chain = layer(q, k, v, fb).float()
+    fb.forward_mode = ForwardMode.EXTEND
+    backends[1].init_forward_metadata(fb)
+    fb.attn_backend = backends[1]
+    torch.testing.assert_close(layer(q, k, v, fb).float(), chain, **tol)

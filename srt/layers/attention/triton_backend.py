@@ -93,8 +93,24 @@ class TritonAttnBackend(AttentionBackend):
         )
         return out.view(q.shape[0], -1)
 
-    def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+    def init_target_verify_metadata(self, fb) -> None:
+        """Draft trees: the extend kernel with each request's tree mask (flattened, concatenated)."""
+        assert fb.tree_masks is not None, "TARGET_VERIFY batches carry their tree masks"
+        self.max_extend_len = max(fb.extend_seq_lens_cpu)
+        self.tree_mask = torch.cat([m.reshape(-1) for m in fb.tree_masks]).to(torch.uint8)
+        starts, offset = [], 0
+        for n in fb.extend_seq_lens_cpu:
+            starts.append(offset)
+            offset += n * n
+        self.tree_mask_starts = torch.tensor(starts, dtype=torch.int64).to(fb.seq_lens.device, non_blocking=True)
+
+    def forward_target_verify(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
+        return self.forward_extend(q, k, v, layer, fb, save_kv_cache, tree=True)
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True, tree: bool = False) -> torch.Tensor:
         k_buf, v_buf, fmt, q3, out = self._prepare(q, k, v, layer, fb, save_kv_cache)
+        if tree:
+            fmt.update(tree_mask=self.tree_mask, tree_mask_starts=self.tree_mask_starts)
         self.kernels.extend_attention_fwd(
             q3,
             k_buf,
