@@ -9,7 +9,7 @@ draft levels at once, whatever the target accepts (the next extend recomputes th
 a few tokens of a small model). Drafts are the draft model's greedy choices (deterministic
 proposals, verified exactly for greedy and sampled requests alike): the `topk` most likely first
 tokens branch from the root, each continued greedily, and the tree keeps its nodes breadth-first
-up to the request's draft budget."""
+up to the request's draft budget. A constrained request drafts under its grammar's mask."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.configs.model_config import ModelConfig
+from srt.constrained.grammar_backend import allocate_token_bitmask, apply_token_bitmask
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.speculative.draft_tree import DraftTree
@@ -145,11 +146,38 @@ class DraftModelProposer(Proposer):
                 trees[id(r)], free_slots = self.fit(r, tree, builder, free_slots)
         return [trees[id(r)] for r in reqs]
 
+    @staticmethod
+    def _constrain(logits: torch.Tensor, rows: list[tuple[Req, list[int]]]) -> torch.Tensor:
+        """Row i's logits with its request's grammar mask after the request's tokens and then the
+        draft tokens rows[i][1] (the matcher is restored), so a constrained request's drafts are
+        ones its grammar allows; rows of unconstrained requests are left alone."""
+        constrained = [i for i, (r, _) in enumerate(rows) if r.grammar is not None]
+        if not constrained:
+            return logits
+        logits = logits.float().clone()
+        bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])
+        masked = []
+        for i in constrained:
+            grammar, chain = rows[i][0].grammar, rows[i][1]
+            assert grammar is not None, "constrained rows only"
+            taken = 0
+            while taken < len(chain) and not grammar.is_terminated() and grammar.accept_token(chain[taken]):
+                taken += 1
+            if taken == len(chain) and not grammar.is_terminated():
+                grammar.fill_next_token_bitmask(bitmask, i)
+                masked.append(i)
+            if taken:
+                grammar.rollback(taken)
+        if masked:
+            apply_token_bitmask(logits, bitmask, masked, logits.shape[-1])
+        return logits
+
     def _grow(self, reqs: list[Req], first: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
         """Each request's draft tree from its first-level logits: up to `topk` branches, continued
         greedily by decoding every branch as its own row, breadth-first within the budget."""
         # each branch is a chain of draft tokens: its request's index and its rank among its siblings
         k = min(self.topk, first.shape[-1])
+        first = self._constrain(first, [(r, []) for r in reqs])
         top = first.topk(k, dim=-1).indices.tolist()
         chains: list[list[int]] = []
         owner: list[int] = []
@@ -194,6 +222,7 @@ class DraftModelProposer(Proposer):
                 positions,
                 loc,
             )
+            logits = self._constrain(logits, [(reqs[owner[c]], chains[c]) for c in active])
             for c, t in zip(active, logits.argmax(dim=-1).tolist()):
                 chains[c].append(t)
         for loc in step_locs:  # draft levels' KV: the next catch-up recomputes what is accepted

@@ -110,8 +110,10 @@ def test_one_at_a_time_and_streamed(ngram, reference):
     at_baseline(ngram)
 
 
-def test_stop_conditions_apply_to_every_accepted_token(ngram, tiny_server, reference):
+@pytest.mark.parametrize("name", ["ngram", "standalone_self"])
+def test_stop_conditions_apply_to_every_accepted_token(request, name, tiny_server, reference):
     """A stop string, a stop token and max_new_tokens that fall inside an accepted run."""
+    server = request.getfixturevalue(name)
     cases = []
     for prompt, ref in zip(PROMPTS, reference):
         ids = ref["output_ids"]
@@ -122,10 +124,10 @@ def test_stop_conditions_apply_to_every_accepted_token(ngram, tiny_server, refer
             cases.append((prompt, {"temperature": 0, "max_new_tokens": 48, "stop": [text[30:36]]}))
     for prompt, params in cases:
         want = tiny_server.generate(text=prompt, sampling_params=params)
-        got = ngram.generate(text=prompt, sampling_params=params)
+        got = server.generate(text=prompt, sampling_params=params)
         assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], params
         assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
-    at_baseline(ngram)
+    at_baseline(server)
 
 
 # low enough that the tiny random model's samples often follow its repetitive greedy text, which the
@@ -149,7 +151,6 @@ def test_seeded_sampling_is_unchanged_by_drafts(ngram_paged, tiny_server):
     want = generate_all(tiny_server, bodies)
     got = generate_all(ngram_paged, bodies)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
-    print("accepted", accepted_drafts(got), [o["meta_info"]["spec_accept_length"] for o in got])
     assert accepted_drafts(got) > len(bodies)
     for o in got:
         check_spec_meta(o)
@@ -178,9 +179,11 @@ def test_every_accepted_token_has_its_logprobs(ngram, tiny_server):
     at_baseline(ngram)
 
 
-def test_constrained_and_min_new_tokens_requests_draft_exactly(ngram_paged, tiny_server):
+@pytest.mark.parametrize("name", ["ngram_paged", "standalone_self"])
+def test_constrained_and_min_new_tokens_requests_draft_exactly(request, name, tiny_server):
     """The grammar drops drafts it forbids and masks each verify row after its path; the
     min_new_tokens ban counts the drafts before each row."""
+    server = request.getfixturevalue(name)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]}
     regex = "(one two three four ){3,}"
     bodies = [
@@ -191,12 +194,11 @@ def test_constrained_and_min_new_tokens_requests_draft_exactly(ngram_paged, tiny
     ]
     for _ in range(2):
         want = generate_all(tiny_server, bodies)
-        got = generate_all(ngram_paged, bodies)
+        got = generate_all(server, bodies)
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
         assert [o["text"] for o in got] == [o["text"] for o in want]
-    print("accepted", [o["meta_info"]["spec_accept_histogram"] for o in got], [o["text"] for o in got])
     assert accepted_drafts(got[:1]) > 0  # the regex's repetition is what the n-gram cache proposes
-    at_baseline(ngram_paged)
+    at_baseline(server)
 
 
 def test_penalized_requests_run_exactly_as_decoding(ngram, tiny_server):
@@ -241,7 +243,6 @@ def test_unseeded_sampling_keeps_its_distribution(ngram_paged, tiny_server):
             cells.append((a, b))
     cells.append(tuple(pooled))
     stat = sum((a - (a + b) / 2) ** 2 / ((a + b) / 2) * 2 for a, b in cells if a + b)
-    print("chi-square", stat, len(cells), accepted_drafts(runs[0]))
     assert len(cells) > 5 and stat < chi_square_critical(len(cells) - 1)
     at_baseline(ngram_paged)
 
@@ -363,7 +364,6 @@ def test_draft_model_outputs_equal_the_plain_server(request, name, reference, ti
             check_spec_meta(o)
         got_seeded = generate_all(server, seeded)
         assert [o["output_ids"] for o in got_seeded] == [o["output_ids"] for o in want_seeded]
-    print(name, [o["meta_info"]["spec_accept_histogram"] for o in outs])
     assert accepted_drafts(outs) > 0
     at_baseline(server)
     assert server.wait_idle()["speculative"]["draft_kv_used"] == 0  # every request's draft KV freed
