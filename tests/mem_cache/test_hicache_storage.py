@@ -102,3 +102,35 @@ def test_storage_dir_from_sglang_env(monkeypatch, tmp_path):
     assert default_storage_dir().endswith(os.path.join("radixserve", "hicache"))
     with pytest.raises(ValueError, match="max_bytes must be > 0"):
         FileStorage(str(tmp_path), max_bytes=0)
+
+
+@pytest.mark.parametrize("kv_format", ["bfloat16", "int8", "fp8_e4m3"])
+def test_host_pool_moves_pages_between_tiers(kv_format):
+    """Device -> host -> file bytes -> host -> device gives back the stored rows bit for bit
+    (int8 with its per-row scales)."""
+    from srt.mem_cache.hicache_storage import HostKVPool
+    from srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    page = 4
+    device = MHATokenToKVPool(64, page, torch.bfloat16, 2, 8, 3, "cpu", kv_format)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.arange(8, 16)
+    for layer in range(3):
+        device.set_kv_buffer(layer, slots, torch.randn(8, 2, 8, generator=g), torch.randn(8, 2, 8, generator=g))
+    host = HostKVPool(device, 32)
+    host_slots = host.allocator.alloc(8)
+    assert host_slots is not None
+    moved = host.write_back(device, slots, host_slots)
+    per_token = MHATokenToKVPool.bytes_per_token(2, 8, 3, torch.bfloat16, kv_format)
+    assert moved == 8 * per_token
+    payload = host.page_payload(host_slots[:4])
+    again = host.allocator.alloc(4)
+    assert again is not None and host.load_payload(payload, again)
+    assert not host.load_payload(payload[:-1], again)  # a payload of another layout is refused
+    back = torch.arange(40, 44)
+    host.load(device, again, back)
+    for layer in range(3):
+        for buffers in HostKVPool._buffers(device):
+            assert torch.equal(buffers[layer][back], buffers[layer][slots[:4]])
+    with pytest.raises(ValueError, match="layout differs"):
+        host.write_back(MHATokenToKVPool(64, page, torch.bfloat16, 2, 8, 2, "cpu", kv_format), slots, host_slots)
