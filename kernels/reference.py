@@ -85,15 +85,22 @@ def dequantize_kv(
     return data.to(dtype)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, D] at absolute positions q_positions; k, v [L, Hkv, D] at positions 0..L-1."""
+def _attend_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [n, H, D] over k, v [L, Hkv, D], query row i seeing the positions allowed[i] ([n, L] bool)."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
-    allowed = torch.arange(k.shape[0]).unsqueeze(0) <= q_positions.unsqueeze(1).cpu()
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D] at absolute positions q_positions; k, v [L, Hkv, D] at positions 0..L-1."""
+    allowed = torch.arange(k.shape[0]).unsqueeze(0) <= q_positions.unsqueeze(1).cpu()
+    return _attend_masked(q, k, v, allowed, scale)
 
 
 def paged_decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale: float):
@@ -134,12 +141,7 @@ def paged_tree_attention(
         n, prefix = int(seq_lens[b]), int(extend_prefix_lens[b])
         slots = req_to_token[int(req_pool_indices[b]), :n].long()
         rows = slice(start, start + n - prefix)
-        group = q.shape[1] // k_buffer.shape[1]
-        k = k_buffer[slots].float().repeat_interleave(group, dim=1)
-        v = v_buffer[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", q[rows].float(), k) * scale
         allowed = torch.cat([torch.ones(n - prefix, prefix, dtype=torch.bool), tree_masks[b].bool().cpu()], dim=1)
-        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-        out[rows] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+        out[rows] = _attend_masked(q[rows], k_buffer[slots], v_buffer[slots], allowed, scale)
         start += n - prefix
     return out

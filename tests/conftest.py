@@ -98,6 +98,17 @@ def ops():
 KERNEL_ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 
 
+def random_tree_mask(n: int, rng) -> torch.Tensor:
+    """The ancestor mask ([n, n] bool) of a random draft tree of n nodes (BFS order: each node's parent
+    comes before it), for the tree-verify attention tests."""
+    from srt.speculative.draft_tree import DraftTree
+
+    tree = DraftTree()
+    for i in range(1, n):
+        tree.add(rng.randrange(i), 0)
+    return torch.tensor(tree.ancestors_mask(), dtype=torch.bool)
+
+
 @contextlib.contextmanager
 def isa_variants(ops, highest: str = "avx512_bf16"):
     """Iterate over the C++ kernel ISAs this CPU can run, up to `highest` (each set while its turn

@@ -17,6 +17,7 @@ least recently used files (by modification time, refreshed on every hit) are del
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -134,10 +135,8 @@ class FileStorage:
     def _scan_size(self) -> int:
         total = 0
         for path in self._files():
-            try:
+            with contextlib.suppress(OSError):  # deleted meanwhile by another process
                 total += os.path.getsize(path)
-            except OSError:
-                pass  # deleted meanwhile by another process
         return total
 
     # -- pages --------------------------------------------------------------------------------------
@@ -168,10 +167,8 @@ class FileStorage:
             logger.warning("hicache file storage: %s is corrupt or truncated; deleted", path)
             self._remove(path)
             return None
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # most recently used
-        except OSError:
-            pass
         self.stats.hits += 1
         self.stats.bytes_read += len(payload)
         return payload

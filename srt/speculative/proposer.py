@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from srt.speculative.draft_tree import DraftTree, prune_by_grammar
@@ -63,7 +64,7 @@ class StepCost:
         return self.line[0] + self.line[1] * rows
 
 
-class Proposer:
+class Proposer(ABC):
     def __init__(self, server_args: ServerArgs, context_len: int):
         a = server_args
         assert a.speculative_num_draft_tokens is not None and a.speculative_num_steps is not None
@@ -170,12 +171,14 @@ class Proposer:
     # -- what each algorithm provides ---------------------------------------------------------------
 
     def observe(self, req: Req) -> None:
-        """A step without drafts: learn from the request's tokens anyway (NGRAM)."""
+        """A step without drafts: learn from the request's tokens anyway (NGRAM; others need nothing)."""
+        return
 
+    @abstractmethod
     def draft(self, reqs: list[Req], budgets: list[int], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
         """One tree of up to budgets[i] drafts per request (root only where it gets none), within
         `free_slots` target KV slots beyond what one decode step of every request needs."""
-        raise NotImplementedError
 
     def forget(self, req: Req) -> None:
-        """req leaves the running batch (finished, aborted or retracted): drop its draft state."""
+        """req leaves the running batch (finished, aborted or retracted): drop its draft state (STANDALONE)."""
+        return

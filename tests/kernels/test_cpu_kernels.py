@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import isa_variants
+from conftest import isa_variants, random_tree_mask
 
 from kernels import cpu as cpu_kernels
 from kernels import reference
@@ -93,18 +93,6 @@ def test_extend_matches_reference(ops, kv_format, page, group, head_dim):
                 q, *cache, table, rows, torch.tensor(seq), starts, torch.tensor(ext), out, head_dim**-0.5
             )
             torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5, msg=lambda m, i=isa: f"{i}: {m}")
-
-
-def random_tree_mask(n: int, g: random.Random) -> torch.Tensor:
-    """The ancestor mask of a random tree of n nodes in BFS order (each node's parent comes before it)."""
-    parents = [-1] + [g.randrange(i) for i in range(1, n)]
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
 
 
 @pytest.mark.parametrize("kv_format", ["float32", "bfloat16", "int8"])

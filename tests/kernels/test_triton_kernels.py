@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
+from conftest import random_tree_mask  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.triton_attention import (  # noqa: E402
@@ -204,15 +205,7 @@ def test_tree_verify_matches_reference(dtype, page):
     seq = [p + n for p, n in zip(prefix, nodes)]
     k, v, table, rows = make_pool(page, 2, seq, dtype, seed=page)
     g = random.Random(page)
-    masks = []
-    for n in nodes:
-        parents = [-1] + [g.randrange(i) for i in range(1, n)]
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, j], j = True, parents[j]
-        masks.append(m)
+    masks = [random_tree_mask(n, g) for n in nodes]
     q = torch.randn(sum(nodes), 8, 64, generator=torch.Generator().manual_seed(page)).to(dtype).to(DEVICE)
     starts = torch.tensor([sum(nodes[:i]) for i in range(len(nodes))], device=DEVICE)
     mask_starts = torch.tensor([sum(n * n for n in nodes[:i]) for i in range(len(nodes))], device=DEVICE)

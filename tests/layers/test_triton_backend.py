@@ -184,6 +184,8 @@ def test_tree_verify_agrees_across_backends(dtype):
     prefix in place, agree with torch_native's SDPA over gathered K/V with the tree mask."""
     import random
 
+    from conftest import random_tree_mask
+
     from srt.layers.attention.cpu_backend import CpuAttnBackend
     from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from srt.layers.attention.triton_backend import TritonAttnBackend
@@ -192,15 +194,7 @@ def test_tree_verify_agrees_across_backends(dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _, fb, layer, q, k, v = build_paged_batch("small", "extend", dtype, device)
     g = random.Random(0)
-    masks = []
-    for n in fb.extend_seq_lens_cpu:
-        parents = [-1] + [g.randrange(i) for i in range(1, n)]
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, j], j = True, parents[j]
-        masks.append(m.to(device))
+    masks = [random_tree_mask(n, g).to(device) for n in fb.extend_seq_lens_cpu]
     fb.forward_mode, fb.tree_masks = ForwardMode.TARGET_VERIFY, masks
     backends = [TorchNativeAttnBackend(), TritonAttnBackend()]
     if device == "cpu":
