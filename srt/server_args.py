@@ -67,6 +67,14 @@ class ServerArgs:
     chunked_prefill_size: int = 2048  # -1 disables chunking
     max_prefill_tokens: int = 16384
     disable_radix_cache: bool = False
+    # Hierarchical KV cache (SGLang's flags): host memory (L2) and files (L3) behind the radix cache
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pool tokens as a multiple of the device pool
+    hicache_size: float = 0.0  # host pool GB; overrides the ratio when > 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None  # file (none: no L3)
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_backend_extra_config: str | None = None  # JSON
     disable_overlap_schedule: bool = False
     enable_overlap_schedule: bool = False
     # Kernels
@@ -210,8 +218,51 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        self._check_hicache()
         if self.api_key is not None and not all(self.api_keys):
             raise ValueError("--api-key must not be empty (or contain an empty key between commas)")
+
+    def _check_hicache(self) -> None:
+        from srt.mem_cache.hiradix_cache import (
+            PREFETCH_POLICIES,
+            STORAGE_BACKENDS,
+            WRITE_POLICIES,
+            parse_extra_config,
+        )
+
+        if self.hicache_storage_backend == "none":
+            self.hicache_storage_backend = None
+        if not self.enable_hierarchical_cache:
+            if self.hicache_storage_backend is not None:
+                raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+            return
+        if self.disable_radix_cache:
+            raise ValueError(
+                "--enable-hierarchical-cache extends the radix cache; it does not work with --disable-radix-cache"
+            )
+        if self.tp_size > 1:
+            raise ValueError("--enable-hierarchical-cache does not work with --tp-size > 1 yet")
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}; got {self.hicache_write_policy!r}"
+            )
+        if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"--hicache-storage-prefetch-policy must be one of {', '.join(PREFETCH_POLICIES)}; "
+                f"got {self.hicache_storage_prefetch_policy!r}"
+            )
+        if self.hicache_storage_backend is not None and self.hicache_storage_backend not in STORAGE_BACKENDS:
+            raise ValueError(
+                f"--hicache-storage-backend must be one of {', '.join(STORAGE_BACKENDS)}; "
+                f"got {self.hicache_storage_backend!r}"
+            )
+        if self.hicache_size < 0:
+            raise ValueError(f"--hicache-size must be >= 0 (GB; 0: use --hicache-ratio), got {self.hicache_size}")
+        if self.hicache_size == 0 and not self.hicache_ratio >= 1:
+            raise ValueError(
+                f"--hicache-ratio must be >= 1 (the host pool holds at least the device pool), got {self.hicache_ratio}"
+            )
+        parse_extra_config(self.hicache_storage_backend_extra_config)
 
     def _apply_torchao_config(self) -> None:
         name = self.torchao_config or ""
@@ -464,6 +515,42 @@ class ServerArgs:
             help="max new prompt tokens in one prefill batch",
         )
         g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
+        g = parser.add_argument_group("hierarchical KV cache")
+        g.add_argument(
+            "--enable-hierarchical-cache",
+            action="store_true",
+            help="keep prefixes evicted from the KV pool in host memory (and files) and load them back",
+        )
+        g.add_argument(
+            "--hicache-ratio",
+            type=float,
+            default=d.hicache_ratio,
+            help="host pool size as a multiple of the device KV pool (>= 1)",
+        )
+        g.add_argument("--hicache-size", type=float, default=d.hicache_size, help="host pool GB (overrides the ratio)")
+        g.add_argument(
+            "--hicache-write-policy",
+            default=d.hicache_write_policy,
+            help="write_through (back up to host on insert), write_through_selective (once reused), "
+            "write_back (on eviction)",
+        )
+        g.add_argument(
+            "--hicache-storage-backend",
+            default=d.hicache_storage_backend,
+            help="file: a third tier of one file per page under $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR "
+            "(shared by restarts and replicas); none",
+        )
+        g.add_argument(
+            "--hicache-storage-prefetch-policy",
+            default=d.hicache_storage_prefetch_policy,
+            help="how long a request waits for its pages from storage: best_effort, wait_complete, timeout",
+        )
+        g.add_argument(
+            "--hicache-storage-backend-extra-config",
+            default=d.hicache_storage_backend_extra_config,
+            help="JSON: prefetch_threshold (tokens), prefetch_timeout_base, prefetch_timeout_per_ki_token "
+            "(seconds), max_size_gb, page_tokens",
+        )
         g.add_argument(
             "--disable-overlap-schedule",
             action="store_true",

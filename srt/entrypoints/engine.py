@@ -164,6 +164,10 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success
 
+    def clear_hicache_storage(self) -> bool:
+        """Delete the hierarchical cache's stored pages (--hicache-storage-backend)."""
+        return self._run(self.tokenizer_manager.flush_cache(storage=True)).success
+
     def get_server_info(self) -> dict:
         states = self._run(self.tokenizer_manager.get_internal_states())
         return {

@@ -44,7 +44,15 @@ LOAD_SECTIONS = ("core", "queues", "memory", "spec", "lora", "disagg", "all")
 
 # Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
 ADMIN_ROUTES = frozenset(
-    {"/flush_cache", "/server_info", "/get_server_info", "/start_profile", "/stop_profile", "/configure_logging"}
+    {
+        "/flush_cache",
+        "/clear_hicache_storage_backend",
+        "/server_info",
+        "/get_server_info",
+        "/start_profile",
+        "/stop_profile",
+        "/configure_logging",
+    }
 )
 # Probes answer without a key (load balancers and orchestrators call them unauthenticated).
 OPEN_PATHS = frozenset({"/health", "/ready", "/ping"})
@@ -365,6 +373,15 @@ async def flush_cache(request: Request) -> Response:
     if out.success:
         return Response("Cache flushed.\n", status_code=200)
     return error_response(400, f"Cache not flushed: {out.message}")
+
+
+@router.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
+async def clear_hicache_storage_backend(request: Request) -> Response:
+    """Delete every page of the hierarchical cache's storage tier (SGLang's route)."""
+    out = await _tm(request).flush_cache(storage=True)
+    if out.success:
+        return Response("Hierarchical cache storage backend cleared.\n", status_code=200)
+    return error_response(400, f"Storage not cleared: {out.message}")
 
 
 @router.post("/abort_request")

@@ -156,7 +156,7 @@ class DataParallelController:
             self.dispatched[d] += 1
             self.replicas[d].send_pyobj(msg)
         else:  # aborts and control requests: every replica acts on (and answers) them
-            if isinstance(msg, FlushCacheReq):
+            if isinstance(msg, FlushCacheReq) and not msg.storage:
                 self.balancer.forget_caches()
             for sock in self.replicas:
                 sock.send_pyobj(msg)

@@ -135,6 +135,7 @@ class DetokenizerManager:
             prompt_tokens=batch.prompt_tokens,
             completion_tokens=batch.completion_tokens,
             cached_tokens=batch.cached_tokens,
+            cached_tokens_details=batch.cached_tokens_details,
             retractions=batch.retractions,
             input_token_logprobs=batch.input_token_logprobs,
             input_top_logprobs=batch.input_top_logprobs,

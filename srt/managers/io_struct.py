@@ -259,6 +259,7 @@ class SchedulerCrashed:
 @dataclass(kw_only=True)
 class FlushCacheReq:
     rid: str = field(default_factory=new_rid)
+    storage: bool = False  # clear the hierarchical cache's storage tier instead (L1 and L2 stay)
 
 
 @dataclass(kw_only=True)
@@ -325,6 +326,7 @@ class BatchTokenIDOutput:
     prompt_tokens: list[int] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    cached_tokens_details: list[tuple[int, int, int]] = field(default_factory=list)  # (device, host, storage)
     retractions: list[int] = field(default_factory=list)
     # logprob deltas, each a list per request (empty when not requested)
     input_token_logprobs: list[list] = field(default_factory=list)
@@ -349,6 +351,7 @@ class BatchStrOutput:
     completion_tokens: list[int]
     cached_tokens: list[int]
     retractions: list[int]
+    cached_tokens_details: list[tuple[int, int, int]] = field(default_factory=list)  # (device, host, storage)
     input_token_logprobs: list[list] = field(default_factory=list)
     input_top_logprobs: list[list] = field(default_factory=list)
     output_token_logprobs: list[list] = field(default_factory=list)

@@ -60,6 +60,12 @@ class Req:
     finished_reason: BaseFinishReason | None = None
     to_abort: str | None = None
     cached_tokens: int = 0
+    # of cached_tokens, where each part was found: (device, host, storage) (hierarchical cache)
+    cached_tokens_details: tuple[int, int, int] = (0, 0, 0)
+    host_hit_len: int = 0  # from match_prefix: tokens after prefix_indices cached in host memory
+    last_host_node: Any = None
+    prefetch_op: Any = None  # hierarchical cache: its pages being read from storage (a PrefetchOp)
+    loaded_from_host: int = 0  # hierarchical cache: prompt tokens load_back moved to the device for it
     retractions: int = 0
     admitted: bool = False  # prefilled at least once (cached_tokens is from the first admission)
     last_token_time: float | None = None  # time.time() of the latest output token (metrics)
@@ -138,13 +144,20 @@ class Req:
     def max_new_tokens(self) -> int | None:
         return self.sampling_params.max_new_tokens
 
-    def match_prefix(self, tree_cache) -> None:
-        """Look up the longest cached prefix. The last token is never served from cache (its
-        logits are needed), nor are the rows prompt logprobs must be computed from."""
+    def cacheable_ids(self) -> list[int]:
+        """The tokens whose KV may come from the cache: never the last one (its logits are
+        needed), nor the rows prompt logprobs must be computed from."""
         limit = self.seq_len - 1
         if self.wants_input_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
-        self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit], self.extra_key)
+        return self.fill_ids[:limit]
+
+    def match_prefix(self, tree_cache) -> None:
+        """Look up the longest cached prefix (on the device; a hierarchical cache also reports
+        the part after it in host memory)."""
+        m = tree_cache.match_prefix(self.cacheable_ids(), self.extra_key)
+        self.prefix_indices, self.last_node = m.device_indices, m.last_node
+        self.host_hit_len, self.last_host_node = m.host_hit_len, m.last_host_node
         self.kv_len = len(self.prefix_indices)
         self.extend_input_len = self.seq_len - self.kv_len
 
@@ -175,6 +188,7 @@ class Req:
 
     def reset_for_retract(self, count: bool = True) -> None:
         self.prefix_indices, self.last_node, self.kv_len, self.extend_input_len = _EMPTY, None, 0, 0
+        self.host_hit_len, self.last_host_node = 0, None
         self.retractions += count
 
 

@@ -46,7 +46,9 @@ from srt.managers.scheduler_guard import SchedulerGuardMixin
 from srt.managers.scheduler_output import SchedulerOutputProcessorMixin
 from srt.managers.tp_worker import BatchResult, TpModelWorker
 from srt.managers.tp_worker_overlap_thread import OverlapTpModelWorker
+from srt.mem_cache.base_prefix_cache import BasePrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.hiradix_cache import HiRadixCache, build_hierarchical_cache
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.collector import SchedulerMetrics
 from srt.model_executor.forward_batch_info import ForwardMode
@@ -65,6 +67,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RETRACT_DECODE_STEPS = 20
 IDLE_POLL_MS = 1000
+IO_POLL_S = 0.002
 GRAMMAR_POLL_MS = 5
 # A jump-forward costs the request an extend pass of its own (outside the decode batch), so it pays
 # only for forced strings of several tokens (JSON keys, enum tails), not for a ", " between items.
@@ -87,8 +90,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.runner = runner
         self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
         self.eos_token_ids = self.model_config.eos_token_ids
-        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size)
+        self.hicache: HiRadixCache | None = None
+        if server_args.enable_hierarchical_cache:
+            self.hicache = build_hierarchical_cache(server_args, runner, self.model_config, tp_rank)
+            self.tree_cache: BasePrefixCache = self.hicache
+        else:
+            cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+            self.tree_cache = cache_cls(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size)
         self.allocator = runner.token_to_kv_pool_allocator
         self.builder = BatchBuilder(
             runner.req_to_token_pool, self.allocator, self.tree_cache, self.tp_worker.future_map, runner.device
@@ -232,7 +240,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         )
 
     def has_work(self) -> bool:
-        return bool(self.grammar_queue) or self.has_runnable_work()
+        io = self.hicache is not None and self.hicache.pending_io()
+        return bool(self.grammar_queue) or io or self.has_runnable_work()
 
     def recv_requests(self) -> list:
         msgs = []
@@ -304,6 +313,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             timeout=recv.timeout,
         )
         self.track_deadline(req)
+        if self.hicache is not None:  # its stored pages start loading while it waits
+            self.hicache.prefetch(req, req.cacheable_ids())
         key = req.sampling_params.grammar_key
         if key is None:
             self.waiting_queue.append(req)
@@ -409,6 +420,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
+        if self.hicache is not None:
+            self.hicache.poll_prefetches()
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(
             self.tree_cache,
@@ -426,7 +439,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         # Only one request is chunked at a time: while one continues, nothing new starts.
         if self.chunked_req is None:
             for req in self.waiting_queue:
+                if self.hicache is not None and not self.hicache.prefetch_ready(req):
+                    continue  # its pages are still coming from storage (the prefetch policy waits)
                 req.match_prefix(self.tree_cache)  # fresh: the tree changes between rounds
+                if self.hicache is not None and req.host_hit_len:
+                    self.load_back(req, self.hicache)
                 if in_batch is not None and in_batch.defer(req):
                     continue
                 result = adder.add_one_req(req)
@@ -444,12 +461,31 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_set]
         for r in admitted:
             if not r.admitted:
-                r.cached_tokens = len(r.prefix_indices)
+                self.note_cached_tokens(r)
                 r.admitted = True
                 if self.metrics is not None:
                     self.metrics.on_admitted(r)
         self.log_prefill_stats(adder.can_run, running)
         return ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
+
+    def load_back(self, req: Req, hicache: HiRadixCache) -> None:
+        """Move the host part of req's match to the device, so its extend starts after it."""
+        assert req.last_host_node is not None, "match_prefix sets it with host_hit_len"
+        moved = hicache.load_back(req.last_host_node)
+        if moved:
+            req.loaded_from_host += moved
+            req.match_prefix(self.tree_cache)
+
+    def note_cached_tokens(self, req: Req) -> None:
+        """At first admission: the prompt tokens served from cache, and from which tier."""
+        total = len(req.prefix_indices)
+        host = min(req.loaded_from_host, total)
+        op = req.prefetch_op
+        storage = min(op.new_tokens if op is not None else 0, host)
+        req.cached_tokens = total
+        req.cached_tokens_details = (total - host, host - storage, storage)
+        if self.hicache is not None:
+            self.hicache.note_hits(*req.cached_tokens_details)
 
     def update_running_batch(self) -> None:
         """Make sure the next decode step has KV room: evict cache, then retract requests."""
@@ -671,6 +707,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         if self.metrics is not None:
             self.metrics.gen_throughput = 0.0
+        if self.hicache is not None and self.hicache.pending_io():
+            self.hicache.wait_io(IO_POLL_S)  # requests wait for pages from storage: let the reader run
         self.last_forward_end = None  # a gap while idle is not the scheduler's overhead
         if not self.checked_idle and not self.has_work():
             self.checked_idle = True
@@ -692,6 +730,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             problems.append(f"request slots: {slots.size - slots.available_size()} still held while idle")
         if self.proposer is not None and (held := self.proposer.stats().get("draft_kv_used")):
             problems.append(f"draft model KV: {held} slots still held while idle")
+        problems += self.tree_cache.integrity_problems()
         self.integrity_ok = not problems
         if problems:
             msg = "KV pool integrity violated: " + "; ".join(problems)
@@ -700,6 +739,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 raise IntegrityError(msg)
 
     def flush_cache(self, recv: FlushCacheReq) -> FlushCacheReqOutput:
+        if recv.storage:  # /clear_hicache_storage_backend
+            if self.hicache is None or self.hicache.storage is None:
+                message = "no hierarchical cache storage backend (--hicache-storage-backend)"
+                return FlushCacheReqOutput(rid=recv.rid, success=False, message=message)
+            n = self.hicache.clear_storage()
+            return FlushCacheReqOutput(rid=recv.rid, success=True, message=f"{n} stored pages deleted")
         if self.has_work():
             return FlushCacheReqOutput(
                 rid=recv.rid, success=False, message="cannot flush the cache while requests are running or queued"

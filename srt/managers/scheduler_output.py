@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from srt.managers.schedule_batch import ScheduleBatch
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from srt.mem_cache.hiradix_cache import HiRadixCache
     from srt.metrics.collector import SchedulerMetrics
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
@@ -39,6 +40,7 @@ class SchedulerOutputProcessorMixin:
     runner: ModelRunner
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache
+    hicache: HiRadixCache | None
     waiting_queue: list[Req]
     running_batch: ScheduleBatch
     chunked_req: Req | None
@@ -150,6 +152,7 @@ class SchedulerOutputProcessorMixin:
             out.prompt_tokens.append(len(r.origin_input_ids))
             out.completion_tokens.append(len(r.output_ids))
             out.cached_tokens.append(r.cached_tokens)
+            out.cached_tokens_details.append(r.cached_tokens_details)
             out.retractions.append(r.retractions)
             out.input_token_logprobs.append(r.input_token_logprobs[r.sent_input_logprob_len :])
             out.input_top_logprobs.append(r.input_top_logprobs[r.sent_input_logprob_len :])
@@ -240,6 +243,7 @@ class SchedulerOutputProcessorMixin:
             "avg_spec_accept_length": self.spec_step_tokens / self.spec_req_steps if self.spec_req_steps else 0.0,
             "spec_accept_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
             "speculative": self.proposer.stats() if self.proposer is not None else None,
+            "hicache": self.hicache.state() if self.hicache is not None else None,
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "cuda_graph": self.runner.cuda_graph_status(),

@@ -89,6 +89,7 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: tuple[int, int, int] = (0, 0, 0)
     retractions: int = 0
     input_token_logprobs: list = dataclasses.field(default_factory=list)
     input_top_logprobs: list = dataclasses.field(default_factory=list)
@@ -387,6 +388,7 @@ class TokenizerManager:
             "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens,
             "cached_tokens": s.cached_tokens,
+            "cached_tokens_details": dict(zip(("device", "host", "storage"), s.cached_tokens_details)),
             "num_retractions": s.retractions,
             "total_retractions": s.retractions,  # this server's earlier name
             "weight_version": self.server_args.weight_version,
@@ -479,6 +481,8 @@ class TokenizerManager:
             s.output_ids.extend(out.new_output_ids[i])
             s.prompt_tokens, s.completion_tokens = out.prompt_tokens[i], out.completion_tokens[i]
             s.cached_tokens, s.retractions = out.cached_tokens[i], out.retractions[i]
+            if out.cached_tokens_details:
+                s.cached_tokens_details = out.cached_tokens_details[i]
             s.input_token_logprobs.extend(out.input_token_logprobs[i])
             s.input_top_logprobs.extend(out.input_top_logprobs[i])
             s.output_token_logprobs.extend(out.output_token_logprobs[i])
@@ -506,8 +510,9 @@ class TokenizerManager:
         finally:
             del self.control_waiters[req.rid]
 
-    async def flush_cache(self, timeout: float = 60.0) -> FlushCacheReqOutput:
-        req = FlushCacheReq()
+    async def flush_cache(self, timeout: float = 60.0, storage: bool = False) -> FlushCacheReqOutput:
+        """Empty every replica's prefix cache (device and host tiers), or with storage its file tier."""
+        req = FlushCacheReq(storage=storage)
         replies: list[FlushCacheReqOutput] = await self._control(req, timeout)
         return FlushCacheReqOutput(rid=req.rid, **_merged(replies))
 

@@ -11,6 +11,10 @@ import torch
 class MatchResult(NamedTuple):
     device_indices: torch.Tensor  # int64 KV slots of the cached prefix, page-aligned length
     last_node: Any  # the deepest node of the match; lock it while a request uses the prefix
+    # hierarchical cache: the tokens after the device part whose KV is in host memory, and the
+    # deepest node holding them (load_back moves them to the device)
+    host_hit_len: int = 0
+    last_host_node: Any = None
 
 
 class BasePrefixCache(ABC):
@@ -62,6 +66,10 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def reset_with_free(self) -> None:
         """Drop everything (only when no request holds a prefix), freeing the cache's slots."""
+
+    def integrity_problems(self) -> list[str]:
+        """What is inconsistent beyond the slot counters (the hierarchical cache's other tiers)."""
+        return []
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()

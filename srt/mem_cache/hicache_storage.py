@@ -23,6 +23,7 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,8 @@ class StorageStats:
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    errors: int = 0
+    last_error: str = ""
 
 
 class FileStorage:
@@ -113,6 +116,7 @@ class FileStorage:
         self.root = root
         self.max_bytes = max_bytes
         self.stats = StorageStats()
+        self.lock = threading.Lock()  # the stats and the size: a reader and a writer thread share them
         os.makedirs(root, exist_ok=True)
         self.total_bytes = self._scan_size()
 
@@ -158,20 +162,41 @@ class FileStorage:
             with open(path, "rb") as f:
                 data = f.read()
         except OSError:
-            self.stats.misses += 1
+            with self.lock:
+                self.stats.misses += 1
             return None
         payload = self._verify(data)
         if payload is None:
-            self.stats.corrupt += 1
-            self.stats.misses += 1
-            logger.warning("hicache file storage: %s is corrupt or truncated; deleted", path)
-            self._remove(path)
+            self._drop_corrupt(path)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # most recently used
-        self.stats.hits += 1
-        self.stats.bytes_read += len(payload)
+        with self.lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += len(payload)
         return payload
+
+    def discard(self, ns: Namespace, key: str) -> None:
+        """A page whose payload the reader could not use (not its layout): corrupt."""
+        self._drop_corrupt(self._path(ns, key))
+
+    def _drop_corrupt(self, path: str) -> None:
+        with self.lock:
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+        logger.warning("hicache file storage: %s is corrupt or truncated; deleted", path)
+        size = 0
+        with contextlib.suppress(OSError):
+            size = os.path.getsize(path)
+        if self._remove(path):
+            with self.lock:
+                self.total_bytes = max(self.total_bytes - size, 0)
+
+    def note_error(self, message: str) -> None:
+        with self.lock:
+            self.stats.errors += 1
+            self.stats.last_error = message
+        logger.warning("hicache file storage: %s", message)
 
     @staticmethod
     def _verify(data: bytes) -> bytes | None:
@@ -201,10 +226,12 @@ class FileStorage:
         except BaseException:
             self._remove(tmp)
             raise
-        self.stats.writes += 1
-        self.stats.bytes_written += len(payload)
-        self.total_bytes += len(data)
-        if self.total_bytes > self.max_bytes:
+        with self.lock:
+            self.stats.writes += 1
+            self.stats.bytes_written += len(payload)
+            self.total_bytes += len(data)
+            over = self.total_bytes > self.max_bytes
+        if over:
             self._evict()
 
     def _evict(self) -> None:
@@ -223,8 +250,10 @@ class FileStorage:
                 break
             if self._remove(path):
                 total -= size
-                self.stats.evictions += 1
-        self.total_bytes = total
+                with self.lock:
+                    self.stats.evictions += 1
+        with self.lock:
+            self.total_bytes = total
 
     @staticmethod
     def _remove(path: str) -> bool:
@@ -239,6 +268,12 @@ class FileStorage:
         n = sum(self._remove(path) for path in list(self._files()))
         self.total_bytes = self._scan_size()
         return n
+
+
+def pool_payload(pool, slots: torch.Tensor) -> bytes:
+    """Slots' rows of every layer of a KV pool (device or host), as the file tier stores a page."""
+    idx = slots.to(pool.device, torch.int64)
+    return pack_tensors([buf.index_select(0, idx) for buffers in pool.slot_buffers() for buf in buffers])
 
 
 class HostKVPool:
@@ -256,17 +291,9 @@ class HostKVPool:
         )
         self.pool.v_scale = list(d.v_scale)
         if str(d.device).startswith("cuda"):
-            for buffers in self._buffers(self.pool):
+            for buffers in self.pool.slot_buffers():
                 buffers[:] = [b.pin_memory() for b in buffers]
         self.allocator = TokenToKVPoolAllocator(size, d.page_size)
-
-    @staticmethod
-    def _buffers(pool) -> list[list[torch.Tensor]]:
-        """Every per-layer buffer list a slot has rows in: K, V and (int8) their scales."""
-        out = [pool.k_buffer, pool.v_buffer]
-        if pool.k_scale_buffer is not None and pool.v_scale_buffer is not None:
-            out += [pool.k_scale_buffer, pool.v_scale_buffer]
-        return out
 
     def _check(self, device_pool) -> None:
         d, h = device_pool, self.pool
@@ -279,7 +306,7 @@ class HostKVPool:
         src = device_slots.to(device_pool.device, torch.int64)
         dst = host_slots.to("cpu", torch.int64)
         moved = 0
-        for dev, host in zip(self._buffers(device_pool), self._buffers(self.pool)):
+        for dev, host in zip(device_pool.slot_buffers(), self.pool.slot_buffers()):
             for d_buf, h_buf in zip(dev, host):
                 rows = d_buf.index_select(0, src).to("cpu", non_blocking=False)
                 h_buf.index_copy_(0, dst, rows)
@@ -292,22 +319,25 @@ class HostKVPool:
         src = host_slots.to("cpu", torch.int64)
         dst = device_slots.to(device_pool.device, torch.int64)
         moved = 0
-        for dev, host in zip(self._buffers(device_pool), self._buffers(self.pool)):
+        for dev, host in zip(device_pool.slot_buffers(), self.pool.slot_buffers()):
             for d_buf, h_buf in zip(dev, host):
                 rows = h_buf.index_select(0, src)
                 d_buf.index_copy_(0, dst, rows.to(d_buf.device, non_blocking=True))
                 moved += rows.numel() * rows.element_size()
         return moved
 
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for buffers in self.pool.slot_buffers() for b in buffers)
+
     def page_payload(self, host_slots: torch.Tensor) -> bytes:
         """One page's rows of every layer, as the file tier stores them."""
-        idx = host_slots.to("cpu", torch.int64)
-        return pack_tensors([buf.index_select(0, idx) for buffers in self._buffers(self.pool) for buf in buffers])
+        return pool_payload(self.pool, host_slots)
 
     def load_payload(self, data: bytes, host_slots: torch.Tensor) -> bool:
         """page_payload's bytes into host_slots; False (nothing written) when they do not fit the layout."""
         idx = host_slots.to("cpu", torch.int64)
-        bufs = [buf for buffers in self._buffers(self.pool) for buf in buffers]
+        bufs = [buf for buffers in self.pool.slot_buffers() for buf in buffers]
         like = [((len(idx), *buf.shape[1:]), buf.dtype) for buf in bufs]
         rows = unpack_tensors(data, like)
         if rows is None:

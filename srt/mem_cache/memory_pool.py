@@ -202,12 +202,16 @@ class MHATokenToKVPool:
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the stored K/V (and int8 scales) of slots `src` to slots `dst`, in every layer."""
         src, dst = src.to(self.device), dst.to(self.device)
-        buffers = [self.k_buffer, self.v_buffer]
-        if self.k_scale_buffer is not None and self.v_scale_buffer is not None:
-            buffers += [self.k_scale_buffer, self.v_scale_buffer]
-        for per_layer in buffers:
+        for per_layer in self.slot_buffers():
             for buf in per_layer:
                 buf.index_copy_(0, dst, buf.index_select(0, src))
+
+    def slot_buffers(self) -> list[list[torch.Tensor]]:
+        """Every per-layer buffer list a slot has rows in: K, V and (int8) their scales."""
+        out = [self.k_buffer, self.v_buffer]
+        if self.k_scale_buffer is not None and self.v_scale_buffer is not None:
+            out += [self.k_scale_buffer, self.v_scale_buffer]
+        return out
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Store new tokens' K and V ([T, kv_heads, head_dim]) at slots `loc`, quantized to the format."""

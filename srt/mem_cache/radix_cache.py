@@ -20,12 +20,17 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class TreeNode:
     _ids = itertools.count()
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, extra_key: str | None):
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None, extra_key: str | None):
         self.key = key
         self.value = value
         self.parent = parent
         self.extra_key = extra_key
         self.children: dict = {}
+        # hierarchical cache (HiRadixCache): the host-pool copy of the node's KV, and how many
+        # requests used the node (write_through_selective backs up nodes used twice). A node whose
+        # device KV was evicted has value None and lives on the host only.
+        self.host_value: torch.Tensor | None = None
+        self.hit_count = 0
         self.lock_ref = 0
         self.last_access_time = 0
         self.id = next(TreeNode._ids)
@@ -68,10 +73,13 @@ class RadixCache(BasePrefixCache):
         """Cut child after its first n tokens; returns the new upper part."""
         parent = child.parent
         assert parent is not None, "the root is never split"
-        mid = TreeNode(child.key[:n], child.value[:n], parent, child.extra_key)
-        mid.lock_ref, mid.last_access_time = child.lock_ref, child.last_access_time
+        value = child.value
+        mid = TreeNode(child.key[:n], None if value is None else value[:n], parent, child.extra_key)
+        mid.lock_ref, mid.last_access_time, mid.hit_count = child.lock_ref, child.last_access_time, child.hit_count
+        if child.host_value is not None:
+            mid.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
         parent.children[self._child_key(parent, child.key, child.extra_key)] = mid
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
+        child.key, child.value, child.parent = child.key[n:], None if value is None else value[n:], mid
         mid.children[self._child_key(mid, child.key, child.extra_key)] = child
         return mid
 
@@ -208,7 +216,7 @@ class RadixCache(BasePrefixCache):
     def cache_unfinished_req(self, req) -> None:
         assert req.kv_committed_len == req.kv_len, "cache_unfinished_req with KV still being computed"
         tokens, _, _ = self._insert_req(req)
-        indices, node = self.match_prefix(tokens, req.extra_key)
+        indices, node = self.match_prefix(tokens, req.extra_key)[:2]
         own = len(req.prefix_indices)
         # The tree may hold other slots (from another request) for part of what we computed.
         self.req_to_token_pool.req_to_token[req.req_pool_idx, own : len(indices)] = indices[own:].to(torch.int32)

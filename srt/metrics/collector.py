@@ -67,6 +67,23 @@ GAUGES = {
     "spec_accept_length": "Speculative decoding: tokens per request per decode step, since start (1 without drafts)",
     "spec_accept_rate": "Speculative decoding: fraction of draft tokens accepted, since start",
 }
+# --enable-hierarchical-cache only: (doc, path in the scheduler state's "hicache" entry)
+HICACHE_GAUGES = {
+    "hicache_host_used_tokens": ("Tokens held in the host tier", ("host", "used_tokens")),
+    "hicache_host_capacity_tokens": ("Capacity of the host tier in tokens", ("host", "capacity_tokens")),
+    "hicache_storage_bytes": ("Bytes held by the storage tier's files", ("storage", "bytes")),
+}
+HICACHE_COUNTERS = {
+    "hicache_device_hit_tokens": ("Prompt tokens served from the device tier", ("device", "hit_tokens")),
+    "hicache_host_hit_tokens": ("Prompt tokens served from the host tier", ("host", "hit_tokens")),
+    "hicache_storage_hit_tokens": ("Prompt tokens served from the storage tier", ("storage", "hit_tokens")),
+    "hicache_backup_bytes": ("Bytes copied from the device tier to the host tier", ("host", "backup_bytes")),
+    "hicache_load_back_bytes": ("Bytes copied from the host tier to the device tier", ("host", "load_back_bytes")),
+    "hicache_load_back_seconds": ("Time spent copying host to device", ("host", "load_back_s")),
+    "hicache_storage_read_bytes": ("Bytes read from the storage tier", ("storage", "bytes_read")),
+    "hicache_storage_written_bytes": ("Bytes written to the storage tier", ("storage", "bytes_written")),
+    "hicache_prefetch_seconds": ("Time the storage reader spent on prefetches", ("storage", "prefetch_s")),
+}
 
 
 class Histogram:
@@ -143,6 +160,12 @@ class _StateCollector:
             families[name] = CounterMetricFamily(PREFIX + name, doc, labels=names)
         for name, (doc, _) in HISTOGRAMS.items():
             families[name] = HistogramMetricFamily(PREFIX + name, doc, labels=names)
+        hicache = any(st.get("hicache") for st in self.states)
+        if hicache:
+            for name, (doc, _) in HICACHE_GAUGES.items():
+                families[name] = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+            for name, (doc, _) in HICACHE_COUNTERS.items():
+                families[name] = CounterMetricFamily(PREFIX + name, doc, labels=names)
         for st in self.states:
             labels = [self.model_name] + ([str(st.get("dp_rank", 0))] if per_replica else [])
             metrics = st["metrics"]
@@ -162,6 +185,10 @@ class _StateCollector:
                 families[name].add_metric(labels, gauges[name])
             for name in COUNTERS:
                 families[name].add_metric(labels, metrics["counters"][name])
+            if hicache:
+                for name, (_, (tier, key)) in (HICACHE_GAUGES | HICACHE_COUNTERS).items():
+                    part = (st.get("hicache") or {}).get(tier) or {}
+                    families[name].add_metric(labels, part.get(key, 0))
             for name in HISTOGRAMS:
                 h = metrics["histograms"][name]
                 cumulative, buckets = 0, []

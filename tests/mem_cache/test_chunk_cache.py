@@ -29,7 +29,7 @@ def setup(page):
 
 def admit(cache, req_pool, alloc, ids, compute):
     req = Req(ids)
-    indices, node = cache.match_prefix(req.origin_input_ids, None)
+    indices, node = cache.match_prefix(req.origin_input_ids, None)[:2]
     assert len(indices) == 0 and indices.dtype == torch.int64
     cache.inc_lock_ref(node)
     req.prefix_indices, req.last_node = indices, node

@@ -130,7 +130,7 @@ def test_host_pool_moves_pages_between_tiers(kv_format):
     back = torch.arange(40, 44)
     host.load(device, again, back)
     for layer in range(3):
-        for buffers in HostKVPool._buffers(device):
+        for buffers in device.slot_buffers():
             assert torch.equal(buffers[layer][back], buffers[layer][slots[:4]])
     with pytest.raises(ValueError, match="layout differs"):
         host.write_back(MHATokenToKVPool(64, page, torch.bfloat16, 2, 8, 2, "cpu", kv_format), slots, host_slots)

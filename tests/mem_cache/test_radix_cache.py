@@ -59,7 +59,7 @@ class Sim:
         """match -> lock -> req slot -> write prefix -> alloc_extend up to `compute` tokens."""
         req = Req(ids, extra_key)
         key = req.tokens if match_limit is None else req.tokens[:match_limit]
-        indices, node = self.cache.match_prefix(key, extra_key)
+        indices, node = self.cache.match_prefix(key, extra_key)[:2]
         self.assert_stamps(indices, req.tokens, extra_key)
         self.cache.inc_lock_ref(node)
         slot = self.req_pool.alloc(1)
@@ -180,7 +180,7 @@ class Sim:
 
 
 def match(sim: Sim, ids, extra_key=None):
-    indices, node = sim.cache.match_prefix(list(ids), extra_key)
+    indices, node = sim.cache.match_prefix(list(ids), extra_key)[:2]
     sim.assert_stamps(indices, list(ids), extra_key)
     sim.check()
     return indices.tolist(), node
@@ -333,7 +333,7 @@ def test_extra_key_namespaces_are_separate_trees():
     assert match(sim, ids, "tenant-b")[0] == b
     assert match(sim, ids[:5], "tenant-b")[0] == b[:5]
     # a locked namespace is untouched by evicting the other one
-    _, node_b = sim.cache.match_prefix(ids, "tenant-b")
+    node_b = sim.cache.match_prefix(ids, "tenant-b").last_node
     sim.cache.inc_lock_ref(node_b)
     assert sim.cache.evict(10**9) == 20
     sim.check()

@@ -1,0 +1,719 @@
+"""The hierarchical prefix cache (`--enable-hierarchical-cache`): the radix tree over three tiers.
+
+- L1, the device KV pool the kernels read: a node's `value` (its slots there), or None.
+- L2, the host pool (`HostKVPool`, same layout, `--hicache-ratio` x L1 or `--hicache-size` GB): a
+  node's `host_value`. A node whose device KV was evicted lives on the host only.
+- L3, files (`--hicache-storage-backend file`, `FileStorage`): pages of `storage_page_tokens`
+  tokens keyed by the chained hash of everything up to their end, so any process pointing at the
+  directory (a restart, another data-parallel replica) finds a prefix by its tokens alone.
+
+Invariants: nodes on the device form a subtree that contains the root (a node is evicted from the
+device only after its children), so along any path the device nodes come first, then host-only
+ones; every host-only node has a host copy; `_evictable` / `_protected` count device slots only.
+
+Movement:
+- **L1 -> L2.** `write_through` backs a node up to the host when it is inserted, `write_through_selective`
+  when a second request uses it, `write_back` only when it is evicted from the device. Eviction
+  keeps a backed-up node as host-only; one without a host copy is dropped (with any host-only
+  descendants). The host pool evicts least recently used host-only leaves.
+- **L2 -> L1.** `match_prefix` returns the device part and the host part after it; the scheduler
+  calls `load_back` for a request it is about to admit, which copies the host part into fresh
+  device slots (one copy of every layer's rows), so the request extends only what no tier had.
+- **L1 -> L3.** When a request leaves the device (finished, aborted, retracted) its full storage
+  pages that are not stored yet are packed from the device pool and written by a background thread
+  (write-through: a restart or a replica finds every completed prefix; the host tier's write
+  policy is independent of this).
+- **L3 -> L2.** When a request arrives, the pages after its L1+L2 match are looked up; if at least
+  `prefetch_threshold` tokens are stored, host slots are reserved and a background thread reads
+  the pages into them, page by page. The request waits for it per `--hicache-storage-prefetch-policy`:
+  `best_effort` takes what has arrived when the scheduler reaches it, `wait_complete` waits for all,
+  `timeout` waits up to `prefetch_timeout_base + prefetch_timeout_per_ki_token x pages' tokens / 1024`
+  seconds (never past the request's deadline). Loaded pages join the tree as host-only nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from srt.mem_cache.base_prefix_cache import MatchResult
+from srt.mem_cache.hicache_storage import FileStorage, HostKVPool, Namespace, page_keys, pool_payload
+from srt.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode
+
+WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_BACKENDS = ("file", "none")
+SELECTIVE_WRITE_HITS = 2  # write_through_selective backs up a node once this many requests used it
+MAX_QUEUED_WRITE_BYTES = 256 << 20  # pages packed for the writer thread but not written yet
+MAX_REMEMBERED_KEYS = 1 << 20  # stored page keys remembered to skip re-packing them
+
+# --hicache-storage-backend-extra-config keys, with their defaults
+EXTRA_CONFIG_DEFAULTS: dict[str, float] = {
+    "prefetch_threshold": 256,  # tokens: a shorter storage hit is not worth a prefetch
+    "prefetch_timeout_base": 1.0,  # seconds (prefetch policy timeout)
+    "prefetch_timeout_per_ki_token": 0.25,  # seconds per 1024 tokens (prefetch policy timeout)
+    "max_size_gb": 8.0,  # the file backend's total size; least recently used pages go first
+    "page_tokens": 64,  # tokens per stored page (rounded up to a multiple of --page-size)
+}
+
+
+def parse_extra_config(text: str | None) -> dict[str, float]:
+    """--hicache-storage-backend-extra-config (a JSON object) over the defaults; unknown keys and
+    non-positive values are errors that name them."""
+    out = dict(EXTRA_CONFIG_DEFAULTS)
+    if not text:
+        return out
+    try:
+        given = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from e
+    if not isinstance(given, dict):
+        raise ValueError(f"--hicache-storage-backend-extra-config must be a JSON object, got {text!r}")
+    for key, value in given.items():
+        if key not in EXTRA_CONFIG_DEFAULTS:
+            known = ", ".join(EXTRA_CONFIG_DEFAULTS)
+            raise ValueError(f"--hicache-storage-backend-extra-config: unknown key {key!r} (known: {known})")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"--hicache-storage-backend-extra-config: {key} must be a number >= 0, got {value!r}")
+        out[key] = value
+    if out["page_tokens"] < 1 or out["max_size_gb"] <= 0:
+        raise ValueError("--hicache-storage-backend-extra-config: page_tokens must be >= 1 and max_size_gb > 0")
+    return out
+
+
+@dataclass
+class HiCacheConfig:
+    host_size: int  # tokens of the host pool
+    write_policy: str = "write_through"
+    storage: FileStorage | None = None
+    model_key: str = ""  # what the KV depends on besides tokens and the namespace's other parts
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_dtype: str = "auto"
+    prefetch_policy: str = "best_effort"
+    extra: dict[str, float] = field(default_factory=lambda: dict(EXTRA_CONFIG_DEFAULTS))
+
+
+@dataclass
+class TierStats:
+    """Counters since start, per tier movement (reported in /server_info and /metrics)."""
+
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    backup_tokens: int = 0  # L1 -> L2
+    backup_bytes: int = 0
+    backup_s: float = 0.0
+    load_back_tokens: int = 0  # L2 -> L1
+    load_back_bytes: int = 0
+    load_back_s: float = 0.0
+    host_evicted_tokens: int = 0
+    prefetch_ops: int = 0  # L3 -> L2
+    prefetch_tokens: int = 0
+    prefetch_s: float = 0.0
+    storage_write_pages: int = 0  # L1 -> L3 (queued for the writer)
+    storage_write_dropped: int = 0  # pages not queued: the writer was too far behind
+
+
+class PrefetchOp:
+    """Pages of one request read from storage into reserved host slots by the reader thread."""
+
+    def __init__(self, key, start, host_slots, keys, ns, node, extra_key, timeout_s):
+        self.key, self.start, self.host_slots, self.keys = key, start, host_slots, keys
+        self.ns, self.node, self.extra_key = ns, node, extra_key
+        self.created = time.monotonic()
+        self.timeout_s = timeout_s
+        self.cancel = False
+        self.pages_done = 0
+        self.done = threading.Event()
+        self.seconds = 0.0
+        self.finalized = False
+        self.new_tokens = 0  # tokens the tree gained from it (set when finalized)
+
+
+class HiRadixCache(RadixCache):
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int, device_pool, cfg: HiCacheConfig):
+        assert cfg.write_policy in WRITE_POLICIES and cfg.prefetch_policy in PREFETCH_POLICIES, "ServerArgs checks"
+        self.cfg = cfg
+        self.device_pool = device_pool
+        self.host = HostKVPool(device_pool, cfg.host_size)
+        self.storage = cfg.storage
+        spt = int(cfg.extra["page_tokens"])
+        self.storage_page = -(-spt // page_size) * page_size
+        self.stats = TierStats()
+        self.prefetches: list[PrefetchOp] = []
+        self.stored_keys: OrderedDict[tuple[Namespace, str], None] = OrderedDict()
+        self.queued_write_bytes = 0
+        self.lock = threading.Lock()
+        self.reader = self.writer = None
+        if self.storage is not None:
+            self.reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-read")
+            self.writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-write")
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
+
+    # -- lookup --------------------------------------------------------------------------------------
+
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
+        key = key[: self._aligned(len(key))]
+        node, values, now = self.root, [], next(self._clock)
+        device_node, host_node, host_len = self.root, None, 0
+        while key:
+            child = node.children.get(self._child_key(node, key, extra_key))
+            if child is None:
+                break
+            n = self._match_len(child.key, key)
+            if n == 0:
+                break
+            child.last_access_time = now
+            if n < len(child.key):
+                child = self._split(child, n)
+            if child.value is not None:  # device nodes come first along a path
+                values.append(child.value)
+                device_node = child
+            else:
+                host_len += n
+                host_node = child
+            node, key = child, key[n:]
+        return MatchResult(torch.cat(values) if values else _EMPTY, device_node, host_len, host_node)
+
+    def load_back(self, host_node: TreeNode) -> int:
+        """Copy the host-only nodes from host_node up to its first device ancestor into device
+        slots; returns the tokens moved (0 when the device pool cannot make room)."""
+        path: list[TreeNode] = []
+        x: TreeNode | None = host_node
+        while x is not None and x is not self.root and x.value is None:
+            path.append(x)
+            x = x.parent
+        path.reverse()
+        n = sum(len(p.key) for p in path)
+        if n == 0:
+            return 0
+        self.inc_lock_ref(host_node)  # neither the path nor its device ancestors may go meanwhile
+        try:
+            free = self.token_to_kv_pool_allocator.available_size()
+            if free < n:
+                self.evict(n - free)
+            slots = self.token_to_kv_pool_allocator.alloc(n)
+            if slots is None:
+                return 0
+            start = time.perf_counter()
+            host_slots = torch.cat([self._host_copy(p) for p in path])
+            self.stats.load_back_bytes += self.host.load(self.device_pool, host_slots, slots)
+            self.stats.load_back_s += time.perf_counter() - start
+            self.stats.load_back_tokens += n
+            offset = 0
+            for p in path:
+                p.value = slots[offset : offset + len(p.key)]
+                offset += len(p.key)
+                self._protected += len(p.key)  # locked above
+        finally:
+            self.dec_lock_ref(host_node)
+        return n
+
+    @staticmethod
+    def _host_copy(node: TreeNode) -> torch.Tensor:
+        assert node.host_value is not None, "a node off the device has a host copy"
+        return node.host_value
+
+    def note_hits(self, device: int, host: int, storage: int) -> None:
+        self.stats.device_hit_tokens += device
+        self.stats.host_hit_tokens += host
+        self.stats.storage_hit_tokens += storage
+
+    # -- insertion -----------------------------------------------------------------------------------
+
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        """As RadixCache.insert; a host-only node on the way adopts the caller's device slots (the
+        caller computed that KV again), so only the device part is returned as duplicate."""
+        assert len(key) == len(value) and len(key) % self.page_size == 0
+        node, duplicate, now, touched = self.root, 0, next(self._clock), []
+        while key:
+            ck = self._child_key(node, key, extra_key)
+            child = node.children.get(ck)
+            if child is None:
+                leaf = TreeNode(list(key), value.clone(), node, extra_key)
+                leaf.last_access_time, leaf.hit_count = now, 1
+                node.children[ck] = leaf
+                self._evictable += len(key)
+                touched.append(leaf)
+                break
+            n = self._match_len(child.key, key)
+            child.last_access_time = now
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.hit_count += 1
+            if child.value is None:
+                child.value = value[:n].clone()
+                if child.lock_ref:
+                    self._protected += n
+                else:
+                    self._evictable += n
+            else:
+                duplicate += n
+            touched.append(child)
+            node, key, value = child, key[n:], value[n:]
+        if self.cfg.write_policy != "write_back":
+            threshold = 1 if self.cfg.write_policy == "write_through" else SELECTIVE_WRITE_HITS
+            for x in touched:
+                if x.host_value is None and x.hit_count >= threshold:
+                    self._backup(x)
+        return duplicate
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Copy a device node's KV to new host slots (evicting host-only leaves to make room)."""
+        assert node.value is not None and node.host_value is None
+        n = len(node.key)
+        free = self.host.allocator.available_size()
+        if free < n:
+            self._evict_host(n - free)
+        slots = self.host.allocator.alloc(n)
+        if slots is None:
+            return False
+        start = time.perf_counter()
+        self.stats.backup_bytes += self.host.write_back(self.device_pool, node.value, slots)
+        self.stats.backup_s += time.perf_counter() - start
+        self.stats.backup_tokens += n
+        node.host_value = slots
+        return True
+
+    # -- eviction ------------------------------------------------------------------------------------
+
+    def _device_leaf(self, x: TreeNode) -> bool:
+        return (
+            x is not self.root
+            and x.value is not None
+            and x.lock_ref == 0
+            and all(c.value is None for c in x.children.values())
+        )
+
+    def evict(self, num_tokens: int) -> int:
+        """Free device slots, least recently used device leaves first: a node with a host copy (or,
+        under write_back, one that gets it now) stays as host-only, others are dropped."""
+        leaves = [x for x in self._nodes() if self._device_leaf(x)]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            x = heapq.heappop(leaves)
+            assert x.value is not None
+            if x.host_value is None and self.cfg.write_policy == "write_back":
+                self._backup(x)
+            self.token_to_kv_pool_allocator.free(x.value)
+            freed += len(x.value)
+            self._evictable -= len(x.value)
+            x.value = None
+            parent = x.parent
+            if x.host_value is None:
+                self._delete_subtree(x)
+            if parent is not None and self._device_leaf(parent):
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def _delete_subtree(self, x: TreeNode) -> None:
+        """Remove x (off the device) and its host-only descendants from the tree."""
+        stack = [x]
+        while stack:
+            y = stack.pop()
+            assert y.value is None and y.lock_ref == 0, "only unlocked nodes off the device are deleted"
+            if y.host_value is not None:
+                self.host.allocator.free(y.host_value)
+                y.host_value = None
+            stack.extend(y.children.values())
+        parent = x.parent
+        assert parent is not None
+        del parent.children[self._child_key(parent, x.key, x.extra_key)]
+
+    def _host_leaf(self, x: TreeNode) -> bool:
+        return x is not self.root and x.value is None and x.lock_ref == 0 and not x.children
+
+    def _evict_host(self, num_tokens: int) -> int:
+        leaves = [x for x in self._nodes() if self._host_leaf(x)]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            x = heapq.heappop(leaves)
+            freed += len(x.key)
+            parent = x.parent
+            self._delete_subtree(x)
+            if parent is not None and self._host_leaf(parent):
+                heapq.heappush(leaves, parent)
+        self.stats.host_evicted_tokens += freed
+        return freed
+
+    # -- locks (the counters see device slots only) --------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0 and node.value is not None:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
+            assert node.lock_ref > 0, "unbalanced dec_lock_ref"
+            if node.lock_ref == 1 and node.value is not None:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    # -- storage: write-through of finished requests' pages ------------------------------------------
+
+    def namespace(self, extra_key: str | None) -> Namespace:
+        c = self.cfg
+        return Namespace(c.model_key, c.tp_rank, c.tp_size, f"{c.kv_dtype}-p{self.storage_page}", extra_key or "")
+
+    def cache_finished_req(self, req) -> None:
+        if self.storage is not None and req.req_pool_idx is not None:
+            self._store(req)
+        super().cache_finished_req(req)
+
+    def _store(self, req) -> None:
+        tokens = (req.origin_input_ids + req.output_ids)[: req.kv_committed_len]
+        keys = page_keys(tokens, self.storage_page)
+        if not keys:
+            return
+        storage, writer = self.storage, self.writer
+        assert storage is not None and writer is not None
+        ns, s = self.namespace(req.extra_key), self.storage_page
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(keys) * s].long()
+        for i, key in enumerate(keys):
+            if (ns, key) in self.stored_keys:
+                self.stored_keys.move_to_end((ns, key))
+                continue
+            if storage.exists(ns, key):
+                self._remember(ns, key)
+                continue
+            with self.lock:
+                behind = self.queued_write_bytes > MAX_QUEUED_WRITE_BYTES
+            if behind:
+                self.stats.storage_write_dropped += len(keys) - i
+                return
+            payload = pool_payload(self.device_pool, kv[i * s : (i + 1) * s])
+            with self.lock:
+                self.queued_write_bytes += len(payload)
+            writer.submit(self._write_page, ns, key, payload)
+            self.stats.storage_write_pages += 1
+            self._remember(ns, key)
+
+    def _write_page(self, ns: Namespace, key: str, payload: bytes) -> None:
+        assert self.storage is not None
+        try:
+            self.storage.set(ns, key, payload)
+        except OSError as e:  # a full disk loses a page, not the server
+            self.storage.note_error(f"writing page {key[:12]}: {e}")
+        finally:
+            with self.lock:
+                self.queued_write_bytes -= len(payload)
+
+    def _remember(self, ns: Namespace, key: str) -> None:
+        self.stored_keys[(ns, key)] = None
+        if len(self.stored_keys) > MAX_REMEMBERED_KEYS:
+            self.stored_keys.popitem(last=False)
+
+    def flush_writes(self) -> None:
+        """Wait until every queued page is written (tests, shutdown)."""
+        if self.writer is not None:
+            self.writer.submit(lambda: None).result()
+
+    # -- storage: prefetch into the host tier --------------------------------------------------------
+
+    def prefetch(self, req, key: list[int]) -> None:
+        """Start reading the stored pages after req's L1+L2 match (key: its cacheable tokens)."""
+        if self.storage is None:
+            return
+        m = self.match_prefix(key, req.extra_key)
+        have, s = len(m.device_indices) + m.host_hit_len, self.storage_page
+        start = have // s * s
+        ns = self.namespace(req.extra_key)
+        keys = page_keys(key[: len(key) // s * s], s)[start // s :]
+        hits = self.storage.prefix_hits(ns, keys)
+        end = start + hits * s
+        if hits == 0 or end - have < self.cfg.extra["prefetch_threshold"]:
+            return
+        n = end - start
+        free = self.host.allocator.available_size()
+        if free < n:
+            self._evict_host(n - free)
+        slots = self.host.allocator.alloc(n)
+        if slots is None:
+            return
+        node = m.last_host_node if m.last_host_node is not None else m.last_node
+        self.inc_lock_ref(node)  # the tree keeps the part before the pages until they join it
+        e = self.cfg.extra
+        timeout = e["prefetch_timeout_base"] + e["prefetch_timeout_per_ki_token"] * n / 1024
+        op = PrefetchOp(key[:end], start, slots, keys[:hits], ns, node, req.extra_key, timeout)
+        self.prefetches.append(op)
+        self.stats.prefetch_ops += 1
+        req.prefetch_op = op
+        assert self.reader is not None
+        self.reader.submit(self._read_pages, op)
+
+    def _read_pages(self, op: PrefetchOp) -> None:
+        assert self.storage is not None
+        start, s = time.perf_counter(), self.storage_page
+        try:
+            for i, key in enumerate(op.keys):
+                if op.cancel:
+                    break
+                data = self.storage.get(op.ns, key)
+                if data is None or not self.host.load_payload(data, op.host_slots[i * s : (i + 1) * s]):
+                    if data is not None:  # the right checksum but not this layout's size
+                        self.storage.discard(op.ns, key)
+                    break
+                op.pages_done = i + 1
+        finally:
+            op.seconds = time.perf_counter() - start
+            op.done.set()
+
+    def prefetch_ready(self, req) -> bool:
+        """Whether req may be scheduled now under the prefetch policy; when it may, its prefetch
+        (finished or cut short) has joined the tree."""
+        op = getattr(req, "prefetch_op", None)
+        if op is None or op.finalized:
+            return True
+        policy = self.cfg.prefetch_policy
+        if not op.done.is_set():
+            if policy == "wait_complete":
+                return False
+            if policy == "timeout":
+                waited = time.monotonic() - op.created
+                deadline = req.deadline
+                if waited < op.timeout_s and (deadline is None or time.time() < deadline):
+                    return False
+            op.cancel = True
+            op.done.wait()
+        self._finalize(op)
+        return True
+
+    def poll_prefetches(self) -> None:
+        """Finalize the prefetches the reader finished (their requests may be gone)."""
+        for op in [op for op in self.prefetches if op.done.is_set()]:
+            self._finalize(op)
+
+    def pending_io(self) -> bool:
+        return bool(self.prefetches)
+
+    def wait_io(self, timeout: float) -> None:
+        """Block briefly for the oldest prefetch (instead of spinning against the reader thread)."""
+        if self.prefetches:
+            self.prefetches[0].done.wait(timeout)
+
+    def _finalize(self, op: PrefetchOp) -> None:
+        op.done.wait()
+        self.prefetches.remove(op)
+        op.finalized = True
+        loaded = op.pages_done * self.storage_page
+        if loaded:
+            key = op.key[: op.start + loaded]
+            op.new_tokens = self._insert_host(key, op.host_slots[:loaded], op.start, op.extra_key)
+        if loaded < len(op.host_slots):
+            self.host.allocator.free(op.host_slots[loaded:])
+        self.dec_lock_ref(op.node)
+        self.stats.prefetch_tokens += op.new_tokens
+        self.stats.prefetch_s += op.seconds
+
+    def _insert_host(self, key: list[int], host_slots: torch.Tensor, start: int, extra_key: str | None) -> int:
+        """Add host-only nodes for key (host_slots hold positions start..len(key)); slots of
+        positions the tree already has are given to a node lacking a host copy, else freed.
+        Returns the tokens added."""
+        node, pos, added, now = self.root, 0, 0, next(self._clock)
+        while pos < len(key):
+            rest = key[pos:]
+            ck = self._child_key(node, rest, extra_key)
+            child = node.children.get(ck)
+            if child is None:
+                if pos < start:  # the tree lost the part before the pages meanwhile: drop them
+                    self.host.allocator.free(host_slots)
+                    return added
+                leaf = TreeNode(list(rest), None, node, extra_key)
+                leaf.host_value, leaf.last_access_time = host_slots[pos - start :].clone(), now
+                node.children[ck] = leaf
+                return added + len(rest)
+            n = self._match_len(child.key, rest)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            lo, hi = max(pos, start), pos + n  # our slots for the overlap with this node
+            if hi > lo:
+                ours = host_slots[lo - start : hi - start]
+                if child.host_value is None and lo == pos:
+                    child.host_value = ours.clone()
+                else:
+                    self.host.allocator.free(ours)
+            node, pos = child, pos + n
+        return added
+
+    # -- whole-cache operations ----------------------------------------------------------------------
+
+    def reset_with_free(self) -> None:
+        """Empty L1 and L2 (flush_cache); storage stays (clear_storage)."""
+        assert self._protected == 0 and not self.prefetches, "flush while requests hold cached prefixes"
+        for node in self._nodes():
+            if node.value is not None:
+                self.token_to_kv_pool_allocator.free(node.value)
+            if node.host_value is not None:
+                self.host.allocator.free(node.host_value)
+        self.reset()
+
+    def clear_storage(self) -> int:
+        """Delete every stored page; returns how many."""
+        if self.storage is None:
+            return 0
+        self.flush_writes()
+        self.stored_keys.clear()
+        return self.storage.clear()
+
+    def check_consistency(self) -> None:
+        ev = pr = host = 0
+        for x in self._nodes():
+            assert len(x.key) % self.page_size == 0, "node keys are whole pages"
+            if x.host_value is not None:
+                assert len(x.host_value) == len(x.key), "host copy of the node's length"
+                host += len(x.key)
+            if x.value is None:
+                assert x.host_value is not None, "a node off the device has a host copy"
+                assert all(c.value is None for c in x.children.values()), "device nodes under a host-only node"
+                continue
+            assert len(x.value) == len(x.key)
+            if x.lock_ref:
+                pr += len(x.key)
+            else:
+                ev += len(x.key)
+        assert (ev, pr) == (self._evictable, self._protected), (
+            f"tree {ev}/{pr} != counters {self._evictable}/{self._protected}"
+        )
+        reserved = sum(len(op.host_slots) for op in self.prefetches)
+        alloc = self.host.allocator
+        assert alloc.available_size() + host + reserved == alloc.size, (
+            f"host slots: free {alloc.available_size()} + tree {host} + prefetching {reserved} != {alloc.size}"
+        )
+
+    def integrity_problems(self) -> list[str]:
+        try:
+            self.check_consistency()
+        except AssertionError as e:
+            return [f"hierarchical cache: {e}"]
+        return []
+
+    def host_used(self) -> int:
+        return self.host.allocator.size - self.host.allocator.available_size()
+
+    def state(self) -> dict:
+        """The tiers as /server_info reports them."""
+        st = self.stats
+        out = {
+            "write_policy": self.cfg.write_policy,
+            "device": {"hit_tokens": st.device_hit_tokens},
+            "host": {
+                "capacity_tokens": self.host.allocator.size,
+                "used_tokens": self.host_used(),
+                "bytes": self.host.nbytes,
+                "hit_tokens": st.host_hit_tokens,
+                "backup_tokens": st.backup_tokens,
+                "backup_bytes": st.backup_bytes,
+                "backup_s": st.backup_s,
+                "load_back_tokens": st.load_back_tokens,
+                "load_back_bytes": st.load_back_bytes,
+                "load_back_s": st.load_back_s,
+                "evicted_tokens": st.host_evicted_tokens,
+            },
+            "storage": None,
+        }
+        if self.storage is not None:
+            s = self.storage.stats
+            out["storage"] = {
+                "backend": "file",
+                "dir": self.storage.root,
+                "page_tokens": self.storage_page,
+                "prefetch_policy": self.cfg.prefetch_policy,
+                "bytes": self.storage.total_bytes,
+                "max_bytes": self.storage.max_bytes,
+                "hit_tokens": st.storage_hit_tokens,
+                "prefetch_ops": st.prefetch_ops,
+                "prefetch_tokens": st.prefetch_tokens,
+                "prefetch_s": st.prefetch_s,
+                "pages_read": s.hits,
+                "bytes_read": s.bytes_read,
+                "pages_written": s.writes,
+                "bytes_written": s.bytes_written,
+                "write_dropped_pages": st.storage_write_dropped,
+                "corrupt_pages": s.corrupt,
+                "evicted_pages": s.evictions,
+                "errors": s.errors,
+            }
+        return out
+
+
+def model_cache_key(server_args, runner, model_config) -> str:
+    """What a page's KV depends on besides its tokens and the other namespace parts: the weights
+    (path, format, the dtype and quantization they run in; the seed of random weights) and depth."""
+    a = server_args
+    parts = [
+        os.path.realpath(a.model_path),
+        a.load_format,
+        str(runner.dtype),
+        str(runner.weight_report["quantization"]),
+        str(a.quantization_group_size),
+        str(model_config.num_hidden_layers),
+    ]
+    if a.load_format == "dummy":
+        parts.append(str(a.random_seed))
+    return "|".join(parts)
+
+
+def build_hierarchical_cache(server_args, runner, model_config, tp_rank: int = 0) -> HiRadixCache:
+    """The cache for --enable-hierarchical-cache over the runner's pools (start-up errors name the flag)."""
+    import psutil
+
+    from srt.mem_cache.hicache_storage import default_storage_dir
+
+    a = server_args
+    pool = runner.token_to_kv_pool
+    per_token = runner.kv_bytes_per_token
+    if a.hicache_size > 0:
+        host_tokens = int(a.hicache_size * (1 << 30) // per_token)
+    else:
+        host_tokens = int(a.hicache_ratio * runner.max_total_num_tokens)
+    host_tokens = host_tokens // runner.page_size * runner.page_size
+    if host_tokens < runner.max_total_num_tokens:
+        raise ValueError(
+            f"--hicache-size {a.hicache_size} GB holds {host_tokens} tokens, fewer than the device KV pool's "
+            f"{runner.max_total_num_tokens}; the host pool must be at least as large"
+        )
+    need, avail = host_tokens * per_token, psutil.virtual_memory().available
+    if need > 0.9 * avail:
+        raise ValueError(
+            f"the hierarchical cache's host pool needs {need / (1 << 30):.1f} GB ({host_tokens} tokens), but only "
+            f"{avail / (1 << 30):.1f} GB of memory is available: lower --hicache-ratio or --hicache-size"
+        )
+    extra = parse_extra_config(a.hicache_storage_backend_extra_config)
+    storage = None
+    if a.hicache_storage_backend == "file":
+        storage = FileStorage(default_storage_dir(), int(extra["max_size_gb"] * (1 << 30)))
+    kv_dtype = runner.kv_format
+    if kv_dtype.startswith("fp8"):  # the stored bits mean nothing without this run's per-layer scales
+        scales = json.dumps([pool.k_scale, pool.v_scale])
+        kv_dtype += "-" + hashlib.sha256(scales.encode()).hexdigest()[:12]
+    cfg = HiCacheConfig(
+        host_size=host_tokens,
+        write_policy=a.hicache_write_policy,
+        storage=storage,
+        model_key=model_cache_key(a, runner, model_config),
+        tp_rank=tp_rank,
+        tp_size=a.tp_size,
+        kv_dtype=kv_dtype,
+        prefetch_policy=a.hicache_storage_prefetch_policy,
+        extra=extra,
+    )
+    return HiRadixCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size, pool, cfg)

@@ -1,0 +1,164 @@
+"""The hierarchical KV cache over HTTP: a device pool far smaller than the working set, a host tier
+and a file tier. Greedy outputs equal a plain server's whichever tier a prefix comes from; the
+per-request `cached_tokens_details` say which; a restarted server and another data-parallel
+replica are warm from the files; tenants never share them; the pools are whole when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import httpx
+import pytest
+import requests
+
+HICACHE = [
+    "--enable-hierarchical-cache",
+    "--hicache-ratio",
+    "4",
+    "--hicache-storage-backend",
+    "file",
+    "--hicache-storage-prefetch-policy",
+    "wait_complete",
+]
+
+
+def documents(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def body(ids: list[int], **extra) -> dict:
+    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}, **extra}
+
+
+def run(server, bodies: list[dict]) -> list[dict]:
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+            return await asyncio.gather(*(client.post("/generate", json=b) for b in bodies))
+
+    resps = asyncio.run(go())
+    assert [r.status_code for r in resps] == [200] * len(bodies), [r.text for r in resps if r.status_code != 200][:2]
+    return [r.json() for r in resps]
+
+
+def details(out: dict) -> dict:
+    return out["meta_info"]["cached_tokens_details"]
+
+
+def assert_whole(server) -> dict:
+    st = server.wait_idle()
+    assert st["idle"] and st["integrity_ok"], st
+    assert st["kv_available"] + st["kv_evictable"] == st["kv_capacity"]
+    return st
+
+
+@pytest.fixture(scope="module")
+def storage_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hicache-files"))
+
+
+@pytest.fixture(scope="module")
+def docs():
+    # 10 x 300 tokens = 3000: three times the 1024-token device pool, within the 4096-token host pool
+    return documents(10, 300)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_server, docs):
+    return [o["output_ids"] for o in run(tiny_server, [body(d + [7, 8]) for d in docs])]
+
+
+@pytest.fixture(scope="module")
+def hicache_server(server_factory, tiny_chat_model, storage_dir):
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": storage_dir}
+    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "1024", *HICACHE, env=env)
+
+
+def test_tiers_serve_identical_outputs(hicache_server, docs, expected):
+    server = hicache_server
+    first = [run(server, [body(d + [7, 8])])[0] for d in docs]  # one by one: each evicts older ones
+    assert [o["output_ids"] for o in first] == expected
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in first)
+    # again: the early documents left the device long ago and come back from the host tier
+    again = [run(server, [body(d + [7, 8])])[0] for d in docs]
+    assert [o["output_ids"] for o in again] == expected
+    assert all(o["meta_info"]["cached_tokens"] == 301 for o in again), [details(o) for o in again]
+    assert sum(details(o)["host"] for o in again) >= 5 * 300, [details(o) for o in again]
+    for o in again:
+        d = details(o)
+        assert d["device"] + d["host"] + d["storage"] == o["meta_info"]["cached_tokens"]
+    st = assert_whole(server)
+    h = st["hicache"]
+    assert h["host"]["load_back_tokens"] >= 5 * 300 and h["host"]["used_tokens"] > 1024
+    # /flush_cache empties L1 and L2: now every prefix comes from the files, in batches too
+    assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
+    st = assert_whole(server)
+    assert st["hicache"]["host"]["used_tokens"] == 0 and st["kv_evictable"] == 0
+    third = run(server, [body(d + [7, 8]) for d in docs[:3]])
+    assert [o["output_ids"] for o in third] == expected[:3]
+    assert [details(o)["storage"] for o in third] == [256, 256, 256]  # whole 64-token pages of the 299 cacheable
+    assert all(details(o)["device"] + details(o)["host"] == 0 for o in third)
+    st = assert_whole(server)
+    assert st["hicache"]["storage"]["pages_read"] >= 12
+    metrics = requests.get(server.url + "/metrics", timeout=30)
+    if metrics.status_code == 200:  # only with --enable-metrics
+        assert "sglang:hicache_host_hit_tokens" in metrics.text
+
+
+def test_restart_is_warm_from_storage_and_tenants_are_separate(
+    hicache_server, server_factory, tiny_chat_model, storage_dir, docs, expected
+):
+    run(hicache_server, [body(docs[4] + [7, 8])])  # every document's pages are stored by now
+    hicache_server.stop()
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": storage_dir}
+    fresh = server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "1024", "--enable-metrics", *HICACHE, env=env
+    )
+    out = run(fresh, [body(docs[4] + [7, 8])])[0]
+    assert out["output_ids"] == expected[4]
+    assert details(out) == {"device": 0, "host": 0, "storage": 256}
+    # another tenant (cache namespace) never reads these pages
+    other = run(fresh, [body(docs[5] + [7, 8], extra_key="tenant-b")])[0]
+    assert other["output_ids"] == expected[5] and other["meta_info"]["cached_tokens"] == 0
+    metrics = requests.get(fresh.url + "/metrics", timeout=30).text
+    assert "sglang:hicache_storage_hit_tokens" in metrics
+    # /clear_hicache_storage_backend deletes every page (corrupt pages: tests/mem_cache/test_hiradix_cache.py)
+    assert [f for _, _, fs in os.walk(storage_dir) for f in fs if f.endswith(".kv")]
+    r = requests.post(fresh.url + "/clear_hicache_storage_backend", timeout=60)
+    assert r.status_code == 200, r.text
+    assert not [f for _, _, fs in os.walk(storage_dir) for f in fs if f.endswith(".kv")]
+    assert requests.post(fresh.url + "/flush_cache", timeout=60).status_code == 200
+    out = run(fresh, [body(docs[6] + [7, 8])])[0]
+    assert out["output_ids"] == expected[6] and out["meta_info"]["cached_tokens"] == 0
+    assert_whole(fresh)
+
+
+def test_data_parallel_replicas_share_storage(server_factory, tiny_chat_model, tmp_path, docs, expected):
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}
+    server = server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "1024", "--dp-size", "2", *HICACHE, env=env
+    )
+    a = run(server, [body(docs[7] + [7, 8], data_parallel_rank=0)])[0]
+    b = run(server, [body(docs[7] + [9], data_parallel_rank=1)])[0]  # the other replica: its files are shared
+    assert a["output_ids"] == expected[7]
+    assert a["meta_info"]["cached_tokens"] == 0 and details(b)["storage"] == 256, details(b)
+
+
+def test_bad_flags_are_start_up_errors():
+    from srt.server_args import ServerArgs
+
+    for kwargs, words in [
+        (dict(hicache_write_policy="sometimes"), "--hicache-write-policy"),
+        (dict(hicache_storage_prefetch_policy="never"), "--hicache-storage-prefetch-policy"),
+        (dict(hicache_storage_backend="redis"), "--hicache-storage-backend"),
+        (dict(hicache_ratio=0.5), "--hicache-ratio"),
+        (dict(hicache_storage_backend_extra_config='{"bogus": 1}'), "bogus"),
+        (dict(hicache_storage_backend_extra_config="[1]"), "JSON object"),
+        (dict(disable_radix_cache=True), "--disable-radix-cache"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            ServerArgs(model_path="m", enable_hierarchical_cache=True, **kwargs)
+    with pytest.raises(ValueError, match="--enable-hierarchical-cache"):
+        ServerArgs(model_path="m", hicache_storage_backend="file")
