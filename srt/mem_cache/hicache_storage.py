@@ -67,15 +67,18 @@ def pack_tensors(tensors: list[torch.Tensor]) -> bytes:
     return b"".join(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors)
 
 
-def unpack_tensors(data: bytes, like: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
-    """Tensors of the given shapes and dtypes from pack_tensors' bytes; None when the sizes disagree."""
+def unpack_tensors(data, like: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+    """Tensors of the given shapes and dtypes from pack_tensors' bytes (views of data when it is
+    writable, else of a copy); None when the sizes disagree."""
     sizes = [int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in like]
     if sum(sizes) != len(data):
         return None
+    view = memoryview(data)
+    if view.readonly:
+        view = memoryview(bytearray(view))
     out, offset = [], 0
-    buf = bytearray(data)
     for (shape, dtype), n in zip(like, sizes):
-        out.append(torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset).view(dtype).view(shape).clone())
+        out.append(torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset).view(dtype).view(shape))
         offset += n
     return out
 
@@ -155,12 +158,14 @@ class FileStorage:
             n += 1
         return n
 
-    def get(self, ns: Namespace, key: str) -> bytes | None:
-        """The page's payload, or None (a miss; a corrupt or truncated file is deleted)."""
+    def get(self, ns: Namespace, key: str) -> memoryview | None:
+        """The page's payload (a view of a buffer of its own), or None (a miss; a corrupt or
+        truncated file is deleted)."""
         path = self._path(ns, key)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                del data[f.readinto(data) :]  # in place: shorter when truncated meanwhile
         except OSError:
             with self.lock:
                 self.stats.misses += 1
@@ -199,12 +204,12 @@ class FileStorage:
         logger.warning("hicache file storage: %s", message)
 
     @staticmethod
-    def _verify(data: bytes) -> bytes | None:
+    def _verify(data: bytearray) -> memoryview | None:
         head = len(MAGIC) + HEADER.size
         if len(data) < head or not data.startswith(MAGIC):
             return None
         length, digest = HEADER.unpack_from(data, len(MAGIC))
-        payload = data[head:]
+        payload = memoryview(data)[head:]
         if len(payload) != length or hashlib.sha256(payload).digest() != digest:
             return None
         return payload
@@ -334,7 +339,7 @@ class HostKVPool:
         """One page's rows of every layer, as the file tier stores them."""
         return pool_payload(self.pool, host_slots)
 
-    def load_payload(self, data: bytes, host_slots: torch.Tensor) -> bool:
+    def load_payload(self, data, host_slots: torch.Tensor) -> bool:
         """page_payload's bytes into host_slots; False (nothing written) when they do not fit the layout."""
         idx = host_slots.to("cpu", torch.int64)
         bufs = [buf for buffers in self.pool.slot_buffers() for buf in buffers]
