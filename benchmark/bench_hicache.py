@@ -228,8 +228,13 @@ def report(results: dict) -> None:
     restart = statistics.median(h["restart_ttft"])
     print(f"  restart-warm (files)          {restart:.3f}   {restart / recompute:.2f}x recompute  {h['restart_tiers']}")
     goals["restart"] = restart / recompute
-    same = all(o == results["outputs"]["hicache"] for o in results["outputs"].values())
-    print(f"\ngreedy outputs identical across servers: {'yes' if same else 'NO'}")
+    outs = results["outputs"]
+    ref = [ids for r in outs["hicache"] for ids in r]
+    agree = {name: sum(a == b for a, b in zip(ref, (ids for r in o for ids in r))) for name, o in outs.items()}
+    same = all(n == len(ref) for n in agree.values())
+    print(f"\ngreedy outputs equal to the hicache server's: {agree} of {len(ref)} requests")
+    print("(exact only in float32, as tests/server/test_hicache.py checks; in bfloat16 the batch and chunk")
+    print(" composition changes rounding, which flips near-ties of these random-token prompts)")
     fast = [goals[t] for t in ("host", "storage", "restart") if t in goals]
     print(f"goal TTFT from L2/L3 <= 0.2x recompute: {'met' if fast and max(fast) <= 0.2 else 'NOT met'} ({fast})")
     if "radix" in s:

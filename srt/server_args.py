@@ -240,8 +240,11 @@ class ServerArgs:
             raise ValueError(
                 "--enable-hierarchical-cache extends the radix cache; it does not work with --disable-radix-cache"
             )
-        if self.tp_size > 1:
-            raise ValueError("--enable-hierarchical-cache does not work with --tp-size > 1 yet")
+        if self.nnodes > 1 and self.hicache_storage_backend is not None:
+            raise ValueError(
+                "--hicache-storage-backend with --nnodes > 1: the ranks of one tensor-parallel group read each "
+                "other's files, which needs one file system; use the host tier alone across nodes"
+            )
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}; got {self.hicache_write_policy!r}"

@@ -92,7 +92,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.eos_token_ids = self.model_config.eos_token_ids
         self.hicache: HiRadixCache | None = None
         if server_args.enable_hierarchical_cache:
-            self.hicache = build_hierarchical_cache(server_args, runner, self.model_config, tp_rank)
+            broadcaster = self.tp_worker.broadcaster
+            mirror = broadcaster.post_hicache if broadcaster is not None else None
+            self.hicache = build_hierarchical_cache(server_args, runner, self.model_config, tp_rank, mirror)
             self.tree_cache: BasePrefixCache = self.hicache
         else:
             cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
@@ -413,6 +415,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         return ScheduleBatch(reqs, mode, spec_trees=trees)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if self.hicache is not None:  # pages that arrived join the tree (their requests may be gone)
+            self.hicache.poll_prefetches()
         if not self.waiting_queue and self.chunked_req is None:
             return None
         if self.chunked_req is not None:
@@ -420,8 +424,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
-        if self.hicache is not None:
-            self.hicache.poll_prefetches()
         self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(
             self.tree_cache,

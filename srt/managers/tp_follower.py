@@ -9,6 +9,7 @@ import sys
 
 from srt.configs.model_config import ModelConfig
 from srt.managers.profiler import ForwardProfiler
+from srt.mem_cache.hiradix_cache import HiCacheFollower
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.tp_sync import receive_forward
 from srt.server_args import ServerArgs
@@ -17,13 +18,16 @@ from srt.utils import rank_log_prefix, start_child_process
 logger = logging.getLogger(__name__)
 
 
-def serve_forwards(runner: ModelRunner, profiler: ForwardProfiler) -> None:
+def serve_forwards(runner: ModelRunner, profiler: ForwardProfiler, hicache: HiCacheFollower | None = None) -> None:
     """Write each broadcast batch's page-table rows into this rank's table, then run it. Rank 0's
-    control messages start and stop this rank's profiler; its KV moves (accepted draft rows) apply
-    to this rank's shard."""
+    control messages start and stop this rank's profiler; its KV moves (accepted draft rows) and
+    hierarchical-cache movements apply to this rank's shard."""
     table = runner.req_to_token_pool.req_to_token
+    on_hicache = hicache.handle if hicache is not None else None
     while (
-        received := receive_forward(runner.device, lambda req: profiler.handle(req, 0), runner.token_to_kv_pool.move_kv)
+        received := receive_forward(
+            runner.device, lambda req: profiler.handle(req, 0), runner.token_to_kv_pool.move_kv, on_hicache
+        )
     ) is not None:
         fb, offset = received.forward_batch, 0
         for slot, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
@@ -44,7 +48,10 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int, pipe_writer, 
         pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank), build
     )
     try:
-        serve_forwards(runner, ForwardProfiler(tp_rank, dp_rank, server_args.dp_size, None))
+        hicache = None
+        if server_args.enable_hierarchical_cache:
+            hicache = HiCacheFollower(server_args, runner, runner.model_config, tp_rank)
+        serve_forwards(runner, ForwardProfiler(tp_rank, dp_rank, server_args.dp_size, None), hicache)
     except Exception as e:  # rank 0 (or another rank) went away, or a forward failed
         logger.error("tensor-parallel rank %d stops: %s: %s", tp_rank, type(e).__name__, e)
         sys.exit(1)

@@ -128,6 +128,9 @@ class FileStorage:
     def _dir(self, ns: Namespace) -> str:
         return os.path.join(self.root, *ns.path_parts())
 
+    def page_path(self, ns: Namespace, key: str) -> str:
+        return self._path(ns, key)
+
     def _path(self, ns: Namespace, key: str) -> str:
         if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
             raise ValueError(f"hicache file storage: a page key is 64 hex digits, got {key!r}")
@@ -162,6 +165,14 @@ class FileStorage:
         """The page's payload (a view of a buffer of its own), or None (a miss; a corrupt or
         truncated file is deleted)."""
         path = self._path(ns, key)
+        payload = self.read_page(path, drop_corrupt=True)
+        if payload is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # most recently used
+        return payload
+
+    def read_page(self, path: str, drop_corrupt: bool = False) -> memoryview | None:
+        """The verified payload of the page file at path (a stored page, or a link to one)."""
         try:
             with open(path, "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
@@ -172,23 +183,28 @@ class FileStorage:
             return None
         payload = self._verify(data)
         if payload is None:
-            self._drop_corrupt(path)
+            if drop_corrupt:
+                self._drop_corrupt(path)
+            else:
+                with self.lock:
+                    self.stats.corrupt += 1
+                    self.stats.misses += 1
             return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # most recently used
         with self.lock:
             self.stats.hits += 1
             self.stats.bytes_read += len(payload)
         return payload
 
-    def discard(self, ns: Namespace, key: str) -> None:
-        """A page whose payload the reader could not use (not its layout): corrupt."""
-        self._drop_corrupt(self._path(ns, key))
+    def discard(self, ns: Namespace, key: str, counted: bool = False) -> None:
+        """Delete a page found bad through another path (a link to it, or a payload of the wrong
+        size for the layout); counted: read_page already counted it as corrupt."""
+        self._drop_corrupt(self._path(ns, key), counted)
 
-    def _drop_corrupt(self, path: str) -> None:
-        with self.lock:
-            self.stats.corrupt += 1
-            self.stats.misses += 1
+    def _drop_corrupt(self, path: str, counted: bool = False) -> None:
+        if not counted:
+            with self.lock:
+                self.stats.corrupt += 1
+                self.stats.misses += 1
         logger.warning("hicache file storage: %s is corrupt or truncated; deleted", path)
         size = 0
         with contextlib.suppress(OSError):

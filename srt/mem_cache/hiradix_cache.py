@@ -33,13 +33,19 @@ Movement:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
+import itertools
 import json
+import logging
 import os
+import shutil
 import threading
 import time
+import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -48,6 +54,10 @@ import torch
 from srt.mem_cache.base_prefix_cache import MatchResult
 from srt.mem_cache.hicache_storage import FileStorage, HostKVPool, Namespace, page_keys, pool_payload
 from srt.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode
+
+logger = logging.getLogger(__name__)
+LINKS_DIR = ".links"  # under the storage root: per-prefetch hard links (tensor parallelism)
+STALE_LINKS_S = 3600.0
 
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -101,6 +111,9 @@ class HiCacheConfig:
     kv_dtype: str = "auto"
     prefetch_policy: str = "best_effort"
     extra: dict[str, float] = field(default_factory=lambda: dict(EXTRA_CONFIG_DEFAULTS))
+    # tensor parallelism: rank 0's way to have the followers repeat each data movement on their
+    # shard (`ForwardBroadcaster.post_hicache`: in order, before the next forward); see HiCacheFollower
+    mirror: Callable[..., None] | None = None
 
 
 @dataclass
@@ -125,14 +138,23 @@ class TierStats:
 
 
 class PrefetchOp:
-    """Pages of one request read from storage into reserved host slots by the reader thread."""
+    """Pages of one request read from storage into reserved host slots by the reader thread.
+    With tensor parallelism, `links[r][i]` is a hard link to rank r's file of page i, made when the
+    prefetch started: files are immutable once renamed into place, so the link keeps exactly the
+    content rank 0 verifies, whatever LRU deletion does meanwhile."""
 
-    def __init__(self, key, start, host_slots, keys, ns, node, extra_key, timeout_s):
+    _ids = itertools.count()
+
+    def __init__(self, key, start, host_slots, keys, ns, node, extra_key, timeout_s, links=None):
+        self.id = next(PrefetchOp._ids)
+        self.links: list[list[str]] | None = links
         self.key, self.start, self.host_slots, self.keys = key, start, host_slots, keys
         self.ns, self.node, self.extra_key = ns, node, extra_key
         self.created = time.monotonic()
         self.timeout_s = timeout_s
         self.cancel = False
+        self.started = False  # the reader took it up (under lock, with cancel)
+        self.lock = threading.Lock()
         self.pages_done = 0
         self.done = threading.Event()
         self.seconds = 0.0
@@ -158,6 +180,10 @@ class HiRadixCache(RadixCache):
         if self.storage is not None:
             self.reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-read")
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-write")
+            if cfg.tp_size > 1:
+                remove_stale_links(self.storage.root)
+        if cfg.mirror is not None:
+            cfg.mirror("init", host_size=cfg.host_size, storage_page=self.storage_page)
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
 
     # -- lookup --------------------------------------------------------------------------------------
@@ -208,6 +234,8 @@ class HiRadixCache(RadixCache):
             start = time.perf_counter()
             host_slots = torch.cat([self._host_copy(p) for p in path])
             self.stats.load_back_bytes += self.host.load(self.device_pool, host_slots, slots)
+            if self.cfg.mirror is not None:
+                self.cfg.mirror("load", host_slots=host_slots, device_slots=slots)
             self.stats.load_back_s += time.perf_counter() - start
             self.stats.load_back_tokens += n
             offset = 0
@@ -280,6 +308,8 @@ class HiRadixCache(RadixCache):
             return False
         start = time.perf_counter()
         self.stats.backup_bytes += self.host.write_back(self.device_pool, node.value, slots)
+        if self.cfg.mirror is not None:
+            self.cfg.mirror("backup", device_slots=node.value, host_slots=slots)
         self.stats.backup_s += time.perf_counter() - start
         self.stats.backup_tokens += n
         node.host_value = slots
@@ -369,9 +399,15 @@ class HiRadixCache(RadixCache):
 
     # -- storage: write-through of finished requests' pages ------------------------------------------
 
-    def namespace(self, extra_key: str | None) -> Namespace:
+    def namespace(self, extra_key: str | None, tp_rank: int | None = None) -> Namespace:
+        """The files of tenant extra_key's pages on tensor-parallel rank tp_rank (default: this one)."""
         c = self.cfg
-        return Namespace(c.model_key, c.tp_rank, c.tp_size, f"{c.kv_dtype}-p{self.storage_page}", extra_key or "")
+        rank = c.tp_rank if tp_rank is None else tp_rank
+        return Namespace(c.model_key, rank, c.tp_size, f"{c.kv_dtype}-p{self.storage_page}", extra_key or "")
+
+    def _stored_on_every_rank(self, extra_key: str | None, key: str) -> bool:
+        assert self.storage is not None
+        return all(self.storage.exists(self.namespace(extra_key, r), key) for r in range(self.cfg.tp_size))
 
     def cache_finished_req(self, req) -> None:
         if self.storage is not None and req.req_pool_idx is not None:
@@ -387,24 +423,33 @@ class HiRadixCache(RadixCache):
         assert storage is not None and writer is not None
         ns, s = self.namespace(req.extra_key), self.storage_page
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(keys) * s].long()
+        mirrored: list[tuple[str, torch.Tensor]] = []  # what the followers write from their shards
         for i, key in enumerate(keys):
             if (ns, key) in self.stored_keys:
                 self.stored_keys.move_to_end((ns, key))
                 continue
-            if storage.exists(ns, key):
+            if self._stored_on_every_rank(req.extra_key, key):
                 self._remember(ns, key)
                 continue
             with self.lock:
                 behind = self.queued_write_bytes > MAX_QUEUED_WRITE_BYTES
             if behind:
                 self.stats.storage_write_dropped += len(keys) - i
-                return
+                break
             payload = pool_payload(self.device_pool, kv[i * s : (i + 1) * s])
             with self.lock:
                 self.queued_write_bytes += len(payload)
             writer.submit(self._write_page, ns, key, payload)
+            mirrored.append((key, kv[i * s : (i + 1) * s]))
             self.stats.storage_write_pages += 1
             self._remember(ns, key)
+        if mirrored and self.cfg.mirror is not None:
+            self.cfg.mirror(
+                "store",
+                tenant=req.extra_key,
+                keys=[k for k, _ in mirrored],
+                device_slots=torch.cat([v for _, v in mirrored]),
+            )
 
     def _write_page(self, ns: Namespace, key: str, payload: bytes) -> None:
         assert self.storage is not None
@@ -437,9 +482,19 @@ class HiRadixCache(RadixCache):
         start = have // s * s
         ns = self.namespace(req.extra_key)
         keys = page_keys(key[: len(key) // s * s], s)[start // s :]
-        hits = self.storage.prefix_hits(ns, keys)
+        ranks = range(self.cfg.tp_size)
+        hits = min(self.storage.prefix_hits(self.namespace(req.extra_key, r), keys) for r in ranks)
+        if hits * s + start - have < self.cfg.extra["prefetch_threshold"]:
+            return
+        links = None
+        if self.cfg.tp_size > 1:  # every rank reads exactly the files verified here
+            links = self._link_pages(req.extra_key, keys[:hits])
+            hits = min(len(per_rank) for per_rank in links)
+            links = [per_rank[:hits] for per_rank in links]
         end = start + hits * s
         if hits == 0 or end - have < self.cfg.extra["prefetch_threshold"]:
+            if links is not None:
+                remove_links(links)
             return
         n = end - start
         free = self.host.allocator.available_size()
@@ -452,29 +507,65 @@ class HiRadixCache(RadixCache):
         self.inc_lock_ref(node)  # the tree keeps the part before the pages until they join it
         e = self.cfg.extra
         timeout = e["prefetch_timeout_base"] + e["prefetch_timeout_per_ki_token"] * n / 1024
-        op = PrefetchOp(key[:end], start, slots, keys[:hits], ns, node, req.extra_key, timeout)
+        op = PrefetchOp(key[:end], start, slots, keys[:hits], ns, node, req.extra_key, timeout, links)
         self.prefetches.append(op)
         self.stats.prefetch_ops += 1
         req.prefetch_op = op
         assert self.reader is not None
         self.reader.submit(self._read_pages, op)
+        if links is not None and self.cfg.mirror is not None:
+            self.cfg.mirror("prefetch", op_id=op.id, links=links, host_slots=slots)
+
+    def _link_pages(self, extra_key: str | None, keys: list[str]) -> list[list[str]]:
+        """Hard links to every rank's files of the pages, in a directory of their own; a rank's
+        list stops at its first missing page."""
+        assert self.storage is not None
+        where = os.path.join(self.storage.root, LINKS_DIR, uuid.uuid4().hex)
+        os.makedirs(where)
+        out = []
+        for r in range(self.cfg.tp_size):
+            ns, per_rank = self.namespace(extra_key, r), []
+            for i, key in enumerate(keys):
+                link = os.path.join(where, f"r{r}-{i}")
+                try:
+                    os.link(self.storage.page_path(ns, key), link)
+                except OSError:
+                    break
+                per_rank.append(link)
+            out.append(per_rank)
+        return out
 
     def _read_pages(self, op: PrefetchOp) -> None:
         assert self.storage is not None
         start, s = time.perf_counter(), self.storage_page
+        with op.lock:
+            if op.cancel:  # cut short before it began: prefetch_ready did not wait for it
+                return
+            op.started = True
         try:
             for i, key in enumerate(op.keys):
                 if op.cancel:
                     break
-                data = self.storage.get(op.ns, key)
+                if op.links is not None and not self._verify_other_ranks(op, i):
+                    break
+                data = self.storage.get(op.ns, key) if op.links is None else self.storage.read_page(op.links[0][i])
                 if data is None or not self.host.load_payload(data, op.host_slots[i * s : (i + 1) * s]):
-                    if data is not None:  # the right checksum but not this layout's size
-                        self.storage.discard(op.ns, key)
+                    if data is not None or op.links is not None:  # a bad page: delete the stored file
+                        self.storage.discard(op.ns, key, counted=data is None)
                     break
                 op.pages_done = i + 1
         finally:
             op.seconds = time.perf_counter() - start
             op.done.set()
+
+    def _verify_other_ranks(self, op: PrefetchOp, i: int) -> bool:
+        """Page i of every other rank's files is whole (their followers read the same links)."""
+        assert self.storage is not None and op.links is not None
+        for r in range(1, self.cfg.tp_size):
+            if self.storage.read_page(op.links[r][i]) is None:
+                self.storage.discard(self.namespace(op.extra_key, r), op.keys[i], counted=True)
+                return False
+        return True
 
     def prefetch_ready(self, req) -> bool:
         """Whether req may be scheduled now under the prefetch policy; when it may, its prefetch
@@ -491,7 +582,10 @@ class HiRadixCache(RadixCache):
                 deadline = req.deadline
                 if waited < op.timeout_s and (deadline is None or time.time() < deadline):
                     return False
-            op.cancel = True
+            with op.lock:
+                op.cancel = True
+                if not op.started:  # still queued behind another prefetch: it will not start
+                    op.done.set()
             op.done.wait()
         self._finalize(op)
         return True
@@ -519,6 +613,10 @@ class HiRadixCache(RadixCache):
             op.new_tokens = self._insert_host(key, op.host_slots[:loaded], op.start, op.extra_key)
         if loaded < len(op.host_slots):
             self.host.allocator.free(op.host_slots[loaded:])
+        if op.links is not None:
+            if self.cfg.mirror is not None:  # each follower reads (at least) the pages rank 0 kept
+                self.cfg.mirror("prefetch_done", op_id=op.id, pages=op.pages_done)
+            remove_links([op.links[0]])
         self.dec_lock_ref(op.node)
         self.stats.prefetch_tokens += op.new_tokens
         self.stats.prefetch_s += op.seconds
@@ -672,14 +770,38 @@ def model_cache_key(server_args, runner, model_config) -> str:
     return "|".join(parts)
 
 
-def build_hierarchical_cache(server_args, runner, model_config, tp_rank: int = 0) -> HiRadixCache:
-    """The cache for --enable-hierarchical-cache over the runner's pools (start-up errors name the flag)."""
-    import psutil
+def kv_dtype_key(server_args, runner) -> str:
+    """The stored KV format as the namespace names it: fp8 bits mean nothing without the run's
+    per-layer scales, so their source (the --quantization-param-path file, every rank's scales)
+    is part of it."""
+    kv_dtype = runner.kv_format
+    if kv_dtype.startswith("fp8"):
+        source = b"default scales"
+        if server_args.quantization_param_path:
+            with open(server_args.quantization_param_path, "rb") as f:
+                source = f.read()
+        kv_dtype += "-" + hashlib.sha256(source).hexdigest()[:12]
+    return kv_dtype
 
+
+def storage_setup(server_args, runner, model_config) -> tuple[FileStorage | None, dict[str, float], str, str]:
+    """(the file tier or None, the extra config, the model key, the KV dtype key): the same on every rank."""
     from srt.mem_cache.hicache_storage import default_storage_dir
 
     a = server_args
-    pool = runner.token_to_kv_pool
+    extra = parse_extra_config(a.hicache_storage_backend_extra_config)
+    storage = None
+    if a.hicache_storage_backend == "file":
+        storage = FileStorage(default_storage_dir(), int(extra["max_size_gb"] * (1 << 30)))
+    return storage, extra, model_cache_key(a, runner, model_config), kv_dtype_key(a, runner)
+
+
+def build_hierarchical_cache(server_args, runner, model_config, tp_rank: int = 0, mirror=None) -> HiRadixCache:
+    """The cache for --enable-hierarchical-cache over the runner's pools (start-up errors name the
+    flag); mirror: ForwardBroadcaster.post_hicache with tensor parallelism."""
+    import psutil
+
+    a = server_args
     per_token = runner.kv_bytes_per_token
     if a.hicache_size > 0:
         host_tokens = int(a.hicache_size * (1 << 30) // per_token)
@@ -691,29 +813,126 @@ def build_hierarchical_cache(server_args, runner, model_config, tp_rank: int = 0
             f"--hicache-size {a.hicache_size} GB holds {host_tokens} tokens, fewer than the device KV pool's "
             f"{runner.max_total_num_tokens}; the host pool must be at least as large"
         )
-    need, avail = host_tokens * per_token, psutil.virtual_memory().available
+    need, avail = host_tokens * per_token * a.tp_size, psutil.virtual_memory().available
     if need > 0.9 * avail:
         raise ValueError(
-            f"the hierarchical cache's host pool needs {need / (1 << 30):.1f} GB ({host_tokens} tokens), but only "
-            f"{avail / (1 << 30):.1f} GB of memory is available: lower --hicache-ratio or --hicache-size"
+            f"the hierarchical cache's host pools need {need / (1 << 30):.1f} GB ({host_tokens} tokens on each of "
+            f"{a.tp_size} rank(s)), but only {avail / (1 << 30):.1f} GB of memory is available: lower "
+            "--hicache-ratio or --hicache-size"
         )
-    extra = parse_extra_config(a.hicache_storage_backend_extra_config)
-    storage = None
-    if a.hicache_storage_backend == "file":
-        storage = FileStorage(default_storage_dir(), int(extra["max_size_gb"] * (1 << 30)))
-    kv_dtype = runner.kv_format
-    if kv_dtype.startswith("fp8"):  # the stored bits mean nothing without this run's per-layer scales
-        scales = json.dumps([pool.k_scale, pool.v_scale])
-        kv_dtype += "-" + hashlib.sha256(scales.encode()).hexdigest()[:12]
+    storage, extra, model_key, kv_dtype = storage_setup(a, runner, model_config)
     cfg = HiCacheConfig(
         host_size=host_tokens,
         write_policy=a.hicache_write_policy,
         storage=storage,
-        model_key=model_cache_key(a, runner, model_config),
+        model_key=model_key,
         tp_rank=tp_rank,
         tp_size=a.tp_size,
         kv_dtype=kv_dtype,
         prefetch_policy=a.hicache_storage_prefetch_policy,
         extra=extra,
+        mirror=mirror,
     )
+    pool = runner.token_to_kv_pool
     return HiRadixCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size, pool, cfg)
+
+
+def remove_links(links: list[list[str]]) -> None:
+    """Delete prefetch links (and their directory once empty)."""
+    dirs = set()
+    for per_rank in links:
+        for link in per_rank:
+            dirs.add(os.path.dirname(link))
+            with contextlib.suppress(OSError):
+                os.remove(link)
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
+def remove_stale_links(root: str) -> None:
+    """Link directories left by processes that died mid-prefetch (older than STALE_LINKS_S)."""
+    top = os.path.join(root, LINKS_DIR)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(top):
+            path = os.path.join(top, name)
+            with contextlib.suppress(OSError):
+                if time.time() - os.path.getmtime(path) > STALE_LINKS_S:
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+class _FollowerRead:
+    def __init__(self, links: list[str], host_slots: torch.Tensor):
+        self.links, self.host_slots = links, host_slots
+        self.limit = len(links)
+        self.pages = 0
+        self.done = threading.Event()
+
+
+class HiCacheFollower:
+    """A tensor-parallel follower's side of the hierarchical cache: its shard of the host tier and
+    of the files. Rank 0 decides every movement (`HiCacheConfig.mirror`); this repeats it on this
+    rank's pools, in the order rank 0 posted them, before the next forward."""
+
+    def __init__(self, server_args, runner, model_config, tp_rank: int):
+        self.runner, self.tp_rank, self.tp_size = runner, tp_rank, server_args.tp_size
+        self.storage, _, self.model_key, self.kv_dtype = storage_setup(server_args, runner, model_config)
+        self.host: HostKVPool | None = None
+        self.storage_page = 0
+        self.reads: dict[int, _FollowerRead] = {}
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-read")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-write")
+
+    def handle(self, op: str, f: dict) -> None:
+        pool = self.runner.token_to_kv_pool
+        if op == "init":
+            self.host = HostKVPool(pool, f["host_size"])
+            self.storage_page = f["storage_page"]
+            return
+        host = self.host
+        assert host is not None, "rank 0 sends init first"
+        if op == "backup":
+            host.write_back(pool, f["device_slots"], f["host_slots"])
+        elif op == "load":
+            host.load(pool, f["host_slots"], f["device_slots"])
+        elif op == "store":
+            assert self.storage is not None
+            ns = Namespace(
+                self.model_key, self.tp_rank, self.tp_size, f"{self.kv_dtype}-p{self.storage_page}", f["tenant"] or ""
+            )
+            slots, s = f["device_slots"], self.storage_page
+            for i, key in enumerate(f["keys"]):
+                self.writer.submit(self._write, ns, key, pool_payload(pool, slots[i * s : (i + 1) * s]))
+        elif op == "prefetch":
+            read = _FollowerRead(f["links"][self.tp_rank], f["host_slots"])
+            self.reads[f["op_id"]] = read
+            self.reader.submit(self._read, read)
+        elif op == "prefetch_done":
+            read = self.reads.pop(f["op_id"])
+            read.limit = min(read.limit, f["pages"])
+            read.done.wait()
+            if read.pages < f["pages"]:  # rank 0 verified these very files: only an I/O error gets here
+                what = "tensor-parallel rank %d read %d of the %d pages rank 0 verified"
+                logger.error(what, self.tp_rank, read.pages, f["pages"])
+
+    def _write(self, ns: Namespace, key: str, payload: bytes) -> None:
+        assert self.storage is not None
+        try:
+            self.storage.set(ns, key, payload)
+        except OSError as e:
+            self.storage.note_error(f"writing page {key[:12]}: {e}")
+
+    def _read(self, read: _FollowerRead) -> None:
+        assert self.storage is not None and self.host is not None
+        s = self.storage_page
+        try:
+            for i, link in enumerate(read.links):
+                if i >= read.limit:
+                    break
+                data = self.storage.read_page(link)
+                if data is None or not self.host.load_payload(data, read.host_slots[i * s : (i + 1) * s]):
+                    break
+                read.pages = i + 1
+        finally:
+            remove_links([read.links])
+            read.done.set()

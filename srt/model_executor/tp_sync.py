@@ -81,6 +81,13 @@ class ForwardBroadcaster:
         with self.lock:
             self.posted.append({"kind": "move_kv", "src": _pack(src), "dst": _pack(dst)})
 
+    def post_hicache(self, op: str, **fields) -> None:
+        """Queue a hierarchical-cache movement (srt/mem_cache/hiradix_cache.py HiCacheFollower) for
+        the followers: each repeats it on its shard, in order with the forwards."""
+        packed = {k: _pack(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+        with self.lock:
+            self.posted.append({"kind": "hicache", "op": op, "fields": packed})
+
     def _flush_posted(self) -> None:
         with self.lock:
             posted, self.posted = self.posted, []
@@ -125,9 +132,11 @@ def receive_forward(
     device,
     on_control: Callable[[Any], object] | None = None,
     on_move_kv: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+    on_hicache: Callable[[str, dict], object] | None = None,
 ) -> ReceivedForward | None:
     """A follower's side: block until rank 0's next forward (keep-alives are skipped, control
-    messages go to `on_control`, KV moves to `on_move_kv`); None when rank 0 says stop."""
+    messages go to `on_control`, KV moves to `on_move_kv`, hierarchical-cache movements to
+    `on_hicache` with their tensors on the CPU); None when rank 0 says stop."""
     while True:
         msg = pickle.loads(broadcast_bytes(None))
         if msg["kind"] == "stop":
@@ -136,6 +145,8 @@ def receive_forward(
             on_control(msg["control"])
         if msg["kind"] == "move_kv" and on_move_kv is not None:
             on_move_kv(_unpack(msg["src"], device), _unpack(msg["dst"], device))
+        if msg["kind"] == "hicache" and on_hicache is not None:
+            on_hicache(msg["op"], {k: _unpack_field(v, "cpu") for k, v in msg["fields"].items()})
         if msg["kind"] == "forward":
             fields: dict[str, Any] = {k: _unpack_field(v, device) for k, v in msg["fields"].items()}
             return ReceivedForward(ForwardBatch(**fields), _unpack(msg["rows"], device))

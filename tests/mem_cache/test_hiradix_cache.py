@@ -110,16 +110,18 @@ class Sim:
         self.running.remove(req)
         self.cache.cache_finished_req(req)
 
-    def run(self, ids, extra_key=None, chunk=None) -> int:
-        """Admit, compute (in chunks), finish; returns the cached prefix length it got."""
+    def run(self, ids, extra_key=None, chunk=None, abort_after=None) -> int:
+        """Admit, compute (in chunks; abort_after: stop after that many chunks, as an abort does),
+        finish; returns the cached prefix length it got."""
         req = self.admit(ids, extra_key)
         assert req is not None
         cached = req.kv_len
-        end = len(req.tokens)
-        while req.kv_len < end:
+        end, chunks = len(req.tokens), 0
+        while req.kv_len < end and (abort_after is None or chunks < abort_after):
             upto = min(end, req.kv_len + chunk) if chunk else end
             if not self.extend(req, upto):
                 break  # out of memory: finish with what was computed (like an abort)
+            chunks += 1
             if upto < end:
                 self.cache.cache_unfinished_req(req)
         self.check()
@@ -185,19 +187,66 @@ def test_restart_warm_from_storage_and_corrupt_page_is_a_miss(tmp_path):
     assert third.storage.stats.corrupt == 1
 
 
-@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("page", [1, 4, 16])
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
 def test_randomized_tiers_stay_consistent(tmp_path, page, policy):
     rng = random.Random(page * 10 + len(policy))
-    sim = Sim(tmp_path, size=48, host=96, page=page, policy=policy)
-    docs = [doc(i, rng.randint(8, 30)) for i in range(8)]
+    scale = max(1, page // 4)
+    sim = Sim(tmp_path, size=48 * scale, host=96 * scale, page=page, policy=policy)
+    docs = [doc(i, rng.randint(8, 30) * scale) for i in range(8)]
     for _ in range(120):
-        ids = list(rng.choice(docs))[: rng.randint(4, 30)] + [rng.randint(3, 900) for _ in range(rng.randint(1, 8))]
+        ids = list(rng.choice(docs))[: rng.randint(4, 30) * scale] + [
+            rng.randint(3, 900) for _ in range(rng.randint(1, 8))
+        ]
         extra_key = rng.choice([None, None, "t2"])
-        sim.run(ids, extra_key, chunk=rng.choice([None, 4, 7]))
+        abort_after = 1 if rng.random() < 0.1 else None
+        sim.run(ids, extra_key, chunk=rng.choice([None, 4 * scale, 7 * scale]), abort_after=abort_after)
         if rng.random() < 0.05:
             sim.cache.reset_with_free()
             sim.check()
     sim.cache.flush_writes()
     sim.check()
     assert sim.cache.protected_size() == 0
+    st = sim.cache.stats
+    assert st.load_back_tokens and st.prefetch_tokens and st.host_evicted_tokens  # every path ran
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_policies(tmp_path, policy):
+    """A slow file tier (each page read takes 50 ms): best_effort schedules the request at once with
+    the pages that arrived, wait_complete waits for all, timeout for at most its budget."""
+    import time
+
+    first = Sim(tmp_path, size=64, host=256, policy="write_through")
+    d = doc(2, 41)
+    first.run(d)
+    first.cache.flush_writes()
+    sim = Sim(tmp_path, size=64, host=256, prefetch=policy)
+    sim.cache.cfg.extra.update(prefetch_timeout_base=0.12, prefetch_timeout_per_ki_token=0.0)
+    storage = sim.storage
+    assert storage is not None
+    slow_get = storage.get
+
+    def get(ns, key):
+        time.sleep(0.05)
+        return slow_get(ns, key)
+
+    storage.get = get  # type: ignore[method-assign]
+    req = Req(d)
+    sim.cache.prefetch(req, d[:-1])
+    start, waits = time.monotonic(), 0
+    while not sim.cache.prefetch_ready(req):
+        waits += 1
+        sim.cache.wait_io(0.01)
+    waited = time.monotonic() - start
+    loaded = req.prefetch_op.new_tokens
+    if policy == "best_effort":
+        assert waits == 0 and loaded < 40
+    elif policy == "wait_complete":
+        assert loaded == 40 and waited >= 0.45
+    else:
+        assert 0.1 <= waited < 0.4 and 0 < loaded < 40
+    assert not sim.cache.pending_io()
+    sim.cache.check_consistency()
+    m = sim.cache.match_prefix(d[:-1])
+    assert m.host_hit_len == loaded  # what arrived is in the host tier

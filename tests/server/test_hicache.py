@@ -146,6 +146,76 @@ def test_data_parallel_replicas_share_storage(server_factory, tiny_chat_model, t
     assert a["meta_info"]["cached_tokens"] == 0 and details(b)["storage"] == 256, details(b)
 
 
+def test_tensor_parallel_ranks_move_their_shards_together(server_factory, tiny_chat_model, tmp_path, docs, expected):
+    """With --tp-size 2 rank 0 decides every movement and rank 1 repeats it on its shard: host
+    copies, load backs, its own files, and prefetches of exactly the files rank 0 verified."""
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}
+    server = server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "1024", "--tp-size", "2", *HICACHE, env=env
+    )
+    docs, expected = docs[:6], expected[:6]  # 1800 tokens: the 1024-token device pool evicts to the host
+    assert [run(server, [body(d + [7, 8])])[0]["output_ids"] for d in docs] == expected
+    again = [run(server, [body(d + [7, 8])])[0] for d in docs]
+    assert [o["output_ids"] for o in again] == expected
+    assert sum(details(o)["host"] for o in again) >= 2 * 300, [details(o) for o in again]
+    ranks = {part for dp, _, fs in os.walk(tmp_path) for part in dp.split(os.sep) if part.startswith("tp") and fs}
+    assert ranks == {"tp0of2", "tp1of2"}
+    assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
+    third = run(server, [body(d + [7, 8]) for d in docs[:3]])
+    assert [o["output_ids"] for o in third] == expected[:3]
+    assert [details(o)["storage"] for o in third] == [256, 256, 256]
+    assert_whole(server)
+    assert not os.listdir(os.path.join(tmp_path, ".links")), "prefetch links left behind"
+
+
+def test_int8_pages_chunks_aborts_keep_every_tier_whole(shared_server, server_factory, tiny_chat_model, tmp_path):
+    """An int8 KV cache in pages of 16, chunked prefills, write_back, and requests aborted by their
+    deadline while others run: the survivors' outputs equal a plain int8 server's, and every tier is
+    whole when idle (the server runs with --debug-integrity-check)."""
+    common = ["--model-path", tiny_chat_model, "--kv-cache-dtype", "int8", "--page-size", "16"]
+    plain = shared_server(*common, "--max-total-tokens", "8192")
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}
+    server = server_factory(
+        *common,
+        "--max-total-tokens",
+        "512",
+        "--chunked-prefill-size",
+        "64",
+        "--hicache-write-policy",
+        "write_back",
+        *HICACHE,
+        env=env,
+    )
+    rng = random.Random(3)
+    roots = documents(6, 120, seed=5)
+    bodies = []
+    for i in range(36):
+        ids = rng.choice(roots)[: rng.randrange(40, 121)] + [
+            rng.randrange(100, 40000) for _ in range(rng.randrange(1, 9))
+        ]
+        b = body(ids)
+        if i % 6 == 5:
+            b["timeout"] = 0.05  # aborted wherever it is: queued, prefetching, prefilling or decoding
+        bodies.append(b)
+    kept = [b for b in bodies if "timeout" not in b]
+    expect = [o["output_ids"] for o in run(plain, kept)]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+            return await asyncio.gather(*(client.post("/generate", json=b) for b in bodies))
+
+    for _ in range(2):  # the second pass finds the first's prefixes in all three tiers
+        resps = asyncio.run(go())
+        got = [r.json()["output_ids"] for r, b in zip(resps, bodies) if "timeout" not in b]
+        assert got == expect
+        assert [r.status_code for r in resps] == [200] * len(bodies)
+        cut = [r.json()["meta_info"]["finish_reason"]["type"] for r, b in zip(resps, bodies) if "timeout" in b]
+        assert set(cut) <= {"abort", "length"} and "abort" in cut, cut
+        st = assert_whole(server)
+    h = st["hicache"]
+    assert h["host"]["backup_tokens"] > 0 and h["storage"]["pages_written"] > 0
+
+
 def test_bad_flags_are_start_up_errors():
     from srt.server_args import ServerArgs
 
