@@ -19,7 +19,8 @@ before it is needed again. Three servers run one after the other (never two at o
 Reported per server: round 1 (everything cold) and the warm rounds' TTFT p50/p90 and throughput
 (requests/s and prompt tokens/s), and where cached tokens came from (`cached_tokens_details`). Then
 TTFT of one request per tier: a final pass over the documents on the hicache server, one request at
-a time, grouped by the tier that served (almost) all of its prefix; a cold document's TTFT
+a time in reverse order (most recently used first: L1, then L2, then files), grouped by the tier
+that served (almost) all of its prefix; a cold document's TTFT
 (recomputed); and after restarting the hicache server on the same directory (restart-warm, from
 the files). Goals (issue 21): TTFT from L2 or L3 <= 0.2x the recompute TTFT; warm throughput >= 2x
 radix-only.
@@ -115,9 +116,12 @@ def tier_of(meta: dict, doc_tokens: int) -> str:
 
 
 def single_ttfts(url: str, docs, args, round_: int) -> dict[str, list[float]]:
-    """One request at a time over docs; TTFT grouped by the tier that served the prefix."""
+    """One request at a time over docs, most recently used first (the last round went in order):
+    the ones still in L1, then those in L2, then the rest from the files. TTFT grouped by the tier
+    that served the prefix."""
     out: dict[str, list[float]] = {}
-    for i, d in enumerate(docs):
+    for i in reversed(range(len(docs))):
+        d = docs[i]
         r = ask(url, d + question(i, round_), 1)
         out.setdefault(tier_of(r["meta"], len(d)), []).append(r["ttft"])
     return out

@@ -370,7 +370,8 @@ class ServerArgs:
         g.add_argument(
             "--admin-api-key",
             default=d.admin_api_key,
-            help="a separate key required for /flush_cache, /server_info and /abort_request with abort_all",
+            help="a separate key required for /flush_cache, /clear_hicache_storage_backend, /server_info and "
+            "/abort_request with abort_all",
         )
         g.add_argument(
             "--tenant-header",

@@ -51,9 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from srt.mem_cache.base_prefix_cache import MatchResult
 from srt.mem_cache.hicache_storage import FileStorage, HostKVPool, Namespace, page_keys, pool_payload
-from srt.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode
+from srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 logger = logging.getLogger(__name__)
 LINKS_DIR = ".links"  # under the storage root: per-prefetch hard links (tensor parallelism)
@@ -188,29 +187,6 @@ class HiRadixCache(RadixCache):
 
     # -- lookup --------------------------------------------------------------------------------------
 
-    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
-        key = key[: self._aligned(len(key))]
-        node, values, now = self.root, [], next(self._clock)
-        device_node, host_node, host_len = self.root, None, 0
-        while key:
-            child = node.children.get(self._child_key(node, key, extra_key))
-            if child is None:
-                break
-            n = self._match_len(child.key, key)
-            if n == 0:
-                break
-            child.last_access_time = now
-            if n < len(child.key):
-                child = self._split(child, n)
-            if child.value is not None:  # device nodes come first along a path
-                values.append(child.value)
-                device_node = child
-            else:
-                host_len += n
-                host_node = child
-            node, key = child, key[n:]
-        return MatchResult(torch.cat(values) if values else _EMPTY, device_node, host_len, host_node)
-
     def load_back(self, host_node: TreeNode) -> int:
         """Copy the host-only nodes from host_node up to its first device ancestor into device
         slots; returns the tokens moved (0 when the device pool cannot make room)."""
@@ -259,42 +235,13 @@ class HiRadixCache(RadixCache):
 
     # -- insertion -----------------------------------------------------------------------------------
 
-    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
-        """As RadixCache.insert; a host-only node on the way adopts the caller's device slots (the
-        caller computed that KV again), so only the device part is returned as duplicate."""
-        assert len(key) == len(value) and len(key) % self.page_size == 0
-        node, duplicate, now, touched = self.root, 0, next(self._clock), []
-        while key:
-            ck = self._child_key(node, key, extra_key)
-            child = node.children.get(ck)
-            if child is None:
-                leaf = TreeNode(list(key), value.clone(), node, extra_key)
-                leaf.last_access_time, leaf.hit_count = now, 1
-                node.children[ck] = leaf
-                self._evictable += len(key)
-                touched.append(leaf)
-                break
-            n = self._match_len(child.key, key)
-            child.last_access_time = now
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.hit_count += 1
-            if child.value is None:
-                child.value = value[:n].clone()
-                if child.lock_ref:
-                    self._protected += n
-                else:
-                    self._evictable += n
-            else:
-                duplicate += n
-            touched.append(child)
-            node, key, value = child, key[n:], value[n:]
-        if self.cfg.write_policy != "write_back":
-            threshold = 1 if self.cfg.write_policy == "write_through" else SELECTIVE_WRITE_HITS
-            for x in touched:
-                if x.host_value is None and x.hit_count >= threshold:
-                    self._backup(x)
-        return duplicate
+    def _inserted(self, nodes: list[TreeNode]) -> None:
+        if self.cfg.write_policy == "write_back":
+            return
+        threshold = 1 if self.cfg.write_policy == "write_through" else SELECTIVE_WRITE_HITS
+        for x in nodes:
+            if x.host_value is None and x.hit_count >= threshold:
+                self._backup(x)
 
     def _backup(self, node: TreeNode) -> bool:
         """Copy a device node's KV to new host slots (evicting host-only leaves to make room)."""
@@ -377,25 +324,6 @@ class HiRadixCache(RadixCache):
                 heapq.heappush(leaves, parent)
         self.stats.host_evicted_tokens += freed
         return freed
-
-    # -- locks (the counters see device slots only) --------------------------------------------------
-
-    def inc_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root:
-            if node.lock_ref == 0 and node.value is not None:
-                self._evictable -= len(node.key)
-                self._protected += len(node.key)
-            node.lock_ref += 1
-            node = node.parent
-
-    def dec_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root:
-            assert node.lock_ref > 0, "unbalanced dec_lock_ref"
-            if node.lock_ref == 1 and node.value is not None:
-                self._evictable += len(node.key)
-                self._protected -= len(node.key)
-            node.lock_ref -= 1
-            node = node.parent
 
     # -- storage: write-through of finished requests' pages ------------------------------------------
 

@@ -87,8 +87,11 @@ class RadixCache(BasePrefixCache):
         return n // self.page_size * self.page_size
 
     def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
+        """The device part of the match; in a hierarchical cache (whose device nodes come first
+        along any path) also the length and last node of the host-only part after it."""
         key = key[: self._aligned(len(key))]
         node, values, now = self.root, [], next(self._clock)
+        device_node, host_node, host_len = self.root, None, 0
         while key:
             child = node.children.get(self._child_key(node, key, extra_key))
             if child is None:
@@ -99,31 +102,51 @@ class RadixCache(BasePrefixCache):
             child.last_access_time = now
             if n < len(child.key):
                 child = self._split(child, n)
-            values.append(child.value)
+            if child.value is not None:
+                values.append(child.value)
+                device_node = child
+            else:
+                host_len += n
+                host_node = child
             node, key = child, key[n:]
-        return MatchResult(torch.cat(values) if values else _EMPTY, node)
+        return MatchResult(torch.cat(values) if values else _EMPTY, device_node, host_len, host_node)
 
     def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Add key -> value (page-aligned lengths). Returns how many leading tokens were already
-        cached: the caller's slots for those are duplicates and the caller must free them."""
+        cached on the device: the caller's slots for those are duplicates and the caller must free
+        them. A host-only node on the way (hierarchical cache) adopts the caller's slots instead."""
         assert len(key) == len(value) and len(key) % self.page_size == 0
-        node, cached, now = self.root, 0, next(self._clock)
+        node, duplicate, now, touched = self.root, 0, next(self._clock), []
         while key:
             ck = self._child_key(node, key, extra_key)
             child = node.children.get(ck)
             if child is None:
                 leaf = TreeNode(list(key), value.clone(), node, extra_key)
-                leaf.last_access_time = now
+                leaf.last_access_time, leaf.hit_count = now, 1
                 node.children[ck] = leaf
                 self._evictable += len(key)
+                touched.append(leaf)
                 break
             n = self._match_len(child.key, key)
             child.last_access_time = now
             if n < len(child.key):
                 child = self._split(child, n)
-            cached += n
+            child.hit_count += 1
+            if child.value is None:
+                child.value = value[:n].clone()
+                if child.lock_ref:
+                    self._protected += n
+                else:
+                    self._evictable += n
+            else:
+                duplicate += n
+            touched.append(child)
             node, key, value = child, key[n:], value[n:]
-        return cached
+        self._inserted(touched)
+        return duplicate
+
+    def _inserted(self, nodes: list[TreeNode]) -> None:
+        """Hook: the nodes an insert created or walked through (the hierarchical cache backs them up)."""
 
     def evict(self, num_tokens: int) -> int:
         leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
@@ -141,8 +164,10 @@ class RadixCache(BasePrefixCache):
         return freed
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
+        """Lock node and its ancestors; the counters see device slots only (a hierarchical cache's
+        host-only nodes are locked too, but hold none)."""
         while node is not None and node is not self.root:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.value is not None:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
             node.lock_ref += 1
@@ -151,7 +176,7 @@ class RadixCache(BasePrefixCache):
     def dec_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node is not self.root:
             assert node.lock_ref > 0, "unbalanced dec_lock_ref"
-            if node.lock_ref == 1:
+            if node.lock_ref == 1 and node.value is not None:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
             node.lock_ref -= 1

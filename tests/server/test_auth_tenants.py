@@ -9,6 +9,7 @@ import requests
 USER_A, USER_B, ADMIN = "sk-user-a", "sk-user-b", "sk-admin"
 ADMIN_PATHS = {
     "/flush_cache",
+    "/clear_hicache_storage_backend",
     "/server_info",
     "/get_server_info",
     "/start_profile",
