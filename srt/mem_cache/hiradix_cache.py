@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from srt.mem_cache.hicache_storage import FileStorage, HostKVPool, Namespace, page_keys, pool_payload
+from srt.mem_cache.memory_pool_host import HostKVPool, pool_payload
 from srt.mem_cache.radix_cache import RadixCache, TreeNode
+from srt.mem_cache.storage.hicache_storage import FileStorage, Namespace, page_keys
 
 logger = logging.getLogger(__name__)
 LINKS_DIR = ".links"  # under the storage root: per-prefetch hard links (tensor parallelism)
@@ -714,7 +715,7 @@ def kv_dtype_key(server_args, runner) -> str:
 
 def storage_setup(server_args, runner, model_config) -> tuple[FileStorage | None, dict[str, float], str, str]:
     """(the file tier or None, the extra config, the model key, the KV dtype key): the same on every rank."""
-    from srt.mem_cache.hicache_storage import default_storage_dir
+    from srt.mem_cache.storage.hicache_storage import default_storage_dir
 
     a = server_args
     extra = parse_extra_config(a.hicache_storage_backend_extra_config)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from srt.mem_cache.hicache_storage import (
+from srt.mem_cache.storage.hicache_storage import (
     FileStorage,
     Namespace,
     default_storage_dir,
@@ -108,8 +108,8 @@ def test_storage_dir_from_sglang_env(monkeypatch, tmp_path):
 def test_host_pool_moves_pages_between_tiers(kv_format):
     """Device -> host -> file bytes -> host -> device gives back the stored rows bit for bit
     (int8 with its per-row scales)."""
-    from srt.mem_cache.hicache_storage import HostKVPool
     from srt.mem_cache.memory_pool import MHATokenToKVPool
+    from srt.mem_cache.memory_pool_host import HostKVPool
 
     page = 4
     device = MHATokenToKVPool(64, page, torch.bfloat16, 2, 8, 3, "cpu", kv_format)

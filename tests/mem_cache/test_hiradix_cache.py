@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
-from srt.mem_cache.hicache_storage import FileStorage
 from srt.mem_cache.hiradix_cache import EXTRA_CONFIG_DEFAULTS, HiCacheConfig, HiRadixCache
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.mem_cache.storage.hicache_storage import FileStorage
 
 MOD = (1 << 22) - 3
 
@@ -176,7 +176,7 @@ def test_restart_warm_from_storage_and_corrupt_page_is_a_miss(tmp_path):
     # corrupt the fifth page: the prefix stops before it and the file is deleted
     third = Sim(tmp_path, size=64, host=128)
     assert third.storage is not None
-    from srt.mem_cache.hicache_storage import page_keys
+    from srt.mem_cache.storage.hicache_storage import page_keys
 
     key = page_keys(d[:40], 4)[4]
     path = third.storage._path(third.cache.namespace(None), key)

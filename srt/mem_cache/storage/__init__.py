@@ -1,0 +1,1 @@
+"""Storage backends of the hierarchical KV cache's third tier (`--hicache-storage-backend`)."""
