@@ -216,6 +216,25 @@ def test_int8_pages_chunks_aborts_keep_every_tier_whole(shared_server, server_fa
     assert h["host"]["backup_tokens"] > 0 and h["storage"]["pages_written"] > 0
 
 
+def test_overlap_schedule_loads_back_while_batches_are_in_flight(
+    server_factory, tiny_chat_model, tmp_path, tiny_server
+):
+    """With --enable-overlap-schedule the scheduler prepares the next batch while one runs: a load
+    back must not write a slot the running batch still writes (the dropped step of a request that
+    just finished). Eight documents at once over a 1,024-token device pool, three times."""
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}
+    server = server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "1024", "--enable-overlap-schedule", *HICACHE, env=env
+    )
+    bodies = [body(d + [7, 8]) for d in documents(8, 300, seed=9)]
+    expected = [o["output_ids"] for o in run(tiny_server, bodies)]
+    for _ in range(4):
+        outs = run(server, bodies)
+        assert [o["output_ids"] for o in outs] == expected
+    assert sum(details(o)["host"] + details(o)["storage"] for o in outs) > 0
+    assert_whole(server)
+
+
 def test_bad_flags_are_start_up_errors():
     from srt.server_args import ServerArgs
 
