@@ -554,7 +554,7 @@ class HiRadixCache(RadixCache):
         """Add host-only nodes for key (host_slots hold positions start..len(key)); slots of
         positions the tree already has are given to a node lacking a host copy, else freed.
         Returns the tokens added."""
-        node, pos, added, now = self.root, 0, 0, next(self._clock)
+        node, pos, now = self.root, 0, next(self._clock)
         while pos < len(key):
             rest = key[pos:]
             ck = self._child_key(node, rest, extra_key)
@@ -562,11 +562,11 @@ class HiRadixCache(RadixCache):
             if child is None:
                 if pos < start:  # the tree lost the part before the pages meanwhile: drop them
                     self.host.allocator.free(host_slots)
-                    return added
+                    return 0
                 leaf = TreeNode(list(rest), None, node, extra_key)
                 leaf.host_value, leaf.last_access_time = host_slots[pos - start :].clone(), now
                 node.children[ck] = leaf
-                return added + len(rest)
+                return len(rest)
             n = self._match_len(child.key, rest)
             if n < len(child.key):
                 child = self._split(child, n)
@@ -579,7 +579,7 @@ class HiRadixCache(RadixCache):
                 else:
                     self.host.allocator.free(ours)
             node, pos = child, pos + n
-        return added
+        return 0
 
     # -- whole-cache operations ----------------------------------------------------------------------
 
@@ -674,6 +674,7 @@ class HiRadixCache(RadixCache):
                 "bytes_read": s.bytes_read,
                 "pages_written": s.writes,
                 "bytes_written": s.bytes_written,
+                "write_queued_pages": st.storage_write_pages,
                 "write_dropped_pages": st.storage_write_dropped,
                 "corrupt_pages": s.corrupt,
                 "evicted_pages": s.evictions,
