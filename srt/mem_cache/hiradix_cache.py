@@ -332,7 +332,7 @@ class HiRadixCache(RadixCache):
         """The files of tenant extra_key's pages on tensor-parallel rank tp_rank (default: this one)."""
         c = self.cfg
         rank = c.tp_rank if tp_rank is None else tp_rank
-        return Namespace(c.model_key, rank, c.tp_size, f"{c.kv_dtype}-p{self.storage_page}", extra_key or "")
+        return storage_namespace(c.model_key, c.kv_dtype, self.storage_page, rank, c.tp_size, extra_key)
 
     def _stored_on_every_rank(self, extra_key: str | None, key: str) -> bool:
         assert self.storage is not None
@@ -700,6 +700,13 @@ def model_cache_key(server_args, runner, model_config) -> str:
     return "|".join(parts)
 
 
+def storage_namespace(
+    model_key: str, kv_dtype: str, storage_page: int, tp_rank: int, tp_size: int, tenant: str | None
+) -> Namespace:
+    """Where rank tp_rank keeps tenant's pages (rank 0 and the followers name them alike)."""
+    return Namespace(model_key, tp_rank, tp_size, f"{kv_dtype}-p{storage_page}", tenant or "")
+
+
 def kv_dtype_key(server_args, runner) -> str:
     """The stored KV format as the namespace names it: fp8 bits mean nothing without the run's
     per-layer scales, so their source (the --quantization-param-path file, every rank's scales)
@@ -827,8 +834,8 @@ class HiCacheFollower:
             host.load(pool, f["host_slots"], f["device_slots"])
         elif op == "store":
             assert self.storage is not None
-            ns = Namespace(
-                self.model_key, self.tp_rank, self.tp_size, f"{self.kv_dtype}-p{self.storage_page}", f["tenant"] or ""
+            ns = storage_namespace(
+                self.model_key, self.kv_dtype, self.storage_page, self.tp_rank, self.tp_size, f["tenant"]
             )
             slots, s = f["device_slots"], self.storage_page
             for i, key in enumerate(f["keys"]):
