@@ -77,6 +77,13 @@ class ServerArgs:
     hicache_storage_backend_extra_config: str | None = None  # JSON
     disable_overlap_schedule: bool = False
     enable_overlap_schedule: bool = False
+    # Prefill-decode disaggregation (SGLang's flags; srt/disaggregation)
+    disaggregation_mode: str = "null"  # null | prefill | decode
+    disaggregation_transfer_backend: str = "mooncake"  # mooncake | fake
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_ib_device: str | None = None  # RDMA device(s); absent: TCP
+    num_reserved_decode_tokens: int = 512
+    disaggregation_decode_polling_interval: int = 1
     # Kernels
     attention_backend: str | None = None  # None: CPU: cpu (C++ kernels) when they build; GPU: triton; else torch_native
     disable_cpu_weight_prepack: bool = False
@@ -219,8 +226,47 @@ class ServerArgs:
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
         self._check_hicache()
+        self._check_disaggregation()
         if self.api_key is not None and not all(self.api_keys):
             raise ValueError("--api-key must not be empty (or contain an empty key between commas)")
+
+    def _check_disaggregation(self) -> None:
+        from srt.disaggregation.utils import TRANSFER_BACKENDS, DisaggregationMode
+
+        modes = [m.value for m in DisaggregationMode]
+        if self.disaggregation_mode not in modes:
+            raise ValueError(
+                f"--disaggregation-mode must be one of {', '.join(modes)}; got {self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(
+                f"--disaggregation-transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}; "
+                f"got {self.disaggregation_transfer_backend!r}"
+            )
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError(
+                f"--disaggregation-bootstrap-port must be in [1, 65535], got {self.disaggregation_bootstrap_port}"
+            )
+        if self.num_reserved_decode_tokens < 0:
+            raise ValueError(f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}")
+        if self.disaggregation_decode_polling_interval < 1:
+            value = self.disaggregation_decode_polling_interval
+            raise ValueError(f"--disaggregation-decode-polling-interval must be >= 1, got {value}")
+        if self.disaggregation_mode == "null":
+            return
+        mode = f"--disaggregation-mode {self.disaggregation_mode}"
+        if self.dp_size > 1 or self.nnodes > 1:
+            raise ValueError(
+                f"{mode} runs one replica on one node (--dp-size 1, --nnodes 1); start more servers instead"
+            )
+        if self.disaggregation_mode == "prefill" and self.tp_size > 1:
+            raise ValueError(f"{mode} supports --tp-size 1 (the decode server may use any --tp-size)")
+        if self.speculative_algorithm is not None:
+            raise ValueError(f"{mode} does not combine with --speculative-algorithm")
+        if self.disaggregation_transfer_backend == "mooncake":
+            from srt.disaggregation.transfer import mooncake_engine_class
+
+            mooncake_engine_class()
 
     def _check_hicache(self) -> None:
         from srt.mem_cache.hiradix_cache import (
@@ -564,6 +610,43 @@ class ServerArgs:
             "--enable-overlap-schedule",
             action="store_true",
             help="overlap batch preparation with the forward on CPU too (on by default on GPU only)",
+        )
+        g = parser.add_argument_group("prefill-decode disaggregation")
+        g.add_argument(
+            "--disaggregation-mode",
+            default=d.disaggregation_mode,
+            choices=["null", "prefill", "decode"],
+            help="prefill: compute prompts' KV and write it to decode servers (runs the bootstrap server); "
+            "decode: take KV from prefill servers and decode; null: both here",
+        )
+        g.add_argument(
+            "--disaggregation-transfer-backend",
+            default=d.disaggregation_transfer_backend,
+            choices=["mooncake", "fake"],
+            help="mooncake: the Mooncake transfer engine (pip install 'radixserve[pd]'); fake: move no KV (tests)",
+        )
+        g.add_argument(
+            "--disaggregation-bootstrap-port",
+            type=int,
+            default=d.disaggregation_bootstrap_port,
+            help="prefill: the port of the bootstrap server decode servers ask for this server's ranks",
+        )
+        g.add_argument(
+            "--disaggregation-ib-device",
+            default=d.disaggregation_ib_device,
+            help="RDMA device(s) for the transfer engine, e.g. mlx5_0 (absent: TCP)",
+        )
+        g.add_argument(
+            "--num-reserved-decode-tokens",
+            type=int,
+            default=d.num_reserved_decode_tokens,
+            help="decode: KV tokens kept free per held request when reserving slots for a new one",
+        )
+        g.add_argument(
+            "--disaggregation-decode-polling-interval",
+            type=int,
+            default=d.disaggregation_decode_polling_interval,
+            help="scheduler iterations between polls of the disaggregation queues",
         )
         g = parser.add_argument_group("kernels")
         g.add_argument(

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import cast
 
+from srt.disaggregation.bootstrap_server import BootstrapServer
+from srt.disaggregation.setup import bootstrap_bind_host
 from srt.managers.data_parallel_controller import run_data_parallel_controller_process
 from srt.managers.detokenizer_manager import run_detokenizer_process
 from srt.managers.scheduler import run_scheduler_process
@@ -46,6 +48,7 @@ class Subprocesses:
     scheduler_info: dict
     stopping: bool = False
     watcher: threading.Thread | None = field(default=None, repr=False)
+    bootstrap: BootstrapServer | None = None  # --disaggregation-mode prefill
 
     def watch(self, on_child_death, settled: Callable[[], bool] | None = None) -> None:
         """On a child's unexpected exit: wait (1 s at most) until `settled()`, then stop the other
@@ -103,6 +106,21 @@ class Subprocesses:
                 p.join(1)
         if self.port_args is not None:
             shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+            self.bootstrap = None
+
+
+def start_bootstrap_server(server_args: ServerArgs) -> BootstrapServer | None:
+    """A prefill server's bootstrap server, in this process (its ranks register with it)."""
+    if server_args.disaggregation_mode != "prefill":
+        return None
+    host, port = bootstrap_bind_host(server_args.host), server_args.disaggregation_bootstrap_port
+    try:
+        return BootstrapServer(host, port)
+    except OSError as e:
+        where = f"{host}:{port} (--disaggregation-bootstrap-port)"
+        raise StartupError(f"cannot start the bootstrap server on {where}: {e}") from None
 
 
 def _free_port() -> int:
@@ -149,7 +167,14 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
         logger.info("node %d: tensor-parallel ranks %s ready", server_args.node_rank, list(local_ranks))
         sys.exit(subs.serve_until_exit())
     specs["detokenizer"] = (run_detokenizer_process, (server_args, port_args), {})
-    subs = _start(specs)
+    bootstrap = start_bootstrap_server(server_args)
+    try:
+        subs = _start(specs)
+    except BaseException:
+        if bootstrap is not None:
+            bootstrap.close()
+        raise
+    subs.bootstrap = bootstrap
     if server_args.dp_size > 1:
         try:
             capacity = subs.scheduler_info["max_total_num_tokens"]

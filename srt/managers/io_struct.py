@@ -53,6 +53,11 @@ class GenerateReqInput:
     extra_key: str | list[str] | None = None
     timeout: float | list[float] | None = None  # seconds; past it the request is aborted
     data_parallel_rank: int | None = None  # pin to one --dp-size replica (SGLang's router sends it)
+    # prefill-decode disaggregation: the prefill server's bootstrap address and the request's room
+    # (what SGLang's router adds; one per prompt in a batch)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     @classmethod
     def from_dict(cls, body: Any) -> GenerateReqInput:
@@ -104,6 +109,9 @@ class GenerateReqInput:
             "priority",
             "extra_key",
             "timeout",
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
         ):
             v = getattr(self, name)
             if isinstance(v, list) and name != "input_ids" and (not self.is_batch or len(v) != n):
@@ -137,6 +145,9 @@ class GenerateReqInput:
             extra_key=_item(self.extra_key, i, b),
             timeout=_item(self.timeout, i, b),
             data_parallel_rank=self.data_parallel_rank,
+            bootstrap_host=_item(self.bootstrap_host, i, b),
+            bootstrap_port=_item(self.bootstrap_port, i, b),
+            bootstrap_room=_item(self.bootstrap_room, i, b),
         )
 
     @property
@@ -236,6 +247,9 @@ class TokenizedGenerateReqInput:
     created_time: float = 0.0
     timeout: float | None = None
     data_parallel_rank: int | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass(kw_only=True)

@@ -47,6 +47,13 @@ class Req:
     priority: int | None = None
     extra_key: str | None = None
     created_time: float = field(default_factory=time.time)
+    # prefill-decode disaggregation (srt/disaggregation): the prefill server's bootstrap address
+    # and the room naming this request on both servers; where its KV went and whether that ended
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    disagg_target: str | None = None
+    disagg_done: bool = False
 
     output_ids: list[int] = field(default_factory=list)
     # memory

@@ -19,10 +19,13 @@ import zmq
 
 from srt.configs.model_config import ModelConfig
 from srt.constrained.grammar_backend import GrammarError, XGrammarBackend
+from srt.disaggregation.prefill import PrefillDisagg
+from srt.disaggregation.setup import build_disaggregation
 from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.io_struct import (
     FINISH_ABORT,
     FINISH_LENGTH,
+    FINISH_MATCHED_TOKEN,
     AbortReq,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -68,6 +71,7 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 RETRACT_DECODE_STEPS = 20
 IDLE_POLL_MS = 1000
 IO_POLL_S = 0.002
+DISAGG_POLL_MS = 5
 GRAMMAR_POLL_MS = 5
 # A jump-forward costs the request an extend pass of its own (outside the decode batch), so it pays
 # only for forced strings of several tokens (JSON keys, enum tails), not for a ", " between items.
@@ -90,6 +94,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.runner = runner
         self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
         self.eos_token_ids = self.model_config.eos_token_ids
+        self.max_running_requests = runner.max_running_requests
+        # prefill-decode disaggregation: rank 0's queues (decode ranks meet here once to describe their pools)
+        self.disagg = build_disaggregation(self, tp_rank)
         self.hicache: HiRadixCache | None = None
         if server_args.enable_hierarchical_cache:
             broadcaster = self.tp_worker.broadcaster
@@ -114,7 +121,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.last_prefill: ScheduleBatch | None = None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache)
         self.metrics = SchedulerMetrics() if server_args.enable_metrics else None
-        self.max_running_requests = runner.max_running_requests
         self.chunked_prefill_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
         self.waiting_queue: list[Req] = []
         self.running_batch = ScheduleBatch([])
@@ -192,6 +198,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             self.heartbeat()
             self.report_load()
             self.process_input_requests(self.recv_requests())
+            if self.disagg is not None:
+                self.disagg.poll()
             self.expire_deadlines()
             self.poll_grammar_queue()
             batch = self.get_next_batch_to_run()
@@ -210,6 +218,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             self.heartbeat()
             self.report_load()
             self.process_input_requests(self.recv_requests())
+            if self.disagg is not None:
+                self.disagg.poll()
             self.expire_deadlines()
             self.poll_grammar_queue()
             batch = self.get_next_batch_to_run()
@@ -243,7 +253,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
 
     def has_work(self) -> bool:
         io = self.hicache is not None and self.hicache.pending_io()
-        return bool(self.grammar_queue) or io or self.has_runnable_work()
+        disagg = self.disagg is not None and self.disagg.pending()
+        return bool(self.grammar_queue) or io or disagg or self.has_runnable_work()
 
     def recv_requests(self) -> list:
         msgs = []
@@ -251,7 +262,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             wait_ms = 0
         else:  # idle, or only grammar compiles pending: block briefly instead of spinning against them
             wait_ms = GRAMMAR_POLL_MS if self.grammar_queue else IDLE_POLL_MS
-        if wait_ms and not self.recv_from_tokenizer.poll(wait_ms):
+        if self.disagg is not None and wait_ms:
+            # the peer's control messages wake the loop too; timeouts and lookups need a tick
+            if self.disagg.pending():
+                wait_ms = min(wait_ms, DISAGG_POLL_MS)
+            poller = zmq.Poller()
+            poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+            poller.register(self.disagg.recv_socket, zmq.POLLIN)
+            if self.recv_from_tokenizer not in dict(poller.poll(wait_ms)):
+                return msgs
+        elif wait_ms and not self.recv_from_tokenizer.poll(wait_ms):
             return msgs
         while True:
             try:
@@ -313,13 +333,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             extra_key=recv.extra_key,
             created_time=recv.created_time,
             timeout=recv.timeout,
+            bootstrap_host=recv.bootstrap_host,
+            bootstrap_port=recv.bootstrap_port,
+            bootstrap_room=recv.bootstrap_room,
         )
         self.track_deadline(req)
         if self.hicache is not None:  # its stored pages start loading while it waits
             self.hicache.prefetch(req, req.cacheable_ids())
         key = req.sampling_params.grammar_key
         if key is None:
-            self.waiting_queue.append(req)
+            self.enqueue(req)
         elif self.grammar_backend is None:
             self.fail_request(
                 req,
@@ -327,6 +350,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             )
         else:  # the event loop polls the queue right after taking in new requests
             self.grammar_queue.append((req, self.grammar_backend.submit(key), time.monotonic()))
+
+    def enqueue(self, req: Req) -> None:
+        """A new request is ready to run: to the waiting queue, or to a disaggregation queue first."""
+        if self.disagg is None or not self.disagg.admit(req):
+            self.waiting_queue.append(req)
 
     def fail_request(self, req: Req, message: str) -> None:
         """A request that cannot run as asked: it ends before any token, answered with HTTP 400."""
@@ -349,7 +377,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 else:
                     assert self.grammar_backend is not None  # only its requests wait for a compile
                     req.grammar = self.grammar_backend.matcher(result)
-                    self.waiting_queue.append(req)
+                    self.enqueue(req)
             elif now - since > timeout:
                 self.fail_request(req, f"the grammar did not compile within {timeout:g} s (--grammar-compile-timeout)")
             else:
@@ -367,10 +395,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         for r, _, _ in self.grammar_queue:
             if hit(r):
                 r.to_abort = recv.message  # ended by poll_grammar_queue
+        queued = self.disagg.queued() if self.disagg is not None else []
         launched = self.last_prefill.reqs if self.last_prefill is not None else []
-        for r in self.running_batch.reqs + launched + ([self.chunked_req] if self.chunked_req else []):
+        for r in self.running_batch.reqs + launched + ([self.chunked_req] if self.chunked_req else []) + queued:
             if hit(r) and not r.finished:
-                r.to_abort = recv.message
+                r.to_abort = recv.message  # a disaggregation queue ends it on its next poll
 
     # -- batch selection -------------------------------------------------------------------------
 
@@ -379,7 +408,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             # Requests whose prompt is complete join the decode batch, even before their prefill
             # results are processed (their first token is then a future-map placeholder).
             self.running_batch.reqs.extend(
-                r for r in self.last_prefill.reqs if not r.finished and r is not self.chunked_req
+                r
+                for r in self.last_prefill.reqs
+                if not r.finished and r is not self.chunked_req and self.decodes_here(r)
             )
             self.last_prefill = None
         if any(r.future_slot is not None and r.needs_fresh_history for r in self.running_batch.reqs):
@@ -422,6 +453,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         if self.chunked_req is not None:
             self.sync_pending()  # its next chunk starts from the KV the previous chunk committed
         running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
+        if self.disagg is not None:
+            running += self.disagg.held_reqs()
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
         self.policy.calc_priority(self.waiting_queue)
@@ -552,7 +585,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 self.append_token(req, res.next_token_ids[i], res, i)
             self.take_future_slot(req, batch.future_slots[i])
             req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
-            if req.finished:
+            if not self.decodes_here(req):  # prefill server: the KV goes to the decode server
+                assert isinstance(self.disagg, PrefillDisagg)
+                progressed.pop()
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self.disagg.start_transfer(req)
+            elif req.finished:
                 if req is self.chunked_req:
                     self.chunked_req = None
                 self.release(req)
@@ -702,6 +741,50 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         """The token is on the host now; a later launch may already have given req a new slot."""
         if req.future_slot == slot:
             req.future_slot = None
+
+    def decodes_here(self, req: Req) -> bool:
+        """False for a prefill server's requests whose decode side is another server."""
+        return not isinstance(self.disagg, PrefillDisagg) or self.disagg.joins_decode(req)
+
+    def join_decoding(self, req: Req, done: dict) -> None:
+        """Decode server: req's prompt KV arrived with its first token (and that token's logprobs
+        from the prefill side): it continues exactly as if it had been prefilled here."""
+        token = int(done["token"])
+        req.output_ids.append(token)
+        if self.metrics is not None:
+            self.metrics.on_token(req, time.time())
+            self.metrics.on_admitted(req)
+        req.admitted = req.input_logprobs_done = True  # prompt logprobs come from the prefill server
+        if req.return_logprob:
+            req.output_token_logprobs.append((done.get("logprob"), token))
+            if req.top_logprobs_num:
+                top = done.get("top_logprobs")
+                req.output_top_logprobs.append(tuple(top) if top is not None else None)
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append((done.get("token_ids_logprobs"), req.token_ids_logprob))
+        if req.grammar is not None:
+            if not req.grammar.accept_token(token):
+                message = f"the prefill server's first token {token} breaks the grammar"
+                req.finished_reason = FINISH_ABORT(message=message)
+            elif req.grammar.is_terminated():
+                req.finished_reason = FINISH_MATCHED_TOKEN(matched=token)
+        req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
+        if req.finished:
+            self.release(req)
+        else:
+            self.tree_cache.cache_unfinished_req(req)  # its prompt is shareable while it decodes
+            self.running_batch.reqs.append(req)
+        self.stream_output([req])
+
+    def all_live_reqs(self) -> list[Req]:
+        launched = self.last_prefill.reqs if self.last_prefill is not None else []
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return self.waiting_queue + self.running_batch.reqs + launched + chunked
+
+    def stream_output(self, reqs: list[Req]) -> None:
+        if self.disagg is not None:
+            self.disagg.on_output(reqs)
+        super().stream_output(reqs)
 
     def release(self, req: Req) -> None:
         self.tree_cache.cache_finished_req(req)

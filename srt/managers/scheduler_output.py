@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     import zmq
 
     from srt.constrained.grammar_backend import XGrammarBackend
+    from srt.disaggregation.decode import DecodeDisagg
+    from srt.disaggregation.prefill import PrefillDisagg
     from srt.managers.profiler import ForwardProfiler
     from srt.managers.schedule_batch import ScheduleBatch
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -41,6 +43,7 @@ class SchedulerOutputProcessorMixin:
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache
     hicache: HiRadixCache | None
+    disagg: PrefillDisagg | DecodeDisagg | None
     waiting_queue: list[Req]
     running_batch: ScheduleBatch
     chunked_req: Req | None
@@ -244,6 +247,7 @@ class SchedulerOutputProcessorMixin:
             "spec_accept_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
             "speculative": self.proposer.stats() if self.proposer is not None else None,
             "hicache": self.hicache.state() if self.hicache is not None else None,
+            "disagg": self.disagg.state() if self.disagg is not None else None,
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "cuda_graph": self.runner.cuda_graph_status(),

@@ -232,6 +232,7 @@ class TokenizerManager:
             raise InvalidRequest(
                 f"data_parallel_rank = {dp_rank!r} must be an integer in [0, {self.server_args.dp_size}) (--dp-size)"
             )
+        host, port, room = self._bootstrap(obj)
         return TokenizedGenerateReqInput(
             rid=rid,
             input_text=text,
@@ -247,7 +248,30 @@ class TokenizerManager:
             created_time=time.time(),
             timeout=self._timeout(obj.timeout),
             data_parallel_rank=dp_rank,
+            bootstrap_host=host,
+            bootstrap_port=port,
+            bootstrap_room=room,
         )
+
+    def _bootstrap(self, obj: GenerateReqInput) -> tuple[str | None, int | None, int | None]:
+        """One prompt's (bootstrap_host, bootstrap_port, bootstrap_room), checked; all None on a
+        server that is not disaggregated (routers add them to every body) or without a room."""
+        host, port, room = obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room
+        if room is not None and (not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**64):
+            raise InvalidRequest(f"bootstrap_room = {room!r} must be an integer in [0, 2**64)")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
+            raise InvalidRequest(f"bootstrap_port = {port!r} must be an integer in [1, 65535]")
+        if host is not None and (not isinstance(host, str) or not host or len(host) > 255):
+            raise InvalidRequest(f"bootstrap_host = {host!r} must be a host name or address")
+        mode = self.server_args.disaggregation_mode
+        if mode == "null" or room is None:
+            return None, None, None
+        if mode == "decode" and (host is None or port is None):
+            raise InvalidRequest(
+                "bootstrap_host and bootstrap_port (the prefill server's bootstrap server) are required with "
+                "bootstrap_room on a --disaggregation-mode decode server"
+            )
+        return host, port, room
 
     def _token_ids_logprob(self, ids) -> list[int] | None:
         """`token_ids_logprob` of one prompt: distinct-or-not token ids, at most MAX_TOKEN_IDS_LOGPROB."""
@@ -283,6 +307,15 @@ class TokenizerManager:
         n = tokenized[0].sampling_params.n
         if any(t.sampling_params.n != n for t in tokenized):
             raise InvalidRequest("all prompts of a batch must use the same sampling_params.n")
+        rooms = [t.bootstrap_room for t in tokenized if t.bootstrap_room is not None]
+        if rooms and n > 1:
+            raise InvalidRequest(
+                f"n = {n}: prefill-decode disaggregation transfers one KV per bootstrap_room; use n = 1"
+            )
+        if len(set(rooms)) < len(rooms):
+            raise InvalidRequest(
+                f"the batch's {len(tokenized)} prompts share a bootstrap_room: give one room per prompt (a list)"
+            )
         self._admit(len(tokenized) * n, sum(len(t.input_ids) for t in tokenized) * n)
         if not obj.is_batch and n == 1:
             async for out in self._wait_one(items[0], tokenized[0], request):

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from srt.configs.model_config import ModelConfig
+from srt.disaggregation.setup import follower_endpoint
 from srt.managers.profiler import ForwardProfiler
 from srt.mem_cache.hiradix_cache import HiCacheFollower
 from srt.model_executor.model_runner import ModelRunner
@@ -48,10 +49,12 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int, pipe_writer, 
         pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank), build
     )
     try:
+        kv_endpoint = follower_endpoint(server_args, runner, tp_rank)  # decode: the prefill side writes here
         hicache = None
         if server_args.enable_hierarchical_cache:
             hicache = HiCacheFollower(server_args, runner, runner.model_config, tp_rank)
         serve_forwards(runner, ForwardProfiler(tp_rank, dp_rank, server_args.dp_size, None), hicache)
+        del kv_endpoint
     except Exception as e:  # rank 0 (or another rank) went away, or a forward failed
         logger.error("tensor-parallel rank %d stops: %s: %s", tp_rank, type(e).__name__, e)
         sys.exit(1)

@@ -166,6 +166,9 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=req.stream,
             timeout=req.timeout,
+            bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room,
         )
 
     def _chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
@@ -211,6 +214,9 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=req.stream,
             timeout=req.timeout,
+            bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port,
+            bootstrap_room=req.bootstrap_room,
         )
 
     async def _serve(self, body: Any, request: Request, cls, to_input, responder_cls) -> Response:

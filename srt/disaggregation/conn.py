@@ -1,0 +1,116 @@
+"""The control channel between a prefill server's rank 0 and a decode server's rank 0: JSON
+messages over ZeroMQ (each side binds a PULL socket; peers PUSH to it). KV itself moves over the
+transfer engine (`transfer.py`), never over this channel.
+
+decode -> prefill: `{"type": "prealloc", "room", "endpoint", "layout", "ranks", "slots"}` (the
+slots reserved for the room's prompt on every decode rank, and where to answer) and
+`{"type": "abort", "room"}`. prefill -> decode: `{"type": "done", "room", "token", "logprob",
+"top_logprobs", "token_ids_logprobs", "bytes", "seconds"}` once the KV is written, or
+`{"type": "failed", "room", "message"}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+import zmq
+
+from srt.disaggregation.transfer import KVEndpoint
+from srt.managers.io_struct import FINISH_ABORT
+
+if TYPE_CHECKING:
+    from srt.managers.schedule_batch import Req
+    from srt.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_PEERS = 256  # cached PUSH sockets
+
+
+class DisaggChannel:
+    """What both sides share: the PULL socket, PUSH sockets to peers, the KV endpoint, stats."""
+
+    role = ""
+
+    def __init__(self, scheduler: Scheduler, ip: str, endpoint: KVEndpoint):
+        self.scheduler = scheduler
+        self.kv = endpoint
+        self.ctx = zmq.Context(1)
+        self.recv_socket = self.ctx.socket(zmq.PULL)
+        port = self.recv_socket.bind_to_random_port(f"tcp://{ip}")
+        self.address = f"tcp://{ip}:{port}"
+        self.peers: dict[str, zmq.Socket] = {}
+        self.poll_every = 1  # scheduler loop iterations between polls of the queues
+        self.iterations = 0
+        # SGLang's transfer gauges: the latest transfer's speed and latency
+        self.last_speed_gb_s = 0.0
+        self.last_latency_ms = 0.0
+        self.num_transfers = 0
+        self.bytes_transferred = 0
+
+    def send(self, address: str, msg: dict) -> None:
+        sock = self.peers.get(address)
+        if sock is None:
+            if len(self.peers) >= MAX_PEERS:
+                self.peers.pop(next(iter(self.peers))).close(linger=0)
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(address)
+            self.peers[address] = sock
+        try:
+            sock.send(orjson.dumps(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("disaggregation: cannot send %s to %s: %s", msg.get("type"), address, e)
+
+    def receive(self) -> list[dict]:
+        msgs = []
+        while True:
+            try:
+                raw = self.recv_socket.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return msgs
+            try:
+                msg = orjson.loads(raw)
+                int(msg["room"])
+                msgs.append(msg)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                logger.warning("disaggregation: dropped a malformed control message (%d bytes)", len(raw))
+
+    def note_transfer(self, nbytes: int, seconds: float) -> None:
+        self.num_transfers += 1
+        self.bytes_transferred += nbytes
+        self.last_latency_ms = seconds * 1e3
+        self.last_speed_gb_s = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+    def due(self) -> bool:
+        self.iterations += 1
+        return self.iterations % self.poll_every == 0
+
+    def end(self, req: Req, message: str, status_code: int | None = None) -> None:
+        """Answer a request that leaves a disaggregation queue without running."""
+        req.finished_reason = FINISH_ABORT(message=message, status_code=status_code)
+        self.scheduler.stream_output([req])
+
+    def on_output(self, reqs: list[Req]) -> None:
+        """Outputs about to be streamed (the prefill side watches for requests ending early)."""
+
+    def transfer_state(self) -> dict:
+        return {
+            "kv_transfer_speed_gb_s": self.last_speed_gb_s,
+            "kv_transfer_latency_ms": self.last_latency_ms,
+            "kv_transfers": self.num_transfers,
+            "kv_transfer_bytes": self.bytes_transferred,
+        }
+
+
+def room_of(req: Req) -> int:
+    assert req.bootstrap_room is not None, "only requests with a bootstrap_room take this path"
+    return req.bootstrap_room
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,243 @@
+"""The decode server's side (`--disaggregation-mode decode`), run by the scheduler of rank 0.
+
+A request with a bootstrap address and room goes to the prealloc queue: once the prefill
+server's layout and rank endpoint are known (asked from its bootstrap server, in a thread, cached
+per server) and the pool has room for the prompt plus `--num-reserved-decode-tokens` per held
+request, it gets KV slots on every rank, and the prefill side is told where to write (transfer
+queue). When the prefill side reports the KV written, the request joins the running batch with
+its first token, exactly as if it had been prefilled here. A request that fails, times out
+($SGLANG_DISAGGREGATION_WAITING_TIMEOUT) or is aborted while its KV may still be written keeps
+its slots (draining) until the prefill side answers or the timeout passes again, so a late write
+never lands in slots another request reuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt.disaggregation.bootstrap_server import query_prefill
+from srt.disaggregation.conn import DisaggChannel, now, room_of
+from srt.disaggregation.transfer import KVEndpoint, RankKV
+from srt.disaggregation.utils import bootstrap_timeout, waiting_timeout
+
+if TYPE_CHECKING:
+    from srt.managers.schedule_batch import Req
+    from srt.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Transfer:
+    req: Req
+    address: str  # the prefill rank's control address
+    since: float
+
+
+@dataclass
+class Draining:
+    pool_idx: int
+    slots: torch.Tensor
+    since: float
+
+
+class DecodeDisagg(DisaggChannel):
+    role = "decode"
+
+    def __init__(
+        self, scheduler: Scheduler, ip: str, endpoint: KVEndpoint, layout: dict, ranks: list[RankKV], reserved: int
+    ):
+        super().__init__(scheduler, ip, endpoint)
+        self.layout = layout
+        self.ranks = ranks  # every decode rank's pool, rank 0 first
+        self.reserved = reserved  # --num-reserved-decode-tokens
+        self.timeout = waiting_timeout()
+        self.lookups: dict[tuple[str, int], Future] = {}
+        self.resolver = ThreadPoolExecutor(2, thread_name_prefix="bootstrap-lookup")
+        self.prealloc_queue: list[tuple[Req, Future, float]] = []
+        self.transfers: dict[int, Transfer] = {}  # room -> request waiting for its KV
+        self.draining: dict[int, Draining] = {}
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def admit(self, req: Req) -> bool:
+        if req.bootstrap_room is None or req.max_new_tokens == 0:
+            return False
+        room = room_of(req)
+        queued = any(room_of(r) == room for r, _, _ in self.prealloc_queue)
+        if queued or room in self.transfers or room in self.draining:
+            self.end(req, f"bootstrap_room {room} is already in use on this decode server", 400)
+            return True
+        if req.bootstrap_host is None or req.bootstrap_port is None:
+            self.end(req, "bootstrap_host and bootstrap_port are required with bootstrap_room", 400)
+            return True
+        self.prealloc_queue.append((req, self.lookup(req.bootstrap_host, req.bootstrap_port), now()))
+        return True
+
+    def lookup(self, host: str, port: int) -> Future:
+        key = (host, port)
+        fut = self.lookups.get(key)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self.resolver.submit(query_prefill, host, port, [0], bootstrap_timeout())
+            self.lookups[key] = fut
+        return fut
+
+    def queued(self) -> list[Req]:
+        return [r for r, _, _ in self.prealloc_queue] + [t.req for t in self.transfers.values()]
+
+    def held_reqs(self) -> int:
+        return len(self.transfers)
+
+    def pending(self) -> bool:
+        return bool(self.prealloc_queue or self.transfers or self.draining)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        for msg in self.receive():
+            room = int(msg["room"])
+            kind = msg.get("type")
+            if kind not in ("done", "failed"):
+                continue
+            drained = self.draining.pop(room, None)
+            if drained is not None:
+                self.free(drained.pool_idx, drained.slots)
+                continue
+            t = self.transfers.pop(room, None)
+            if t is None:
+                continue
+            if kind == "done":
+                self.note_transfer(int(msg.get("bytes", 0)), float(msg.get("seconds", 0.0)))
+                self.scheduler.join_decoding(t.req, msg)
+            else:
+                self.release_slots(t.req)
+                self.end(t.req, f"prefill side: {msg.get('message', 'failed')}")
+        if not self.due():
+            return
+        self.preallocate()
+        t0 = now()
+        for room, t in list(self.transfers.items()):
+            reason = t.req.to_abort
+            if reason is None and t0 - t.since > self.timeout:
+                reason = (
+                    f"the KV of bootstrap_room {room} did not arrive within {self.timeout:g} s "
+                    "($SGLANG_DISAGGREGATION_WAITING_TIMEOUT)"
+                )
+            if reason is not None:
+                del self.transfers[room]
+                self.send(t.address, {"type": "abort", "room": room})
+                self.drain(room, t.req)
+                self.end(t.req, reason)
+        for room, d in list(self.draining.items()):
+            if t0 - d.since > self.timeout:
+                del self.draining[room]
+                self.free(d.pool_idx, d.slots)
+
+    def preallocate(self) -> None:
+        sched = self.scheduler
+        still = []
+        blocked = False
+        for req, fut, since in self.prealloc_queue:
+            if req.to_abort is not None:
+                self.end(req, req.to_abort)
+                continue
+            if blocked or not fut.done():
+                still.append((req, fut, since))
+                continue
+            err = fut.exception()
+            if err is not None:
+                self.end(req, f"cannot reach the prefill server of bootstrap_room {room_of(req)}: {err}")
+                continue
+            layout, ranks = fut.result()
+            if layout.get("kv_cache_dtype") != self.layout["kv_format"]:
+                self.end(
+                    req,
+                    f"the prefill server's KV cache is {layout.get('kv_cache_dtype')}, this decode server's is "
+                    f"{self.layout['kv_format']} (--kv-cache-dtype must match)",
+                )
+                continue
+            if not self.reserve(req):
+                blocked = True  # first come, first served: later requests wait behind it
+                still.append((req, fut, since))
+                continue
+            address = f"tcp://{ranks[0]['rank_ip']}:{ranks[0]['rank_port']}"
+            table = sched.runner.req_to_token_pool.req_to_token
+            slots = table[req.req_pool_idx, : req.kv_len].tolist()
+            self.send(
+                address,
+                {
+                    "type": "prealloc",
+                    "room": room_of(req),
+                    "endpoint": self.address,
+                    "layout": self.layout,
+                    "ranks": [r.to_json() for r in self.ranks],
+                    "slots": slots,
+                },
+            )
+            self.transfers[room_of(req)] = Transfer(req, address, now())
+        self.prealloc_queue = still
+
+    def reserve(self, req: Req) -> bool:
+        """Request and KV slots for req's prompt, if the budget allows (else False, nothing taken)."""
+        sched = self.scheduler
+        held = len(sched.running_batch.reqs) + len(self.transfers)
+        if held >= sched.max_running_requests:
+            return False
+        pool = sched.runner.req_to_token_pool
+        if pool.available_size() == 0:
+            return False
+        n = len(req.origin_input_ids)
+        allocator = sched.allocator
+        page = allocator.page_size
+        need = -(-n // page) * page
+        spare = allocator.available_size() + sched.tree_cache.evictable_size() - self.reserved * (held + 1)
+        if spare < need:
+            return False
+        if allocator.available_size() < need:
+            sched.tree_cache.evict(need - allocator.available_size())
+        loc = allocator.alloc_extend([0], [n], [0])
+        if loc is None:
+            return False
+        slot = pool.alloc(1)
+        assert slot is not None, "checked available_size"
+        req.req_pool_idx = slot[0]
+        pool.write(req.req_pool_idx, 0, loc)
+        req.kv_len, req.extend_input_len = n, 0
+        return True
+
+    def release_slots(self, req: Req) -> None:
+        """Free req's reserved slots: nothing was (or will be) written to them."""
+        if req.req_pool_idx is None:
+            return
+        slots = self.scheduler.runner.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long()
+        self.free(req.req_pool_idx, slots)
+        req.req_pool_idx, req.kv_len = None, 0
+
+    def drain(self, room: int, req: Req) -> None:
+        """req ends, but the prefill side may still write its slots: hold them until it answers."""
+        if req.req_pool_idx is None:
+            return
+        slots = self.scheduler.runner.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long().clone()
+        self.draining[room] = Draining(req.req_pool_idx, slots, now())
+        req.req_pool_idx, req.kv_len = None, 0
+
+    def free(self, pool_idx: int, slots: torch.Tensor) -> None:
+        self.scheduler.allocator.free(slots)
+        self.scheduler.runner.req_to_token_pool.free(pool_idx)
+
+    def held_tokens(self) -> int:
+        return sum(len(d.slots) for d in self.draining.values()) + sum(t.req.kv_len for t in self.transfers.values())
+
+    def state(self) -> dict:
+        return {
+            "mode": "decode",
+            "num_decode_prealloc_queue_reqs": len(self.prealloc_queue),
+            "num_decode_transfer_queue_reqs": len(self.transfers),
+            "draining_rooms": len(self.draining),
+            **self.transfer_state(),
+        }
