@@ -619,6 +619,8 @@ def _full_load(st: dict, max_running_requests: int, include: set[str]) -> dict:
     }
     if include & {"queues", "all"}:
         load["queues"] = {"waiting": st["num_queue_reqs"], "grammar": st["grammar_queue"]}
+    if include & {"disagg", "all"} and st.get("disagg"):
+        load["disagg"] = dict(st["disagg"])
     return load
 
 

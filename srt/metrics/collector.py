@@ -86,6 +86,17 @@ HICACHE_COUNTERS = {
 }
 
 
+# --disaggregation-mode prefill / decode only (SGLang's names; the scheduler state's "disagg" entry)
+DISAGG_GAUGES = {
+    "num_prefill_prealloc_queue_reqs": "Prefill: requests waiting for their decode side to reserve KV",
+    "num_prefill_inflight_queue_reqs": "Prefill: requests whose KV is being written to the decode side",
+    "num_decode_prealloc_queue_reqs": "Decode: requests waiting for the prefill server's address or for KV room",
+    "num_decode_transfer_queue_reqs": "Decode: requests waiting for their KV from the prefill side",
+    "kv_transfer_speed_gb_s": "KV transfer speed of the latest request (GB/s)",
+    "kv_transfer_latency_ms": "KV transfer time of the latest request (ms)",
+}
+
+
 class Histogram:
     __slots__ = ("bounds", "counts", "sum")
 
@@ -166,6 +177,10 @@ class _StateCollector:
                 families[name] = GaugeMetricFamily(PREFIX + name, doc, labels=names)
             for name, (doc, _) in HICACHE_COUNTERS.items():
                 families[name] = CounterMetricFamily(PREFIX + name, doc, labels=names)
+        disagg = any(st.get("disagg") for st in self.states)
+        if disagg:
+            for name, doc in DISAGG_GAUGES.items():
+                families[name] = GaugeMetricFamily(PREFIX + name, doc, labels=names)
         for st in self.states:
             labels = [self.model_name] + ([str(st.get("dp_rank", 0))] if per_replica else [])
             metrics = st["metrics"]
@@ -189,6 +204,9 @@ class _StateCollector:
                 for name, (_, (tier, key)) in (HICACHE_GAUGES | HICACHE_COUNTERS).items():
                     part = (st.get("hicache") or {}).get(tier) or {}
                     families[name].add_metric(labels, part.get(key, 0))
+            if disagg:
+                for name in DISAGG_GAUGES:
+                    families[name].add_metric(labels, (st.get("disagg") or {}).get(name, 0))
             for name in HISTOGRAMS:
                 h = metrics["histograms"][name]
                 cumulative, buckets = 0, []
