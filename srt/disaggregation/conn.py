@@ -50,6 +50,7 @@ class DisaggChannel:
         self.last_latency_ms = 0.0
         self.num_transfers = 0
         self.bytes_transferred = 0
+        self.transfer_seconds = 0.0
 
     def send(self, address: str, msg: dict) -> None:
         sock = self.peers.get(address)
@@ -83,6 +84,7 @@ class DisaggChannel:
     def note_transfer(self, nbytes: int, seconds: float) -> None:
         self.num_transfers += 1
         self.bytes_transferred += nbytes
+        self.transfer_seconds += seconds
         self.last_latency_ms = seconds * 1e3
         self.last_speed_gb_s = nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
@@ -104,6 +106,7 @@ class DisaggChannel:
             "kv_transfer_latency_ms": self.last_latency_ms,
             "kv_transfers": self.num_transfers,
             "kv_transfer_bytes": self.bytes_transferred,
+            "kv_transfer_seconds": self.transfer_seconds,
         }
 
 

@@ -59,12 +59,20 @@ class PrefillDisagg(DisaggChannel):
         self.bootstrap_queue: list[tuple[Req, float]] = []
         self.inflight: list[tuple[Req, Future]] = []
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        self.tp_size = scheduler.server_args.tp_size
+        self.broadcaster = scheduler.tp_worker.broadcaster  # ranks 1..N-1 write their heads when told
+        self.rank_results: dict[int, dict] = {}  # room -> the other ranks' writes: {"left", "bytes", "error"}
         host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
+        # Every rank is reached through rank 0's control socket: rank 0 relays a room's write to them.
+        for tp_rank in range(self.tp_size):
+            self.register(bootstrap_host, bootstrap_port, host, int(port), tp_rank, layout["kv_format"])
+
+    def register(self, bootstrap_host: str, bootstrap_port: int, ip: str, port: int, tp_rank: int, kv: str) -> None:
         register_prefill_rank(
             f"http://{bootstrap_host}:{bootstrap_port}",
             {
-                "attn_tp_size": 1,
-                "attn_tp_rank": 0,
+                "attn_tp_size": self.tp_size,
+                "attn_tp_rank": tp_rank,
                 "attn_cp_size": 1,
                 "attn_cp_rank": 0,
                 "attn_dp_size": 1,
@@ -73,10 +81,10 @@ class PrefillDisagg(DisaggChannel):
                 "pp_rank": 0,
                 "system_dp_size": 1,
                 "system_dp_rank": 0,
-                "rank_ip": host,
-                "rank_port": int(port),
-                "page_size": scheduler.runner.page_size,
-                "kv_cache_dtype": layout["kv_format"],
+                "rank_ip": ip,
+                "rank_port": port,
+                "page_size": self.scheduler.runner.page_size,
+                "kv_cache_dtype": kv,
             },
         )
 
@@ -118,6 +126,12 @@ class PrefillDisagg(DisaggChannel):
         table = self.scheduler.runner.req_to_token_pool.req_to_token
         n = len(req.origin_input_ids)
         src = table[req.req_pool_idx, :n].tolist()
+        if self.broadcaster is not None:
+            ranks = [r.to_json() for r in target.ranks]
+            self.rank_results[room_of(req)] = {"left": self.tp_size - 1, "bytes": 0, "seconds": 0.0, "error": None}
+            self.broadcaster.post_disagg(
+                room=room_of(req), src=src, ranks=ranks, slots=target.slots, reply_to=self.address
+            )
         self.inflight.append((req, self.executor.submit(self._write, src, target)))
 
     def _write(self, src: list[int], target: DecodeTarget) -> tuple[int, float]:
@@ -133,6 +147,8 @@ class PrefillDisagg(DisaggChannel):
         for msg in self.receive():
             if msg.get("type") == "prealloc":
                 self.on_prealloc(msg)
+            elif msg.get("type") == "rank_done":
+                self.on_rank_done(msg)
             elif msg.get("type") == "abort":
                 self.on_decode_abort(int(msg["room"]))
         if not self.due():
@@ -185,6 +201,17 @@ class PrefillDisagg(DisaggChannel):
             return
         self.targets[room] = DecodeTarget(address, ranks, slots, now())
 
+    def on_rank_done(self, msg: dict) -> None:
+        res = self.rank_results.get(int(msg["room"]))
+        if res is None:
+            return
+        res["left"] -= 1
+        if msg.get("ok"):
+            res["bytes"] += int(msg.get("bytes", 0))
+            res["seconds"] = max(res["seconds"], float(msg.get("seconds", 0.0)))
+        else:
+            res["error"] = str(msg.get("message", "a tensor-parallel rank failed"))
+
     def on_decode_abort(self, room: int) -> None:
         self.targets.pop(room, None)
         for req in self.scheduler.all_live_reqs():
@@ -194,12 +221,18 @@ class PrefillDisagg(DisaggChannel):
     def finish_transfers(self) -> None:
         still = []
         for req, fut in self.inflight:
-            if not fut.done():
+            room = room_of(req)
+            others = self.rank_results.get(room)
+            if not fut.done() or (others is not None and others["left"] > 0):
                 still.append((req, fut))
                 continue
-            room = room_of(req)
+            self.rank_results.pop(room, None)
             try:
                 nbytes, seconds = fut.result()
+                if others is not None:
+                    if others["error"] is not None:
+                        raise TransferError(others["error"])
+                    nbytes, seconds = nbytes + others["bytes"], max(seconds, others["seconds"])
             except Exception as e:  # TransferError, or a bug: this request fails, the server goes on
                 message = f"KV transfer to the decode side failed: {e}"
                 logger.warning("bootstrap_room %d: %s", room, message)

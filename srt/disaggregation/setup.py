@@ -1,10 +1,15 @@
 """Building a server's disaggregation side: each rank's KV endpoint, and on rank 0 the prefill or
 decode queues. Decode ranks 1..N-1 only register their pools (the prefill side writes into them
-directly) and hand their description to rank 0 once, at start-up."""
+directly) and hand their description to rank 0 once, at start-up; prefill ranks 1..N-1 write their
+heads of a request's KV when rank 0 tells them."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
+
+import orjson
+import zmq
 
 from srt.disaggregation.transfer import KVEndpoint, RankKV
 from srt.disaggregation.utils import DisaggregationMode, host_ip
@@ -34,10 +39,21 @@ def kv_layout(runner: ModelRunner) -> dict:
     }
 
 
+def owned_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The KV heads tp_rank writes: those it holds that no lower rank holds (replicated heads are
+    written once)."""
+    shards = [head_shard(num_heads, num_kv_heads, tp_size, r) for r in range(tp_rank + 1)]
+    mine = shards[-1]
+    taken = {h for sh in shards[:-1] for h in range(sh.kv_start, sh.kv_start + sh.kv_count)}
+    own = [h for h in range(mine.kv_start, mine.kv_start + mine.kv_count) if h not in taken]
+    return (own[0], own[-1] + 1) if own else (mine.kv_start, mine.kv_start)
+
+
 def rank_endpoint(server_args: ServerArgs, runner: ModelRunner, tp_rank: int) -> KVEndpoint:
     cfg = runner.model_config
-    shard = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, server_args.tp_size, tp_rank)
-    return KVEndpoint(
+    heads, kv_heads, tp = cfg.num_attention_heads, cfg.num_key_value_heads, server_args.tp_size
+    shard = head_shard(heads, kv_heads, tp, tp_rank)
+    endpoint = KVEndpoint(
         server_args.disaggregation_transfer_backend,
         runner.token_to_kv_pool,
         shard.kv_start,
@@ -46,6 +62,8 @@ def rank_endpoint(server_args: ServerArgs, runner: ModelRunner, tp_rank: int) ->
         server_args.disaggregation_ib_device,
         server_args.disaggregation_mode,
     )
+    endpoint.owned = owned_heads(heads, kv_heads, tp, tp_rank)
+    return endpoint
 
 
 def gather_ranks(server_args: ServerArgs, endpoint: KVEndpoint) -> list[RankKV]:
@@ -63,13 +81,42 @@ def gather_ranks(server_args: ServerArgs, endpoint: KVEndpoint) -> list[RankKV]:
     return [RankKV.from_json(d) for d in out]
 
 
-def follower_endpoint(server_args: ServerArgs, runner: ModelRunner, tp_rank: int) -> KVEndpoint | None:
-    """Decode ranks 1..N-1: register the pool and tell rank 0 (kept alive by the caller)."""
-    if server_args.disaggregation_mode != DisaggregationMode.DECODE.value:
-        return None
-    endpoint = rank_endpoint(server_args, runner, tp_rank)
-    gather_ranks(server_args, endpoint)
-    return endpoint
+class FollowerDisagg:
+    """Tensor-parallel ranks 1..N-1. Decode: register the pool and describe it to rank 0 once.
+    Prefill: write this rank's heads of a request's KV when rank 0 says (`handle`, in order with
+    the forwards) and report the result to rank 0's control socket."""
+
+    def __init__(self, endpoint: KVEndpoint, tp_rank: int):
+        self.endpoint, self.tp_rank = endpoint, tp_rank
+        self.ctx = zmq.Context(1)
+        self.sockets: dict[str, zmq.Socket] = {}
+
+    @classmethod
+    def build(cls, server_args: ServerArgs, runner: ModelRunner, tp_rank: int) -> FollowerDisagg | None:
+        if server_args.disaggregation_mode == DisaggregationMode.NULL.value:
+            return None
+        endpoint = rank_endpoint(server_args, runner, tp_rank)
+        if server_args.disaggregation_mode == DisaggregationMode.DECODE.value:
+            gather_ranks(server_args, endpoint)
+        return cls(endpoint, tp_rank)
+
+    def handle(self, fields: dict) -> None:
+        """A `write` from rank 0: {"room", "src", "ranks", "slots", "reply_to"}."""
+        start = time.perf_counter()
+        reply = {"type": "rank_done", "room": fields["room"], "rank": self.tp_rank}
+        try:
+            nbytes = 0
+            for rank in fields["ranks"]:
+                nbytes += self.endpoint.write(fields["src"], RankKV.from_json(rank), fields["slots"])
+            reply |= {"ok": True, "bytes": nbytes, "seconds": time.perf_counter() - start}
+        except Exception as e:  # TransferError, or a bug: rank 0 fails the request
+            reply |= {"ok": False, "message": f"tensor-parallel rank {self.tp_rank}: {e}"}
+        address = fields["reply_to"]
+        sock = self.sockets.get(address)
+        if sock is None:
+            sock = self.sockets[address] = self.ctx.socket(zmq.PUSH)
+            sock.connect(address)
+        sock.send(orjson.dumps(reply))
 
 
 def build_disaggregation(scheduler: Scheduler, tp_rank: int) -> PrefillDisagg | DecodeDisagg | None:

@@ -85,6 +85,8 @@ class KVEndpoint:
     def __init__(self, backend: str, pool, kv_start: int, kv_count: int, ip: str, ib_device: str | None, role: str):
         self.backend, self.pool = backend, pool
         self.kv_start, self.kv_count = kv_start, kv_count
+        # the heads this rank writes (a KV head replicated on several prefill ranks is written by one)
+        self.owned = (kv_start, kv_start + kv_count)
         self.kinds: list[list[torch.Tensor]] = pool.slot_buffers()
         self.head_bytes = [kind[0].stride(0) * kind[0].element_size() // kv_count for kind in self.kinds]
         self.session = f"{ip}:0"
@@ -124,13 +126,13 @@ class KVEndpoint:
         )
 
     def write(self, src_slots: list[int], dst: RankKV, dst_slots: list[int]) -> int:
-        """Write the KV heads this rank and dst both hold, of slots src_slots, into dst's slots
+        """Write the KV heads this rank owns and dst holds, of slots src_slots, into dst's slots
         dst_slots (same order). Returns the bytes written; raises TransferError."""
         if len(src_slots) != len(dst_slots):
             raise TransferError(f"{len(src_slots)} source slots for {len(dst_slots)} destination slots")
         if len(dst.buffers) != len(self.kinds) or any(len(b) != len(k) for b, k in zip(dst.buffers, self.kinds)):
             raise TransferError("the decode side's KV pool has a different layout (layers or int8 scales)")
-        h0, h1 = max(self.kv_start, dst.kv_start), min(self.kv_start + self.kv_count, dst.kv_start + dst.kv_count)
+        h0, h1 = max(self.owned[0], dst.kv_start), min(self.owned[1], dst.kv_start + dst.kv_count)
         if h0 >= h1 or not src_slots:
             return 0
         whole_rows = h1 - h0 == dst.kv_count

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 from srt.configs.model_config import ModelConfig
-from srt.disaggregation.setup import follower_endpoint
+from srt.disaggregation.setup import FollowerDisagg
 from srt.managers.profiler import ForwardProfiler
 from srt.mem_cache.hiradix_cache import HiCacheFollower
 from srt.model_executor.model_runner import ModelRunner
@@ -19,15 +20,20 @@ from srt.utils import rank_log_prefix, start_child_process
 logger = logging.getLogger(__name__)
 
 
-def serve_forwards(runner: ModelRunner, profiler: ForwardProfiler, hicache: HiCacheFollower | None = None) -> None:
+def serve_forwards(
+    runner: ModelRunner,
+    profiler: ForwardProfiler,
+    hicache: HiCacheFollower | None = None,
+    on_disagg: Callable[[dict], object] | None = None,
+) -> None:
     """Write each broadcast batch's page-table rows into this rank's table, then run it. Rank 0's
-    control messages start and stop this rank's profiler; its KV moves (accepted draft rows) and
-    hierarchical-cache movements apply to this rank's shard."""
+    control messages start and stop this rank's profiler; its KV moves (accepted draft rows),
+    hierarchical-cache movements and KV writes to a decode server apply to this rank's shard."""
     table = runner.req_to_token_pool.req_to_token
     on_hicache = hicache.handle if hicache is not None else None
     while (
         received := receive_forward(
-            runner.device, lambda req: profiler.handle(req, 0), runner.token_to_kv_pool.move_kv, on_hicache
+            runner.device, lambda req: profiler.handle(req, 0), runner.token_to_kv_pool.move_kv, on_hicache, on_disagg
         )
     ) is not None:
         fb, offset = received.forward_batch, 0
@@ -49,12 +55,13 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int, pipe_writer, 
         pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank), build
     )
     try:
-        kv_endpoint = follower_endpoint(server_args, runner, tp_rank)  # decode: the prefill side writes here
+        # disaggregation: decode ranks register their pools; prefill ranks write their shard when told
+        disagg = FollowerDisagg.build(server_args, runner, tp_rank)
         hicache = None
         if server_args.enable_hierarchical_cache:
             hicache = HiCacheFollower(server_args, runner, runner.model_config, tp_rank)
-        serve_forwards(runner, ForwardProfiler(tp_rank, dp_rank, server_args.dp_size, None), hicache)
-        del kv_endpoint
+        on_disagg = disagg.handle if disagg is not None else None
+        serve_forwards(runner, ForwardProfiler(tp_rank, dp_rank, server_args.dp_size, None), hicache, on_disagg)
     except Exception as e:  # rank 0 (or another rank) went away, or a forward failed
         logger.error("tensor-parallel rank %d stops: %s: %s", tp_rank, type(e).__name__, e)
         sys.exit(1)

@@ -88,6 +88,12 @@ class ForwardBroadcaster:
         with self.lock:
             self.posted.append({"kind": "hicache", "op": op, "fields": packed})
 
+    def post_disagg(self, **fields) -> None:
+        """Queue a KV write to a decode server (srt/disaggregation/prefill.py) for the followers: each
+        writes the heads of its shard, after the forwards before it."""
+        with self.lock:
+            self.posted.append({"kind": "disagg", "fields": fields})
+
     def _flush_posted(self) -> None:
         with self.lock:
             posted, self.posted = self.posted, []
@@ -133,10 +139,12 @@ def receive_forward(
     on_control: Callable[[Any], object] | None = None,
     on_move_kv: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
     on_hicache: Callable[[str, dict], object] | None = None,
+    on_disagg: Callable[[dict], object] | None = None,
 ) -> ReceivedForward | None:
     """A follower's side: block until rank 0's next forward (keep-alives are skipped, control
     messages go to `on_control`, KV moves to `on_move_kv`, hierarchical-cache movements to
-    `on_hicache` with their tensors on the CPU); None when rank 0 says stop."""
+    `on_hicache` with their tensors on the CPU, KV writes to a decode server to `on_disagg`); None
+    when rank 0 says stop."""
     while True:
         msg = pickle.loads(broadcast_bytes(None))
         if msg["kind"] == "stop":
@@ -147,6 +155,8 @@ def receive_forward(
             on_move_kv(_unpack(msg["src"], device), _unpack(msg["dst"], device))
         if msg["kind"] == "hicache" and on_hicache is not None:
             on_hicache(msg["op"], {k: _unpack_field(v, "cpu") for k, v in msg["fields"].items()})
+        if msg["kind"] == "disagg" and on_disagg is not None:
+            on_disagg(msg["fields"])
         if msg["kind"] == "forward":
             fields: dict[str, Any] = {k: _unpack_field(v, device) for k, v in msg["fields"].items()}
             return ReceivedForward(ForwardBatch(**fields), _unpack(msg["rows"], device))

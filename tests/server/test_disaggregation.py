@@ -271,6 +271,28 @@ def test_decode_with_tp2_regroups_heads(server_factory, tiny_chat_model, prefill
         decode2.stop()
 
 
+def test_prefill_with_tp2_writes_each_ranks_heads(server_factory, tiny_chat_model, decode, colocated):
+    port = free_port()
+    flags = ["--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--tp-size", "2"]
+    prefill2 = server_factory(
+        *flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port), env=ENV
+    )
+    try:
+        for room, prompt in enumerate(PROMPTS[2:], start=2000):
+            want = colocated.generate(text=prompt, sampling_params=GREEDY)
+            _, got = pd_pair(prefill2, decode, port, {"text": prompt, "sampling_params": GREEDY}, room)
+            assert got["output_ids"] == want["output_ids"], prompt
+        assert_baseline(prefill2, decode)
+        layout = requests.get(
+            f"http://127.0.0.1:{port}/route",
+            params={"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1},
+            timeout=5,
+        ).json()
+        assert layout["attn_tp_size"] == 2
+    finally:
+        prefill2.stop()
+
+
 def test_bad_bootstrap_fields_are_400(prefill, decode, bootstrap_port):
     base = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
     cases = [
