@@ -165,6 +165,7 @@ class DecodeDisagg(DisaggChannel):
                 blocked = True  # first come, first served: later requests wait behind it
                 still.append((req, fut, since))
                 continue
+            sched.wait_launched()  # the slots may have been freed by a request a launched batch still writes
             address = f"tcp://{ranks[0]['rank_ip']}:{ranks[0]['rank_port']}"
             table = sched.runner.req_to_token_pool.req_to_token
             slots = table[req.req_pool_idx, : req.kv_len].tolist()

@@ -62,6 +62,9 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         priority: int | list[int] | None = None,
+        bootstrap_host: str | list[str] | None = None,
+        bootstrap_port: int | list[int] | None = None,
+        bootstrap_room: int | list[int] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Same arguments and outputs as POST /generate. With stream=True, an iterator of chunks."""
         obj = GenerateReqInput(
@@ -76,6 +79,9 @@ class Engine:
             stream=stream,
             rid=rid,
             priority=priority,
+            bootstrap_host=bootstrap_host,
+            bootstrap_port=bootstrap_port,
+            bootstrap_room=bootstrap_room,
         )
         if not stream:
             return self._run(self._first(obj))
@@ -121,6 +127,9 @@ class Engine:
         stream=False,
         rid=None,
         priority=None,
+        bootstrap_host=None,
+        bootstrap_port=None,
+        bootstrap_room=None,
     ):
         """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
         obj = GenerateReqInput(
@@ -135,6 +144,9 @@ class Engine:
             stream=stream,
             rid=rid,
             priority=priority,
+            bootstrap_host=bootstrap_host,
+            bootstrap_port=bootstrap_port,
+            bootstrap_room=bootstrap_room,
         )
         if not stream:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._first(obj), self._loop))

@@ -506,16 +506,19 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     def load_back(self, req: Req, hicache: HiRadixCache) -> None:
         """Move the host part of req's match to the device, so its extend starts after it."""
         assert req.last_host_node is not None, "match_prefix sets it with host_hit_len"
-        # The copy writes device slots now, from this thread. With the overlap schedule a launched
-        # batch may still be writing a slot that was just freed (the dropped step of a request that
-        # finished) and that the copy would reuse: let launched batches finish first (their results
-        # are processed later, as usual).
-        for _, launched in self.pending:
-            launched.result()
+        self.wait_launched()  # the copy writes device slots now, from this thread
         moved = hicache.load_back(req.last_host_node)
         if moved:
             req.loaded_from_host += moved
             req.match_prefix(self.tree_cache)
+
+    def wait_launched(self) -> None:
+        """Before slots are written from outside the forward sequence (a load back, a prefill
+        server's KV write): with the overlap schedule a launched batch may still be writing a slot
+        that was just freed (the dropped step of a request that finished) and that the write would
+        reuse, so let launched batches finish (their results are processed later, as usual)."""
+        for _, launched in self.pending:
+            launched.result()
 
     def note_cached_tokens(self, req: Req) -> None:
         """At first admission: the prompt tokens served from cache, and from which tier."""

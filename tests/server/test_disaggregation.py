@@ -1,6 +1,7 @@
-"""Prefill-decode disaggregation over real processes: a prefill server and a decode server (also
-one with --tp-size 2) on loopback, the KV moving over the Mooncake transfer engine (TCP), behind
-SGLang's router (`sglang-router --pd-disaggregation`). Greedy outputs and logprobs match one
+"""Prefill-decode disaggregation over real processes: a prefill server (chunked prefill; also one
+with --tp-size 2) and a decode server (overlap schedule; also one with --tp-size 2 and 8-token
+pages) on loopback, the KV moving over the Mooncake transfer engine (TCP), behind SGLang's router
+(`sglang-router --pd-disaggregation`). Greedy outputs and logprobs match one
 colocated server; faults (no decode side, no prefill side, aborts, a decode server killed
 mid-stream) end every request with an answer and leave both KV pools at baseline."""
 
@@ -108,6 +109,8 @@ def prefill(server_factory, tiny_chat_model, bootstrap_port):
         "--max-total-tokens",
         "8192",
         "--enable-metrics",
+        "--chunked-prefill-size",
+        "64",  # long prompts are prefilled in chunks before their KV moves
         "--disaggregation-mode",
         "prefill",
         "--disaggregation-bootstrap-port",
@@ -126,6 +129,7 @@ def decode(server_factory, tiny_chat_model, prefill):
         "--max-total-tokens",
         "8192",
         "--enable-metrics",
+        "--enable-overlap-schedule",  # a reserved slot may have been freed by a still-running step
         "--disaggregation-mode",
         "decode",
         env=ENV,
@@ -178,6 +182,11 @@ def test_generate_matches_colocated(router, colocated, prefill, decode):
         assert got.status_code == 200, got.text
         assert got.json()["output_ids"] == want["output_ids"], prompt
         assert got.json()["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+    # a prompt of several prefill chunks
+    long_ids = [1 + (i * 7919) % 40000 for i in range(300)]
+    want = colocated.generate(input_ids=long_ids, sampling_params=GREEDY)
+    got = requests.post(router.url + "/generate", json={"input_ids": long_ids, "sampling_params": GREEDY}, timeout=60)
+    assert got.status_code == 200 and got.json()["output_ids"] == want["output_ids"]
     # a batch (the router gives each prompt its own room) and a streamed request
     batch_ids = [[1, 504, 3575, 282, 4649], [1, 9906, 2641, 253, 655], [1, 1132, 19318, 4134, 30]]
     want = colocated.generate(input_ids=batch_ids, sampling_params=GREEDY)
@@ -200,7 +209,7 @@ def test_generate_matches_colocated(router, colocated, prefill, decode):
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert_baseline(prefill, decode)
     st = decode.state()["disagg"]
-    assert st["kv_transfers"] >= len(PROMPTS) + len(batch_ids) + 1
+    assert st["kv_transfers"] >= len(PROMPTS) + len(batch_ids) + 2
     assert st["kv_transfer_bytes"] > 0
 
 
@@ -258,6 +267,8 @@ def test_decode_with_tp2_regroups_heads(server_factory, tiny_chat_model, prefill
         "8192",
         "--tp-size",
         "2",
+        "--page-size",
+        "8",
         "--disaggregation-mode",
         "decode",
     )
