@@ -213,7 +213,7 @@ def test_generate_matches_colocated(router, colocated, prefill, decode):
     assert st["kv_transfer_bytes"] > 0
 
 
-def test_logprobs_prefill_prompt_logprobs_prepended(router, colocated):
+def test_logprobs_prefill_prompt_logprobs_prepended(router, colocated, prefill, decode):
     body = {
         "text": PROMPTS[1],
         "sampling_params": GREEDY,
@@ -235,9 +235,10 @@ def test_logprobs_prefill_prompt_logprobs_prepended(router, colocated):
         assert a[0] == pytest.approx(b[0], abs=1e-4)
     assert len(got["output_top_logprobs"]) == GREEDY["max_new_tokens"]
     assert [t[1] for t in got["output_top_logprobs"][0]] == [t[1] for t in want["output_top_logprobs"][0]]
+    assert_baseline(prefill, decode)
 
 
-def test_openai_routes_match_colocated(router, colocated):
+def test_openai_routes_match_colocated(router, colocated, prefill, decode):
     pd = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     ref = openai.OpenAI(base_url=colocated.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     kw = dict(model=MODEL, max_tokens=10, temperature=0)
@@ -254,6 +255,7 @@ def test_openai_routes_match_colocated(router, colocated):
     stream = pd.chat.completions.create(messages=messages, stream=True, **kw)  # pyright: ignore[reportArgumentType]
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == want.choices[0].message.content
+    assert_baseline(prefill, decode)
 
 
 # -- direct: the same body to both servers, as the router sends it ------------------------------------------
