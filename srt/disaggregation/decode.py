@@ -130,6 +130,8 @@ class DecodeDisagg(DisaggChannel):
                 )
             if reason is not None:
                 del self.transfers[room]
+                if t.req.to_abort is None:  # timed out: the prefill server may have moved; ask again next time
+                    self.lookups.pop((t.req.bootstrap_host or "", t.req.bootstrap_port or 0), None)
                 self.send(t.address, {"type": "abort", "room": room})
                 self.drain(room, t.req)
                 self.end(t.req, reason)

@@ -171,9 +171,9 @@ class PrefillDisagg(DisaggChannel):
                 still.append((req, since))
         self.bootstrap_queue = still
         self.finish_transfers()
-        waiting = {room_of(r) for r in self.scheduler.waiting_queue if r.bootstrap_room is not None}
+        live = {r.bootstrap_room for r in self.scheduler.all_live_reqs()}
         for room, target in list(self.targets.items()):  # a decode side whose request never came here
-            if t - target.arrived > self.timeout and room not in waiting:
+            if t - target.arrived > self.timeout and room not in live:
                 del self.targets[room]
                 msg = f"the prefill server got no request for bootstrap_room {room} within {self.timeout:g} s"
                 self.send(target.address, {"type": "failed", "room": room, "message": msg})
