@@ -25,7 +25,6 @@ from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.io_struct import (
     FINISH_ABORT,
     FINISH_LENGTH,
-    FINISH_MATCHED_TOKEN,
     AbortReq,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -753,24 +752,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         """Decode server: req's prompt KV arrived with its first token (and that token's logprobs
         from the prefill side): it continues exactly as if it had been prefilled here."""
         token = int(done["token"])
-        req.output_ids.append(token)
+        first = BatchResult([token])
+        if req.return_logprob:  # the prefill side got the same body, so it sent them
+            vals, ids = done.get("top_logprobs") or ([], [])
+            first.next_token_logprobs = [float(done.get("logprob", float("nan")))]
+            first.next_top_logprobs = [(list(vals), list(ids))]
+            first.next_token_ids_logprobs = [done.get("token_ids_logprobs")]
         if self.metrics is not None:
-            self.metrics.on_token(req, time.time())
             self.metrics.on_admitted(req)
         req.admitted = req.input_logprobs_done = True  # prompt logprobs come from the prefill server
-        if req.return_logprob:
-            req.output_token_logprobs.append((done.get("logprob"), token))
-            if req.top_logprobs_num:
-                top = done.get("top_logprobs")
-                req.output_top_logprobs.append(tuple(top) if top is not None else None)
-            if req.token_ids_logprob:
-                req.output_token_ids_logprobs.append((done.get("token_ids_logprobs"), req.token_ids_logprob))
-        if req.grammar is not None:
-            if not req.grammar.accept_token(token):
-                message = f"the prefill server's first token {token} breaks the grammar"
-                req.finished_reason = FINISH_ABORT(message=message)
-            elif req.grammar.is_terminated():
-                req.finished_reason = FINISH_MATCHED_TOKEN(matched=token)
+        self.append_token(req, token, first, 0)
         req.check_finished(self.eos_token_ids, self.model_config.context_len, self.tokenizer)
         if req.finished:
             self.release(req)

@@ -258,6 +258,20 @@ def test_openai_routes_match_colocated(router, colocated, prefill, decode):
     assert_baseline(prefill, decode)
 
 
+def test_constrained_output_crosses_over(router, colocated, prefill, decode):
+    """The prefill side samples the first token under the grammar; the decode side's matcher takes it."""
+    for params in (
+        {"max_new_tokens": 16, "temperature": 0, "regex": "(yes|no|maybe)[.!]"},
+        {"max_new_tokens": 12, "temperature": 0, "json_schema": '{"type": "object"}'},
+    ):
+        want = colocated.generate(text="Answer:", sampling_params=params)
+        r = requests.post(router.url + "/generate", json={"text": "Answer:", "sampling_params": params}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == want["text"], params
+    assert r.json()["text"].startswith("{")
+    assert_baseline(prefill, decode)
+
+
 # -- direct: the same body to both servers, as the router sends it ------------------------------------------
 
 
