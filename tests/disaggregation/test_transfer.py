@@ -122,3 +122,19 @@ def test_each_kv_head_has_one_writer(heads, kv_heads, tp, want):
     from srt.disaggregation.setup import owned_heads
 
     assert [owned_heads(heads, kv_heads, tp, r) for r in range(tp)] == want
+
+
+@needs_mooncake
+def test_writes_larger_than_the_staging_buffer(monkeypatch):
+    import srt.disaggregation.transfer as transfer
+
+    monkeypatch.setattr(transfer, "STAGING_BYTES", 2048)  # 16 slots of one layer's K or V per flush
+    src, dst = filled_pool(4, size=192), filled_pool(4, size=192)
+    prefill = KVEndpoint("mooncake", src, 0, 4, "127.0.0.1", None, "prefill")
+    decode = KVEndpoint("mooncake", dst, 0, 4, "127.0.0.1", None, "decode")
+    src_slots = list(range(10, 50))  # 40 slots: three chunks, a flush per layer and kind
+    dst_slots = list(range(150, 170)) + list(range(60, 80))  # two runs, split across chunks
+    prefill.write(src_slots, decode.describe(), dst_slots)
+    for kind_src, kind_dst in zip(src.slot_buffers(), dst.slot_buffers()):
+        for s, d in zip(kind_src, kind_dst):
+            assert torch.equal(s[src_slots], d[dst_slots])
