@@ -53,16 +53,23 @@ class DisaggChannel:
         self.transfer_seconds = 0.0
 
     def send(self, address: str, msg: dict) -> None:
-        sock = self.peers.get(address)
-        if sock is None:
-            if len(self.peers) >= MAX_PEERS:
-                self.peers.pop(next(iter(self.peers))).close(linger=0)
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(address)
-            self.peers[address] = sock
+        """Best effort: a peer that is gone (or a bad address from a peer) is logged, never raised."""
         try:
+            sock = self.peers.get(address)
+            if sock is None:
+                if not address.startswith("tcp://"):
+                    raise zmq.ZMQError(msg=f"not a tcp:// address: {address!r}")
+                if len(self.peers) >= MAX_PEERS:
+                    self.peers.pop(next(iter(self.peers))).close(linger=0)
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.setsockopt(zmq.SNDHWM, 10000)
+                try:
+                    sock.connect(address)
+                except zmq.ZMQError:
+                    sock.close(linger=0)
+                    raise
+                self.peers[address] = sock
             sock.send(orjson.dumps(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.warning("disaggregation: cannot send %s to %s: %s", msg.get("type"), address, e)
@@ -102,6 +109,7 @@ class DisaggChannel:
 
     def transfer_state(self) -> dict:
         return {
+            "control_address": self.address,
             "kv_transfer_speed_gb_s": self.last_speed_gb_s,
             "kv_transfer_latency_ms": self.last_latency_ms,
             "kv_transfers": self.num_transfers,

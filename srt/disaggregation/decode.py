@@ -111,10 +111,12 @@ class DecodeDisagg(DisaggChannel):
             t = self.transfers.pop(room, None)
             if t is None:
                 continue
-            if kind == "done":
+            if kind == "done" and _well_formed(msg):
                 self.note_transfer(int(msg.get("bytes", 0)), float(msg.get("seconds", 0.0)))
                 self.scheduler.join_decoding(t.req, msg)
             else:
+                if kind == "done":
+                    msg = {"message": "a malformed done message"}
                 self.release_slots(t.req)
                 self.end(t.req, f"prefill side: {msg.get('message', 'failed')}")
         if not self.due():
@@ -244,3 +246,21 @@ class DecodeDisagg(DisaggChannel):
             "draining_rooms": len(self.draining),
             **self.transfer_state(),
         }
+
+
+def _well_formed(done: dict) -> bool:
+    """A `done` message's fields have the types join_decoding reads."""
+    try:
+        int(done["token"])
+        int(done.get("bytes", 0))
+        float(done.get("seconds", 0.0))
+        if "logprob" in done:
+            float(done["logprob"])
+        top = done.get("top_logprobs")
+        if top is not None:
+            vals, ids = top
+            if not all(isinstance(v, (int, float)) for v in vals) or not all(isinstance(i, int) for i in ids):
+                return False
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True

@@ -206,9 +206,14 @@ class PrefillDisagg(DisaggChannel):
         if res is None:
             return
         res["left"] -= 1
+        try:
+            nbytes, seconds = int(msg.get("bytes", 0)), float(msg.get("seconds", 0.0))
+        except (TypeError, ValueError):
+            msg = {"ok": False, "message": "a malformed rank_done message"}
+            nbytes, seconds = 0, 0.0
         if msg.get("ok"):
-            res["bytes"] += int(msg.get("bytes", 0))
-            res["seconds"] = max(res["seconds"], float(msg.get("seconds", 0.0)))
+            res["bytes"] += nbytes
+            res["seconds"] = max(res["seconds"], seconds)
         else:
             res["error"] = str(msg.get("message", "a tensor-parallel rank failed"))
 

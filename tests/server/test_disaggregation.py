@@ -428,6 +428,45 @@ def test_abort_by_rid_reaches_the_other_side(prefill, decode, bootstrap_port):
     assert_baseline(prefill, decode)
 
 
+def test_malformed_control_messages_are_dropped(prefill, decode, bootstrap_port, colocated):
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        for server, msgs in (
+            (decode, [b"not json", b"[]", b'{"room": "x"}', b'{"type": "done", "room": 1}', b'{"type": "failed"}']),
+            (prefill, [b'{"type": "prealloc", "room": 5, "ranks": 3}', b'{"type": "rank_done", "room": 9}']),
+        ):
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(server.state()["disagg"]["control_address"])
+            for m in msgs:
+                sock.send(m)
+            sock.close(linger=2000)
+        # a well-formed pair still works, and a malformed "done" for a live room fails only that request
+        want = colocated.generate(text=PROMPTS[0], sampling_params=GREEDY)
+        _, got = pd_pair(prefill, decode, bootstrap_port, {"text": PROMPTS[0], "sampling_params": GREEDY}, 828282)
+        assert got["output_ids"] == want["output_ids"]
+        body = {
+            "text": "waits for a prefill that never comes",
+            "sampling_params": GREEDY,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port,
+            "bootstrap_room": 838383,
+        }
+        with ThreadPoolExecutor(1) as pool:
+            d = pool.submit(decode.post, "/generate", body)
+            wait_until(lambda: decode.state()["disagg"]["num_decode_transfer_queue_reqs"] >= 1, 30, what="reserved")
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(decode.state()["disagg"]["control_address"])
+            sock.send(b'{"type": "done", "room": 838383, "token": "x"}')
+            sock.close(linger=2000)
+            reason = d.result().json()["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "malformed" in reason["message"], reason
+    finally:
+        ctx.term()
+    assert_baseline(prefill, decode)
+
+
 def test_metrics_have_sglang_disaggregation_names(router, prefill, decode):
     requests.post(router.url + "/generate", json={"text": "metrics", "sampling_params": GREEDY}, timeout=60)
     p = requests.get(prefill.url + "/metrics", timeout=10).text
