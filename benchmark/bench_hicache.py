@@ -59,24 +59,31 @@ def question(doc: int, round_: int) -> list[int]:
 
 
 def ask(url: str, ids: list[int], max_new_tokens: int) -> dict:
-    """One streamed /generate; returns ttft, e2e, and the final meta_info."""
+    """One streamed /generate; returns ttft, e2e, the final meta_info and output ids, when it was
+    sent (`start`) and when each chunk arrived (`times`, time.perf_counter())."""
     body = {
         "input_ids": ids,
         "stream": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
     start = time.perf_counter()
-    ttft, last = None, None
+    times, last = [], None
     with httpx.stream("POST", url + "/generate", json=body, timeout=3600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
+            times.append(time.perf_counter())
             last = json.loads(line[5:])
     assert last is not None, "a stream without data"
-    return {"ttft": ttft, "e2e": time.perf_counter() - start, "meta": last["meta_info"], "ids": last["output_ids"]}
+    return {
+        "ttft": times[0] - start,
+        "e2e": time.perf_counter() - start,
+        "meta": last["meta_info"],
+        "ids": last["output_ids"],
+        "start": start,
+        "times": times,
+    }
 
 
 def run_round(url: str, docs, round_: int, args, bar) -> dict:

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
+from bench_hicache import ask  # noqa: E402
 from bench_quant import cpu_busy, cpu_line, cpu_summary, free_port, our_server  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -48,25 +49,11 @@ def ids(rng: random.Random, n: int) -> list[int]:
 
 
 def stream(url: str, prompt: list[int], max_new: int) -> dict:
-    """One streamed /generate: TTFT, the arrival time of every chunk, the decode server's chunks."""
-    body = {
-        "input_ids": prompt,
-        "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
-    }
-    start = time.perf_counter()
-    times, last = [], None
-    with httpx.stream("POST", url + "/generate", json=body, timeout=3600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            times.append(time.perf_counter())
-            last = json.loads(line[5:])
-    assert last is not None, "a stream without data"
-    if last["meta_info"]["finish_reason"]["type"] == "abort":
-        raise RuntimeError(f"request aborted: {last['meta_info']['finish_reason']}")
-    return {"start": start, "ttft": times[0] - start, "times": times, "tokens": last["meta_info"]["completion_tokens"]}
+    """One streamed greedy request (bench_hicache.ask), which must not end aborted."""
+    out = ask(url, prompt, max_new)
+    if out["meta"]["finish_reason"]["type"] == "abort":
+        raise RuntimeError(f"request aborted: {out['meta']['finish_reason']}")
+    return out
 
 
 def run_workload(url: str, args, label: str) -> dict:

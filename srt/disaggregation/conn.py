@@ -33,8 +33,6 @@ MAX_PEERS = 256  # cached PUSH sockets
 class DisaggChannel:
     """What both sides share: the PULL socket, PUSH sockets to peers, the KV endpoint, stats."""
 
-    role = ""
-
     def __init__(self, scheduler: Scheduler, ip: str, endpoint: KVEndpoint):
         self.scheduler = scheduler
         self.kv = endpoint

@@ -47,8 +47,6 @@ class Draining:
 
 
 class DecodeDisagg(DisaggChannel):
-    role = "decode"
-
     def __init__(
         self, scheduler: Scheduler, ip: str, endpoint: KVEndpoint, layout: dict, ranks: list[RankKV], reserved: int
     ):
@@ -234,9 +232,6 @@ class DecodeDisagg(DisaggChannel):
     def free(self, pool_idx: int, slots: torch.Tensor) -> None:
         self.scheduler.allocator.free(slots)
         self.scheduler.runner.req_to_token_pool.free(pool_idx)
-
-    def held_tokens(self) -> int:
-        return sum(len(d.slots) for d in self.draining.values()) + sum(t.req.kv_len for t in self.transfers.values())
 
     def state(self) -> dict:
         return {

@@ -40,8 +40,6 @@ class DecodeTarget:
 
 
 class PrefillDisagg(DisaggChannel):
-    role = "prefill"
-
     def __init__(
         self,
         scheduler: Scheduler,

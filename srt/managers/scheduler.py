@@ -153,6 +153,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         )
         self.send_to_detokenizer = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_input, bind=False)
         self.send_to_tokenizer = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_input, bind=False)
+        self.poller: zmq.Poller | None = None  # with disaggregation: new requests or a peer's control message
+        if self.disagg is not None:
+            self.poller = zmq.Poller()
+            self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+            self.poller.register(self.disagg.recv_socket, zmq.POLLIN)
         # With --dp-size, the controller routes by each replica's load: report it when it changes.
         self.send_to_controller = (
             zmq_socket(ctx, zmq.PUSH, port_args.controller_input, bind=False) if server_args.dp_size > 1 else None
@@ -261,14 +266,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             wait_ms = 0
         else:  # idle, or only grammar compiles pending: block briefly instead of spinning against them
             wait_ms = GRAMMAR_POLL_MS if self.grammar_queue else IDLE_POLL_MS
-        if self.disagg is not None and wait_ms:
+        if self.poller is not None and wait_ms:
             # the peer's control messages wake the loop too; timeouts and lookups need a tick
-            if self.disagg.pending():
+            if self.disagg is not None and self.disagg.pending():
                 wait_ms = min(wait_ms, DISAGG_POLL_MS)
-            poller = zmq.Poller()
-            poller.register(self.recv_from_tokenizer, zmq.POLLIN)
-            poller.register(self.disagg.recv_socket, zmq.POLLIN)
-            if self.recv_from_tokenizer not in dict(poller.poll(wait_ms)):
+            if self.recv_from_tokenizer not in dict(self.poller.poll(wait_ms)):
                 return msgs
         elif wait_ms and not self.recv_from_tokenizer.poll(wait_ms):
             return msgs

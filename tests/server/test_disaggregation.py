@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +18,7 @@ import openai
 import pytest
 import requests
 from conftest import free_port, wait_until
+from test_router import Router
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e '.[dev]')")
 try:
@@ -38,102 +37,30 @@ ENV = {
 }
 
 
-class PDRouter:
-    """`sglang_router.launch_router --pd-disaggregation` in its own process group."""
-
-    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, log_path: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        self.log_path = log_path
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill_url,
-            str(bootstrap_port),
-            "--decode",
-            decode_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "warn",
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-        def ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited: {self.tail()}")
-            try:
-                return requests.get(self.url + "/health", timeout=2).status_code == 200
-            except requests.RequestException:
-                return False
-
-        wait_until(ready, 60, 0.3, "the PD router to come up")
-
-    def tail(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def bootstrap_port():
     return free_port()
 
 
+def pd_server(server_factory, model: str, mode: str, *flags: str, bootstrap_port: int | None = None):
+    """A private server on the tiny model in one disaggregation mode (short PD timeouts)."""
+    if bootstrap_port is not None:
+        flags = (*flags, "--disaggregation-bootstrap-port", str(bootstrap_port))
+    base = ["--model-path", model, "--served-model-name", MODEL, "--max-total-tokens", "8192"]
+    return server_factory(*base, "--disaggregation-mode", mode, *flags, env=ENV)
+
+
 @pytest.fixture(scope="module")
 def prefill(server_factory, tiny_chat_model, bootstrap_port):
-    return server_factory(
-        "--model-path",
-        tiny_chat_model,
-        "--served-model-name",
-        MODEL,
-        "--max-total-tokens",
-        "8192",
-        "--enable-metrics",
-        "--chunked-prefill-size",
-        "64",  # long prompts are prefilled in chunks before their KV moves
-        "--disaggregation-mode",
-        "prefill",
-        "--disaggregation-bootstrap-port",
-        str(bootstrap_port),
-        env=ENV,
-    )
+    # long prompts are prefilled in chunks before their KV moves
+    flags = ("--enable-metrics", "--chunked-prefill-size", "64")
+    return pd_server(server_factory, tiny_chat_model, "prefill", *flags, bootstrap_port=bootstrap_port)
 
 
 @pytest.fixture(scope="module")
 def decode(server_factory, tiny_chat_model, prefill):
-    return server_factory(
-        "--model-path",
-        tiny_chat_model,
-        "--served-model-name",
-        MODEL,
-        "--max-total-tokens",
-        "8192",
-        "--enable-metrics",
-        "--enable-overlap-schedule",  # a reserved slot may have been freed by a still-running step
-        "--disaggregation-mode",
-        "decode",
-        env=ENV,
-    )
+    # overlap schedule: a reserved slot may have been freed by a still-running step
+    return pd_server(server_factory, tiny_chat_model, "decode", "--enable-metrics", "--enable-overlap-schedule")
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +70,9 @@ def colocated(shared_server, tiny_chat_model):
 
 @pytest.fixture(scope="module")
 def router(prefill, decode, bootstrap_port, tmp_path_factory):
-    r = PDRouter(prefill.url, bootstrap_port, decode.url, str(tmp_path_factory.mktemp("pd") / "router.log"))
+    flags = ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
+    log = str(tmp_path_factory.mktemp("pd") / "router.log")
+    r = Router([prefill.url, decode.url], log, workers=flags)
     yield r
     r.stop()
 
@@ -276,18 +205,7 @@ def test_constrained_output_crosses_over(router, colocated, prefill, decode):
 
 
 def test_decode_with_tp2_regroups_heads(server_factory, tiny_chat_model, prefill, colocated, bootstrap_port):
-    decode2 = server_factory(
-        "--model-path",
-        tiny_chat_model,
-        "--max-total-tokens",
-        "8192",
-        "--tp-size",
-        "2",
-        "--page-size",
-        "8",
-        "--disaggregation-mode",
-        "decode",
-    )
+    decode2 = pd_server(server_factory, tiny_chat_model, "decode", "--tp-size", "2", "--page-size", "8")
     try:
         for room, prompt in enumerate(PROMPTS[:2], start=1000):
             want = colocated.generate(text=prompt, sampling_params=GREEDY)
@@ -300,10 +218,7 @@ def test_decode_with_tp2_regroups_heads(server_factory, tiny_chat_model, prefill
 
 def test_prefill_with_tp2_writes_each_ranks_heads(server_factory, tiny_chat_model, decode, colocated):
     port = free_port()
-    flags = ["--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--tp-size", "2"]
-    prefill2 = server_factory(
-        *flags, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port), env=ENV
-    )
+    prefill2 = pd_server(server_factory, tiny_chat_model, "prefill", "--tp-size", "2", bootstrap_port=port)
     try:
         for room, prompt in enumerate(PROMPTS[2:], start=2000):
             want = colocated.generate(text=prompt, sampling_params=GREEDY)

@@ -42,7 +42,17 @@ OPENAI_ROUTER_FIELDS = {**ROUTER_FIELDS, "model": MODEL, "separate_reasoning": T
 class Router:
     """`python -m sglang_router.launch_router` in its own process group, loopback only."""
 
-    def __init__(self, worker_urls: list[str], log_path: str, policy: str = "cache_aware", timeout: float = 60):
+    def __init__(
+        self,
+        worker_urls: list[str],
+        log_path: str,
+        policy: str = "cache_aware",
+        timeout: float = 60,
+        workers: list[str] | None = None,
+    ):
+        """workers: the worker flags instead of `--worker-urls worker_urls --policy policy` (e.g.
+        `--pd-disaggregation --prefill URL PORT --decode URL`); worker_urls are still the workers
+        it must report healthy."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -51,10 +61,7 @@ class Router:
             sys.executable,
             "-m",
             "sglang_router.launch_router",
-            "--worker-urls",
-            *worker_urls,
-            "--policy",
-            policy,
+            *(workers if workers is not None else ["--worker-urls", *worker_urls, "--policy", policy]),
             "--host",
             "127.0.0.1",
             "--port",
