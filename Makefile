@@ -18,7 +18,7 @@ serve: $(STAMP)
 
 # Lint first: a style or type error fails fast, before the 15-minute suite.
 test: lint
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -47,6 +47,8 @@ class ServerArgs:
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None  # default: smollm2 for the default model, else none
+    reasoning_parser: str | None = None
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -215,6 +217,17 @@ class ServerArgs:
             raise ValueError(f"--grammar-compile-timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
+        from srt.function_call.parser import TOOL_CALL_PARSERS
+        from srt.parser.reasoning_parser import REASONING_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         for name in ("max_queued_requests", "max_queued_tokens", "max_new_tokens_cap"):
@@ -476,6 +489,17 @@ class ServerArgs:
             "--chat-template",
             default=d.chat_template,
             help="a Jinja chat template file (default: the tokenizer's template)",
+        )
+        g.add_argument(
+            "--tool-call-parser",
+            default=d.tool_call_parser,
+            help="the model's tool-call format: hermes, qwen25, llama3, mistral, pythonic, deepseekv3, smollm2 "
+            "(default: smollm2 for the default model, else tool calls are not parsed)",
+        )
+        g.add_argument(
+            "--reasoning-parser",
+            default=d.reasoning_parser,
+            help="separate <think> reasoning into reasoning_content: deepseek-r1 or qwen3",
         )
         g.add_argument(
             "--context-length",

@@ -229,6 +229,14 @@ def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
+class ServerStartError(RuntimeError):
+    """A server that exited or never became healthy during start-up; `log` is its whole log."""
+
+    def __init__(self, message: str, log: str):
+        super().__init__(message)
+        self.log = log
+
+
 class ServerProcess:
     """`python -m srt.launch_server` in its own process group, with its log in a file."""
 
@@ -263,7 +271,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.tail()}")
+                why = f"server exited with {self.proc.returncode} during start-up"
+                raise ServerStartError(f"{why}:\n{self.tail()}", self.log_text())
             try:
                 if requests.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -271,11 +280,12 @@ class ServerProcess:
                 pass
             time.sleep(0.1)
         self._stop()
-        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.tail()}")
+        raise ServerStartError(f"server did not become healthy in {timeout} s:\n{self.tail()}", self.log_text())
 
     def log_text(self) -> str:
         """The whole log, start-up lines included (a shared server's tail is other tests' traffic)."""
-        self.log.flush()
+        if not self.log.closed:  # closed once the server is stopped; the file stays
+            self.log.flush()
         with open(self.log_path) as f:
             return f.read()
 

@@ -61,6 +61,8 @@ class XGrammarBackend:
                 compiled = self.compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(text)
+            elif kind == "structural_tag":
+                compiled = self.compiler.compile_structural_tag(text)
             else:
                 compiled = self.compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message

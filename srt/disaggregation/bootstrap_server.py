@@ -205,12 +205,17 @@ class BootstrapServer:
 # -- clients -----------------------------------------------------------------------------------------
 
 
+# The bootstrap server is a peer on the cluster network: never reached through an HTTP proxy that the
+# environment configures for the outside world.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, object]:
     """(status, parsed JSON or text); status 0 when the server cannot be reached."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with _OPENER.open(req, timeout=timeout) as r:
             status, raw = r.status, r.read()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()

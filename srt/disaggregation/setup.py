@@ -5,6 +5,7 @@ heads of a request's KV when rank 0 tells them."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ import orjson
 import zmq
 
 from srt.disaggregation.transfer import KVEndpoint, RankKV
-from srt.disaggregation.utils import DisaggregationMode, host_ip
+from srt.disaggregation.utils import SETUP_DONE, DisaggregationMode, host_ip
 from srt.layers.linear import head_shard
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from srt.managers.scheduler import Scheduler
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 
 def bootstrap_bind_host(host: str) -> str:
@@ -131,10 +134,13 @@ def build_disaggregation(scheduler: Scheduler, tp_rank: int) -> PrefillDisagg | 
         from srt.disaggregation.prefill import PrefillDisagg
 
         host = bootstrap_bind_host(args.host)
-        return PrefillDisagg(scheduler, ip, endpoint, kv_layout(runner), host, args.disaggregation_bootstrap_port)
+        prefill = PrefillDisagg(scheduler, ip, endpoint, kv_layout(runner), host, args.disaggregation_bootstrap_port)
+        logger.info("%s (prefill, rank %d)", SETUP_DONE, tp_rank)
+        return prefill
     from srt.disaggregation.decode import DecodeDisagg
 
     ranks = gather_ranks(args, endpoint)
     disagg = DecodeDisagg(scheduler, ip, endpoint, kv_layout(runner), ranks, args.num_reserved_decode_tokens)
     disagg.poll_every = args.disaggregation_decode_polling_interval
+    logger.info("%s (decode, rank %d)", SETUP_DONE, tp_rank)
     return disagg

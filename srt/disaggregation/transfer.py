@@ -15,6 +15,8 @@ then written with one transfer per run of consecutive destination slots (whole r
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -24,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 << 20
 MAX_BATCH_ENTRIES = 512  # the engine rejects very large batches
+START_TIMEOUT_S = 60.0  # the engine's start-up and memory registration: past it, an error, not a hang
 
 
 class TransferError(RuntimeError):
@@ -67,6 +70,28 @@ def mooncake_engine_class():
     return TransferEngine
 
 
+def _bounded(call: Callable[[], int], what: str, timeout: float = START_TIMEOUT_S) -> int:
+    """call() (a blocking call into the engine's C++ code) in a helper thread: a server whose
+    transfer engine cannot start fails with a message instead of hanging its start-up."""
+    result: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as e:  # handed to the caller
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="mooncake-start", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if errors:
+        raise errors[0]
+    if not result:
+        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s")
+    return result[0]
+
+
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """(index in slots, first slot, length) of each run of consecutive slots."""
     runs: list[tuple[int, int, int]] = []
@@ -96,7 +121,9 @@ class KVEndpoint:
             return
         engine = mooncake_engine_class()()
         protocol = "rdma" if ib_device else "tcp"
-        rc = engine.initialize(ip, "P2PHANDSHAKE", protocol, ib_device or "")
+        logger.info("starting the Mooncake transfer engine on %s (%s)", ip, protocol)
+        what = f"the Mooncake transfer engine's start on {ip} ({protocol})"
+        rc = _bounded(lambda: engine.initialize(ip, "P2PHANDSHAKE", protocol, ib_device or ""), what)
         if rc != 0:
             raise RuntimeError(f"the Mooncake transfer engine did not start on {ip} ({protocol}): error {rc}")
         self.engine = engine
@@ -111,8 +138,9 @@ class KVEndpoint:
         logger.info("KV transfer endpoint %s (mooncake over %s, %s)", self.session, protocol, role)
 
     def _register(self, ptr: int, nbytes: int) -> None:
-        assert self.engine is not None
-        rc = self.engine.register_memory(ptr, nbytes)
+        engine = self.engine
+        assert engine is not None
+        rc = _bounded(lambda: engine.register_memory(ptr, nbytes), f"registering {nbytes} bytes with Mooncake")
         if rc != 0:
             raise RuntimeError(f"the Mooncake transfer engine could not register {nbytes} bytes: error {rc}")
 

@@ -39,6 +39,10 @@ def waiting_timeout() -> float:
     return env_seconds("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
 
 
+# logged by every rank once its transfer endpoint, control channel and bootstrap registration are up
+SETUP_DONE = "disaggregation set up"
+
+
 def host_ip(bind_host: str) -> str:
     """The address peers reach this server's ranks at: $SGLANG_HOST_IP, else the address the HTTP
     server binds when it is a specific one, else the interface of the default route."""

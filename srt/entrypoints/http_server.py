@@ -169,7 +169,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     app.state.tokenizer_manager = tm
     app.state.server_args = server_args
     app.state.model_name = server_args.served_model_name or model_path
-    app.state.openai_serving = OpenAIServing(tm, app.state.model_name, model_path, chat_template)
+    app.state.openai_serving = OpenAIServing(
+        tm, app.state.model_name, model_path, chat_template, server_args.tool_call_parser, server_args.reasoning_parser
+    )
     app.state.hf_config = load_hf_config(model_path)
     app.add_middleware(AuthMiddleware, auth=Auth(server_args))
     app.include_router(router)
@@ -259,6 +261,51 @@ async def tokenize(request: Request) -> Response:
     ids = [tm.tokenizer.encode(t, add_special_tokens=special) for t in texts]
     tokens, count = (ids[0], len(ids[0])) if isinstance(prompt, str) else (ids, [len(x) for x in ids])
     return json_response({"tokens": tokens, "count": count, "max_model_len": tm.context_len})
+
+
+@router.post("/parse_function_call")
+async def parse_function_call(request: Request) -> Response:
+    """SGLang's route: `{text, tools, tool_call_parser}` -> `{normal_text, calls: [{tool_index, name,
+    parameters}]}` (parameters: the arguments' JSON text); the parser defaults to the server's."""
+    from srt.function_call import TOOL_CALL_PARSERS, ToolError, check_tools
+
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    body = body if isinstance(body, dict) else {}
+    text = body.get("text")
+    if not isinstance(text, str):
+        return openai_error_response(400, f"text must be a string, got {type(text).__name__}", "text")
+    name = body.get("tool_call_parser") or request.app.state.openai_serving.tool_call_parser
+    if name not in TOOL_CALL_PARSERS:
+        known = ", ".join(TOOL_CALL_PARSERS)
+        return openai_error_response(400, f"tool_call_parser must be one of {known}, got {name!r}", "tool_call_parser")
+    try:
+        tools = check_tools(body.get("tools"))
+    except ToolError as e:
+        return openai_error_response(400, str(e), e.param)
+    normal, calls = TOOL_CALL_PARSERS[name](tools).parse(text)
+    return json_response({"normal_text": normal, "calls": [c.to_json() for c in calls]})
+
+
+@router.post("/separate_reasoning")
+async def separate_reasoning(request: Request) -> Response:
+    """SGLang's route: `{text, reasoning_parser}` -> `{reasoning_text, text}`."""
+    from srt.parser.reasoning_parser import REASONING_PARSERS, ReasoningParser
+
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    body = body if isinstance(body, dict) else {}
+    text = body.get("text")
+    if not isinstance(text, str):
+        return openai_error_response(400, f"text must be a string, got {type(text).__name__}", "text")
+    name = body.get("reasoning_parser") or request.app.state.openai_serving.reasoning_parser
+    if name not in REASONING_PARSERS:
+        known = ", ".join(REASONING_PARSERS)
+        return openai_error_response(400, f"reasoning_parser must be one of {known}, got {name!r}", "reasoning_parser")
+    reasoning, answer = ReasoningParser(name).parse(text)
+    return json_response({"reasoning_text": reasoning, "text": answer})
 
 
 @router.post("/v1/detokenize")

@@ -147,6 +147,8 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     and ends the process."""
     if server_args.served_model_name is None:
         server_args.served_model_name = default_served_model_name(server_args.model_path)
+    if not server_args.model_path and server_args.tool_call_parser is None:
+        server_args.tool_call_parser = "smollm2"  # the default model's own tool-call format
     server_args.model_path = resolve_model_path(server_args.model_path)
     if server_args.tokenizer_path is None:
         server_args.tokenizer_path = server_args.model_path

@@ -11,7 +11,12 @@ import math
 from dataclasses import dataclass, field, fields
 
 GREEDY_TEMPERATURE = 1e-6
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # structured-output constraints, at most one per request
+GRAMMAR_KINDS = (
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+)  # structured-output constraints, at most one per request
 
 
 # Caps that keep one request from costing the server unbounded work.
@@ -61,6 +66,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # xgrammar's structural tag as JSON (tool calls use it)
     stop_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -153,7 +159,7 @@ class SamplingParams:
         given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
         if len(given) > 1:
             raise InvalidSamplingParams(
-                f"sampling_params: give at most one of json_schema, regex, ebnf (got {', '.join(given)})"
+                f"sampling_params: give at most one of {', '.join(GRAMMAR_KINDS)} (got {', '.join(given)})"
             )
         for kind in given:
             text = getattr(self, kind)
@@ -164,6 +170,12 @@ class SamplingParams:
             except json.JSONDecodeError as e:
                 raise InvalidSamplingParams(f"sampling_params.json_schema is not valid JSON: {e}") from None
             _check(isinstance(schema, (dict, bool)), "json_schema", self.json_schema, "a JSON object (a JSON Schema)")
+        if self.structural_tag is not None:
+            try:
+                tag = json.loads(self.structural_tag)
+            except json.JSONDecodeError as e:
+                raise InvalidSamplingParams(f"sampling_params.structural_tag is not valid JSON: {e}") from None
+            _check(isinstance(tag, dict), "structural_tag", self.structural_tag, "a JSON object")
 
     def _verify_stop(self) -> None:
         stop = self.stop

@@ -158,8 +158,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    # with --reasoning-parser: put <think> text in reasoning_content; stream it as it comes
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 def format_validation_error(e: ValidationError) -> str:

@@ -20,8 +20,12 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
+from srt.function_call import FunctionCallParser, ToolCallStream, ToolError, check_tool_choice, check_tools
+from srt.function_call.core import new_call_id
+from srt.function_call.smollm2 import SmolLM2Detector
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
+from srt.parser.reasoning_parser import ReasoningParser
 from srt.sampling.sampling_params import InvalidSamplingParams
 
 if TYPE_CHECKING:
@@ -98,11 +102,20 @@ def _finish_fields(reason: dict | None) -> dict:
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager, served_model_name: str, model_path: str, chat_template: str | None = None):
+    def __init__(
+        self,
+        tm: TokenizerManager,
+        served_model_name: str,
+        model_path: str,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ):
         self.tm = tm
         self.model_name = served_model_name
         self.aliases = {served_model_name, model_path, model_path.rstrip("/").rsplit("/", 1)[-1], "default"}
         self.chat_template = chat_template
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.created = int(time.time())
 
     # -- routes ----------------------------------------------------------------------------------
@@ -171,6 +184,26 @@ class OpenAIServing:
             bootstrap_room=req.bootstrap_room,
         )
 
+    def tool_calling(self, req: ChatCompletionRequest) -> FunctionCallParser | None:
+        """The request's tool calling (None: tools absent or tool_choice 'none'); bad tools are 400s."""
+        try:
+            tools = check_tools(req.tools) if req.tools is not None else None
+            choice = check_tool_choice(req.tool_choice, tools)
+        except ToolError as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        if not tools or choice == "none":
+            return None
+        fcp = FunctionCallParser(self.tool_call_parser, tools, choice, req.parallel_tool_calls)
+        if fcp.constraint is not None:
+            given = [f for f in ("response_format", "regex", "json_schema", "ebnf") if getattr(req, f) is not None]
+            if given:
+                raise OpenAIError(
+                    400,
+                    f"tool_choice {req.tool_choice!r} constrains the output; it cannot be combined with {given[0]}",
+                    given[0],
+                )
+        return fcp
+
     def _chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
         tok = self.tm.tokenizer
         template = self.chat_template or getattr(tok, "chat_template", None)
@@ -179,6 +212,7 @@ class OpenAIServing:
                 400,
                 "this model has no chat template; start the server with --chat-template FILE or use /v1/completions",
             )
+        fcp = self.tool_calling(req)
         messages = []
         for i, m in enumerate(req.messages):
             try:
@@ -189,11 +223,14 @@ class OpenAIServing:
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
             messages.append(msg)
+        tools = fcp.tools if fcp is not None else None
+        if self.tool_call_parser == "smollm2" and "tools" not in template:  # SmolLM2's template cannot show tools
+            messages, tools = SmolLM2Detector.adapt_messages(messages, tools), None
         try:
             prompt = tok.apply_chat_template(
                 messages,
                 # transformers types `tools` as a list of dicts or functions; list is invariant
-                tools=req.tools,  # pyright: ignore[reportArgumentType]
+                tools=tools,  # pyright: ignore[reportArgumentType]
                 tokenize=False,
                 chat_template=self.chat_template,
                 add_generation_prompt=not req.continue_final_message,
@@ -205,9 +242,13 @@ class OpenAIServing:
         assert isinstance(prompt, str), "apply_chat_template(tokenize=False) returns the prompt's text"
         ids = tok.encode(prompt, add_special_tokens=False)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sampling = self._sampling(req, max_new)
+        if fcp is not None and fcp.constraint is not None:
+            kind, grammar = fcp.constraint
+            sampling[kind] = grammar
         return GenerateReqInput(
             input_ids=ids,
-            sampling_params=self._sampling(req, max_new),
+            sampling_params=sampling,
             rid=req.rid,
             return_logprob=req.logprobs,
             top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
@@ -321,7 +362,7 @@ class _Responder(abc.ABC):
 
     def body(self, outs: list[dict]) -> dict:
         choices = [
-            {**self.final_choice(i, out), **_finish_fields(out["meta_info"]["finish_reason"])}
+            {**_finish_fields(out["meta_info"]["finish_reason"]), **self.final_choice(i, out)}
             for i, out in enumerate(outs)
         ]
         return {
@@ -340,8 +381,8 @@ class _Responder(abc.ABC):
         delta_text = out["text"][self.sent_text.get(i, 0) :]
         self.sent_text[i] = len(out["text"])
         choice = {
-            **self.delta_choice(i, first, delta_text, meta, self.sent_lp.get(i, 0)),
             **_finish_fields(meta["finish_reason"]),
+            **self.delta_choice(i, first, delta_text, meta, self.sent_lp.get(i, 0)),
         }
         self.sent_lp[i] = len(meta.get("output_token_logprobs") or [])
         if meta["finish_reason"] is not None:
@@ -422,14 +463,68 @@ class _CompletionResponder(_Responder):
 
 
 class _ChatResponder(_Responder):
+    """Chat answers; with --reasoning-parser the <think> part goes to reasoning_content, with tools
+    the calls to tool_calls (the answer part only), streamed per choice as they are decided."""
+
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, serving, req):
+        super().__init__(serving, req)
+        self.fcp = serving.tool_calling(req)
+        name = serving.reasoning_parser
+        self.reasoning = name if name is not None and req.separate_reasoning else None
+        self.streams: dict[int, tuple[ReasoningParser | None, ToolCallStream | None]] = {}
+
     def final_choice(self, i, out):
         logprobs = self.serving.chat_logprobs(out["meta_info"]) if self.req.logprobs else None
-        return {"index": i, "message": {"role": "assistant", "content": out["text"]}, "logprobs": logprobs}
+        message: dict = {"role": "assistant", "content": out["text"]}
+        if self.reasoning is not None:
+            message["reasoning_content"], message["content"] = ReasoningParser(self.reasoning).parse(out["text"])
+        choice: dict = {"index": i, "message": message, "logprobs": logprobs}
+        if self.fcp is not None and self.fcp.detector is not None:
+            normal, calls = self.fcp.detector.parse(message["content"])
+            if calls:
+                message["content"] = normal.strip() or None
+                message["tool_calls"] = [
+                    {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.parameters}}
+                    for c in calls
+                ]
+                choice.update(self._calls_finish(out["meta_info"]))
+        return choice
+
+    @staticmethod
+    def _calls_finish(meta: dict) -> dict:
+        reason = meta["finish_reason"]
+        return {"finish_reason": "tool_calls"} if reason is not None and reason.get("type") == "stop" else {}
 
     def delta_choice(self, i, first, text, meta, lp_start):
-        delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
-        logprobs = self.serving.chat_logprobs(meta, lp_start) if self.req.logprobs else None
-        return {"index": i, "delta": delta, "logprobs": logprobs}
+        if i not in self.streams:
+            reasoning = ReasoningParser(self.reasoning, self.req.stream_reasoning) if self.reasoning else None
+            detector = self.fcp.detector if self.fcp is not None else None
+            self.streams[i] = (reasoning, ToolCallStream(detector) if detector else None)
+        reasoning, calls = self.streams[i]
+        done = meta["finish_reason"] is not None
+        thought, answer = "", text
+        if reasoning is not None:
+            thought, answer = reasoning.feed(text)
+            if done:
+                more_thought, more_answer = reasoning.finish()
+                thought, answer = thought + more_thought, answer + more_answer
+        delta: dict = {"role": "assistant"} if first else {}
+        choice: dict = {"index": i, "delta": delta}
+        if calls is not None:
+            answer, deltas = calls.feed(answer)
+            if done:
+                more, more_deltas = calls.finish()
+                answer, deltas = answer + more, deltas + more_deltas
+            if deltas:
+                delta["tool_calls"] = deltas
+            if done and calls.sent:
+                choice.update(self._calls_finish(meta))
+        if thought:
+            delta["reasoning_content"] = thought
+        if answer or not (thought or delta.get("tool_calls")):
+            delta["content"] = answer
+        choice["logprobs"] = self.serving.chat_logprobs(meta, lp_start) if self.req.logprobs else None
+        return choice
