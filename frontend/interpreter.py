@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import queue
 import threading
 from collections.abc import Iterator
@@ -141,6 +142,16 @@ class StateExecutor:
 
     def _gen(self, expr: Gen) -> None:
         sampling = {**self.defaults, **expr.sampling}
+        calls = None
+        if expr.tools is not None and expr.tools.choice != "none":
+            from srt.function_call import FunctionCallParser
+
+            spec = expr.tools
+            calls = FunctionCallParser(self.backend.tool_call_parser, spec.tools, spec.choice, spec.parallel)
+            if calls.constraint is not None:
+                kind, grammar = calls.constraint
+                sampling = {k: v for k, v in sampling.items() if k not in ("regex", "json_schema", "ebnf")}
+                sampling[kind] = grammar
         if not self.text:
             raise ValueError(f"gen({expr.name!r}) needs a prompt: append some text to the state first")
         if self.stream:
@@ -155,6 +166,11 @@ class StateExecutor:
         else:
             text, meta = self.backend.generate(self.text, sampling, expr.return_logprob, expr.top_logprobs_num)
             self._append(text, expr.name)
+        if calls is not None:  # the variable holds the calls; the text around them goes to meta_info
+            normal, found = calls.detector.parse(text) if calls.detector is not None else (text, [])
+            value = [{"name": c.name, "arguments": json.loads(c.parameters)} for c in found]
+            self._set(expr.name, value, {**meta, "normal_text": normal})
+            return
         self._set(expr.name, expr.parse(text), meta)
 
     def _role_begin(self, role: str) -> None:

@@ -81,6 +81,7 @@ class Gen(Expr):
     dtype: Any = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    tools: ToolSpec | None = None
 
     def parse(self, text: str) -> Any:
         if self.dtype is None or self.dtype is str:
@@ -92,6 +93,15 @@ class Gen(Expr):
                 f"gen({self.name!r}, dtype={self.dtype.__name__}) produced {text!r}, which does not "
                 f"parse as {self.dtype.__name__} (was max_tokens too small?)"
             ) from e
+
+
+@dataclasses.dataclass
+class ToolSpec:
+    """gen(tools=...): the checked tools, tool_choice and parallel_tool_calls."""
+
+    tools: list[dict]
+    choice: str | dict
+    parallel: bool
 
 
 @dataclasses.dataclass
@@ -160,12 +170,33 @@ def gen(
     top_logprobs_num: int = 0,
     sampling_seed: int | None = None,
     max_new_tokens: int | None = None,
+    tools: list[dict] | None = None,
+    tool_choice: str | dict = "auto",
+    parallel_tool_calls: bool = True,
 ) -> Expr:
     """Generate into variable `name`. `dtype` (int, float, bool or str) constrains and parses the
     value; `regex` / `json_schema` (a dict or a JSON string) / `ebnf` constrain it with the server's
-    grammar backend. `choices=[...]` is shorthand for `select(name, choices)`."""
+    grammar backend. `choices=[...]` is shorthand for `select(name, choices)`.
+
+    `tools` (OpenAI's tool objects) makes the variable the list of calls the model wrote,
+    `[{"name", "arguments"}]`, read in the server's `--tool-call-parser` format; `tool_choice`
+    'required' or a function's name (or OpenAI's `{"type": "function", ...}`) generates calls under
+    the server-side grammar, so they always parse. The generated text stays in the program's text
+    as written; describing the tools to the model (e.g. in a system message) is the program's part."""
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0)
+    spec = None
+    if tools is not None:
+        from srt.function_call import check_tool_choice, check_tools
+
+        if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
+            tool_choice = {"type": "function", "function": {"name": tool_choice}}
+        checked = check_tools(tools)
+        spec = ToolSpec(checked, check_tool_choice(tool_choice, checked), parallel_tool_calls)
+        if spec.choice not in ("none", "auto") and (regex or json_schema or ebnf or dtype not in (None, str)):
+            raise ValueError(
+                "gen: tool_choice that forces a call cannot be combined with regex, json_schema, ebnf or dtype"
+            )
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"gen dtype = {dtype!r} must be one of int, float, bool, str")
     if dtype not in (None, str) and regex is None and json_schema is None and ebnf is None:
@@ -194,7 +225,8 @@ def gen(
         ebnf=ebnf,
         sampling_seed=sampling_seed,
     )
-    return Gen(name, {k: v for k, v in values.items() if v is not None}, dtype, return_logprob, top_logprobs_num)
+    sampling = {k: v for k, v in values.items() if v is not None}
+    return Gen(name, sampling, dtype, return_logprob, top_logprobs_num, spec)
 
 
 def gen_int(name: str | None = None, **kwargs) -> Expr:

@@ -58,6 +58,11 @@ class Backend(abc.ABC):
             self.chat_template_override or info.get("chat_template"), info.get("bos_token"), info.get("eos_token")
         )
 
+    @functools.cached_property
+    def tool_call_parser(self) -> str | None:
+        """The server's --tool-call-parser (the format `gen(tools=...)` reads)."""
+        return self.model_info().get("tool_call_parser")
+
     @staticmethod
     def _body(text: str, sampling: dict, return_logprob: bool, top_logprobs_num: int, stream: bool) -> dict:
         body = {"text": text, "sampling_params": sampling, "stream": stream}

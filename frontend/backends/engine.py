@@ -43,6 +43,7 @@ class EngineBackend(Backend):
             "chat_template": getattr(tok, "chat_template", None),
             "bos_token": getattr(tok, "bos_token", None),
             "eos_token": getattr(tok, "eos_token", None),
+            "tool_call_parser": self.engine.server_args.tool_call_parser,
         }
 
     def _kwargs(self, body: dict) -> dict:

@@ -349,6 +349,8 @@ async def model_info(request: Request) -> dict:
         "chat_template": getattr(tm.tokenizer, "chat_template", None),
         "bos_token": getattr(tm.tokenizer, "bos_token", None),
         "eos_token": getattr(tm.tokenizer, "eos_token", None),
+        "tool_call_parser": server_args.tool_call_parser,
+        "reasoning_parser": server_args.reasoning_parser,
     }
 
 

@@ -272,3 +272,34 @@ def test_unreachable_server_is_an_error_not_a_hang():
         port = sock.getsockname()[1]
     with pytest.raises(sgl.BackendError, match="failed"):
         sgl.RuntimeEndpoint(f"http://127.0.0.1:{port}", timeout=5)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@sgl.function
+def tool_program(s, question, choice):
+    from srt.function_call.smollm2 import SYSTEM  # how SmolLM2 reads its tools
+
+    s += sgl.system(SYSTEM.format(tools=json.dumps([WEATHER["function"]])))
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("calls", tools=[WEATHER], tool_choice=choice, max_tokens=64, frequency_penalty=0.5))
+
+
+def test_gen_with_tools_returns_parsed_calls(backend):
+    for choice in ("required", "get_weather"):
+        state = tool_program.run(question="Weather in Lisbon?", choice=choice, temperature=0, backend=backend)
+        calls = state["calls"]
+        assert calls and all(c["name"] == "get_weather" for c in calls), calls
+        for c in calls:
+            jsonschema.validate(c["arguments"], WEATHER["function"]["parameters"])
+        assert "<tool_call>" in state.text(), "the call's text stays in the conversation"
+    with pytest.raises(ValueError, match="tool_choice.function.name"):
+        sgl.gen("x", tools=[WEATHER], tool_choice="no_such_tool")
