@@ -18,14 +18,17 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STAGING_BYTES = 64 << 20
 MAX_BATCH_ENTRIES = 512  # the engine rejects very large batches
+MOONCAKE_START = "starting the Mooncake transfer engine"  # logged first (tests tell set-up failures by it)
 START_TIMEOUT_S = 60.0  # the engine's start-up and memory registration: past it, an error, not a hang
 
 
@@ -70,10 +73,10 @@ def mooncake_engine_class():
     return TransferEngine
 
 
-def _bounded(call: Callable[[], int], what: str, timeout: float = START_TIMEOUT_S) -> int:
+def _bounded(call: Callable[[], T], what: str, timeout: float = START_TIMEOUT_S) -> T:
     """call() (a blocking call into the engine's C++ code) in a helper thread: a server whose
     transfer engine cannot start fails with a message instead of hanging its start-up."""
-    result: list[int] = []
+    result: list[T] = []
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -119,9 +122,9 @@ class KVEndpoint:
         self.staging: np.ndarray | None = None
         if backend != "mooncake":
             return
-        engine = mooncake_engine_class()()
         protocol = "rdma" if ib_device else "tcp"
-        logger.info("starting the Mooncake transfer engine on %s (%s)", ip, protocol)
+        logger.info("%s on %s (%s)", MOONCAKE_START, ip, protocol)
+        engine = _bounded(mooncake_engine_class(), "creating the Mooncake transfer engine")
         what = f"the Mooncake transfer engine's start on {ip} ({protocol})"
         rc = _bounded(lambda: engine.initialize(ip, "P2PHANDSHAKE", protocol, ib_device or ""), what)
         if rc != 0:

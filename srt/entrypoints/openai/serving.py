@@ -9,6 +9,7 @@ error object, also for `stream: true` when the error is known before the first c
 from __future__ import annotations
 
 import abc
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -92,6 +93,19 @@ def _sse(payload) -> bytes:
 def _is_texts(prompt: str | list[str] | list[int] | list[list[int]]) -> TypeIs[list[str]]:
     """A batch of text prompts (a list prompt is never empty: the protocol rejects that)."""
     return isinstance(prompt, list) and isinstance(prompt[0], str)
+
+
+def _template_call(call: dict) -> dict:
+    """An earlier assistant tool call as chat templates expect it: arguments as a mapping (OpenAI
+    clients send the JSON text; templates write `arguments | tojson`)."""
+    fn = call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return call
+        return {**call, "function": {**fn, "arguments": args}}
+    return call
 
 
 def _finish_fields(reason: dict | None) -> dict:
@@ -219,9 +233,11 @@ class OpenAIServing:
                 msg = {"role": m.role, "content": m.text() or ""}
             except ValueError as e:
                 raise OpenAIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content") from None
-            for key in ("name", "tool_calls", "tool_call_id"):
+            for key in ("name", "tool_call_id"):
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
+            if m.tool_calls is not None:
+                msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             messages.append(msg)
         tools = fcp.tools if fcp is not None else None
         if self.tool_call_parser == "smollm2" and "tools" not in template:  # SmolLM2's template cannot show tools
