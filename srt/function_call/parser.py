@@ -148,12 +148,7 @@ class FunctionCallParser:
             schema = parameters_schema(t)
             if strict_only and not t["function"].get("strict"):
                 schema = {"type": "object"}  # a non-strict tool's arguments: any object
-            tags.append(
-                {
-                    "type": "tag",
-                    "begin": info.begin,
-                    "content": {"type": "json_schema", "json_schema": schema},
-                    "end": info.end,
-                }
-            )
+            # at most one blank between JSON tokens: a small model under a grammar can loop on blanks forever
+            content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+            tags.append({"type": "tag", "begin": info.begin, "content": content, "end": info.end})
         return tags

@@ -204,6 +204,7 @@ def test_constraints_by_choice_and_format():
     kind, tag = FunctionCallParser("smollm2", TOOLS, "required", parallel=False).constraint or ("", "")
     spec = json.loads(tag)["format"]
     assert spec["type"] == "tags_with_separator" and spec["at_least_one"] and spec["stop_after_first"]
+    assert all(t["content"]["max_whitespace_cnt"] == 1 for t in spec["tags"]), "no runs of blanks in arguments"
     named = {"type": "function", "function": {"name": "add"}}
     kind, tag = FunctionCallParser("mistral", TOOLS, named).constraint or ("", "")
     assert [t["begin"] for t in json.loads(tag)["format"]["tags"]] == ['[TOOL_CALLS] [{"name": "add", "arguments": ']
