@@ -239,9 +239,6 @@ class BaseFormatDetector:
             return None
         return call.args.strip() if isinstance(value, dict) else None
 
-    def has_tool_call(self, text: str) -> bool:
-        return any(isinstance(s, Call) for s in self.scan(text, True).segments)
-
     def parse(self, text: str) -> tuple[str, list[ToolCallItem]]:
         """(normal text, calls) of a complete output; a call that does not parse, or names no tool,
         stays in the text."""
@@ -279,7 +276,6 @@ class ToolCallStream:
         self.text = ""
         self.sent_text = 0  # chars of normal text already sent (normal text is append-only)
         self.sent: list[tuple[str, int]] = []  # per emitted call: (id, chars of arguments sent)
-        self.calls: list[ToolCallItem] = []
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self.text += delta
@@ -318,7 +314,6 @@ class ToolCallStream:
                         "function": {"name": seg.name, "arguments": ""},
                     }
                 )
-                self.calls.append(ToolCallItem(self.names[seg.name], seg.name, ""))
             call_id, sent_args = self.sent[k]
             if seg.done:
                 args = self.detector.to_json_args(seg) or seg.args
@@ -327,7 +322,6 @@ class ToolCallStream:
             if len(args) > sent_args:
                 deltas.append({"index": k, "function": {"arguments": args[sent_args:]}})
                 self.sent[k] = (call_id, len(args))
-                self.calls[k].parameters = args
             k += 1
             if not seg.done:
                 break

@@ -102,7 +102,7 @@ class FunctionCallParser:
     """One request's tool calling: which detector reads the output, and the grammar (if any)."""
 
     def __init__(self, parser_name: str | None, tools: list[dict], tool_choice: str | dict, parallel: bool = True):
-        self.tools, self.choice, self.parallel = tools, tool_choice, parallel
+        self.tools = tools
         fmt = TOOL_CALL_PARSERS[parser_name](tools) if parser_name else None
         only = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
         named = only is not None
