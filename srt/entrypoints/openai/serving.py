@@ -230,7 +230,7 @@ class OpenAIServing:
         messages = []
         for i, m in enumerate(req.messages):
             try:
-                msg = {"role": m.role, "content": m.text() or ""}
+                msg: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
             except ValueError as e:
                 raise OpenAIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content") from None
             for key in ("name", "tool_call_id"):
