@@ -205,6 +205,7 @@ class Engine:
             asyncio.run_coroutine_threadsafe(stop_receiving(task), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self.tokenizer_manager.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -111,9 +111,9 @@ class TokenizerManager:
         self.context_len = scheduler_info["context_len"]
         self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
         self.vocab_size = scheduler_info["vocab_size"]
-        ctx = zmq.asyncio.Context(2)
-        self.recv_from_detokenizer = zmq_socket(ctx, zmq.PULL, port_args.tokenizer_input, bind=True)
-        self.send_to_scheduler = zmq_socket(ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
+        self.zmq_ctx = zmq.asyncio.Context(2)
+        self.recv_from_detokenizer = zmq_socket(self.zmq_ctx, zmq.PULL, port_args.tokenizer_input, bind=True)
+        self.send_to_scheduler = zmq_socket(self.zmq_ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
         self.rid_to_state: dict[str, ReqState] = {}
         self.inflight_prompt_tokens = 0
         self.num_replicas = server_args.dp_size
@@ -126,6 +126,14 @@ class TokenizerManager:
         # /configure_logging changes these at run time
         self.log_requests = server_args.log_requests
         self.log_requests_level = server_args.log_requests_level
+
+    def close(self) -> None:
+        """Close the sockets and the ZeroMQ context, once the receive loop has stopped (an
+        in-process Engine's shutdown): a context left to the garbage collector with sockets open
+        blocks whatever code the collector interrupts, forever."""
+        self.recv_from_detokenizer.close(linger=0)
+        self.send_to_scheduler.close(linger=0)
+        self.zmq_ctx.term()
 
     def start(self) -> None:
         """Start receiving outputs; call from the event loop that will serve requests."""

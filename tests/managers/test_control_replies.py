@@ -69,6 +69,8 @@ async def scenario(model_path: str, port_args: PortArgs) -> None:
     finally:
         assert tm.handle_loop_task is not None
         tm.handle_loop_task.cancel()
+        await asyncio.gather(tm.handle_loop_task, return_exceptions=True)
+        tm.close()
         control_in.close()
         replies_out.close()
         ctx.term()

@@ -119,6 +119,9 @@ def test_engine_equals_http(baseline, default_model_path, prompts):
         text_single = engine.generate(prompt="The capital of France is", sampling_params=PARAMS)
         assert engine.flush_cache() is True
         info = engine.get_server_info()
+    # shut down, its ZeroMQ context is closed: one left to the garbage collector with open sockets
+    # blocks whatever the collector interrupts
+    assert engine.tokenizer_manager.zmq_ctx.closed
     via_http = baseline.generate(input_ids=prompts[:3], sampling_params=PARAMS)
     assert ids_of(via_engine) == ids_of(via_http)
     assert [o["text"] for o in via_engine] == [o["text"] for o in via_http]
