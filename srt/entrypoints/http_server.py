@@ -263,12 +263,9 @@ async def tokenize(request: Request) -> Response:
     return json_response({"tokens": tokens, "count": count, "max_model_len": tm.context_len})
 
 
-@router.post("/parse_function_call")
-async def parse_function_call(request: Request) -> Response:
-    """SGLang's route: `{text, tools, tool_call_parser}` -> `{normal_text, calls: [{tool_index, name,
-    parameters}]}` (parameters: the arguments' JSON text); the parser defaults to the server's."""
-    from srt.function_call import TOOL_CALL_PARSERS, ToolError, check_tools
-
+async def _parse_body(request: Request, field: str, known, default: str | None) -> tuple[dict, str, str] | Response:
+    """(body, text, parser name) of /parse_function_call and /separate_reasoning, or the 400:
+    `text` a string, `field` one of `known` (default: the server's parser)."""
     body = await _json_body(request)
     if isinstance(body, Response):
         return body
@@ -276,10 +273,23 @@ async def parse_function_call(request: Request) -> Response:
     text = body.get("text")
     if not isinstance(text, str):
         return openai_error_response(400, f"text must be a string, got {type(text).__name__}", "text")
-    name = body.get("tool_call_parser") or request.app.state.openai_serving.tool_call_parser
-    if name not in TOOL_CALL_PARSERS:
-        known = ", ".join(TOOL_CALL_PARSERS)
-        return openai_error_response(400, f"tool_call_parser must be one of {known}, got {name!r}", "tool_call_parser")
+    name = body.get(field) or default
+    if not isinstance(name, str) or name not in known:
+        return openai_error_response(400, f"{field} must be one of {', '.join(known)}, got {name!r}", field)
+    return body, text, name
+
+
+@router.post("/parse_function_call")
+async def parse_function_call(request: Request) -> Response:
+    """SGLang's route: `{text, tools, tool_call_parser}` -> `{normal_text, calls: [{tool_index, name,
+    parameters}]}` (parameters: the arguments' JSON text); the parser defaults to the server's."""
+    from srt.function_call import TOOL_CALL_PARSERS, ToolError, check_tools
+
+    default = request.app.state.openai_serving.tool_call_parser
+    parsed = await _parse_body(request, "tool_call_parser", TOOL_CALL_PARSERS, default)
+    if isinstance(parsed, Response):
+        return parsed
+    body, text, name = parsed
     try:
         tools = check_tools(body.get("tools"))
     except ToolError as e:
@@ -293,17 +303,11 @@ async def separate_reasoning(request: Request) -> Response:
     """SGLang's route: `{text, reasoning_parser}` -> `{reasoning_text, text}`."""
     from srt.parser.reasoning_parser import REASONING_PARSERS, ReasoningParser
 
-    body = await _json_body(request)
-    if isinstance(body, Response):
-        return body
-    body = body if isinstance(body, dict) else {}
-    text = body.get("text")
-    if not isinstance(text, str):
-        return openai_error_response(400, f"text must be a string, got {type(text).__name__}", "text")
-    name = body.get("reasoning_parser") or request.app.state.openai_serving.reasoning_parser
-    if name not in REASONING_PARSERS:
-        known = ", ".join(REASONING_PARSERS)
-        return openai_error_response(400, f"reasoning_parser must be one of {known}, got {name!r}", "reasoning_parser")
+    default = request.app.state.openai_serving.reasoning_parser
+    parsed = await _parse_body(request, "reasoning_parser", REASONING_PARSERS, default)
+    if isinstance(parsed, Response):
+        return parsed
+    _, text, name = parsed
     reasoning, answer = ReasoningParser(name).parse(text)
     return json_response({"reasoning_text": reasoning, "text": answer})
 

@@ -10,6 +10,7 @@ stream split anywhere gives the calls and the text of the complete parse.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -214,7 +215,7 @@ class StructureInfo:
     trigger: str  # the text that opens any call (where free text hands over to the grammar)
 
 
-class BaseFormatDetector:
+class BaseFormatDetector(abc.ABC):
     """One tool-call format. Subclasses implement `scan`; `structure` where the format is JSON
     arguments between fixed strings (then `required` and `strict` calls are built by the grammar)."""
 
@@ -225,8 +226,9 @@ class BaseFormatDetector:
         self.tools = tools or []
         self.names = tool_names(self.tools)
 
+    @abc.abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
-        raise NotImplementedError
+        """Text and call segments of text (a prefix of the output unless final)."""
 
     def structure(self, function_name: str) -> StructureInfo | None:
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -164,6 +164,8 @@ class ChatCompletionRequest(_SamplingFields):
     # with --reasoning-parser: put <think> text in reasoning_content; stream it as it comes
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # the checked tool calling (srt.function_call.FunctionCallParser), set once the request is read
+    _tool_calling: Any = PrivateAttr(default=None)
 
 
 def format_validation_error(e: ValidationError) -> str:

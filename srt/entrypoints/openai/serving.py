@@ -226,7 +226,7 @@ class OpenAIServing:
                 400,
                 "this model has no chat template; start the server with --chat-template FILE or use /v1/completions",
             )
-        fcp = self.tool_calling(req)
+        fcp = req._tool_calling = self.tool_calling(req)
         messages = []
         for i, m in enumerate(req.messages):
             try:
@@ -487,7 +487,7 @@ class _ChatResponder(_Responder):
 
     def __init__(self, serving, req):
         super().__init__(serving, req)
-        self.fcp = serving.tool_calling(req)
+        self.fcp: FunctionCallParser | None = req._tool_calling  # checked when the request was read
         name = serving.reasoning_parser
         self.reasoning = name if name is not None and req.separate_reasoning else None
         self.streams: dict[int, tuple[ReasoningParser | None, ToolCallStream | None]] = {}
