@@ -123,6 +123,15 @@ class ServerArgs:
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10
     speculative_ngram_capacity: int = 1_000_000  # n-gram trie nodes
+    # LoRA adapters (SGLang's flags; srt/lora)
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None  # PATH, NAME=PATH or {"lora_name", "lora_path", "pinned"}
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None  # pool slots; default max(--max-loras-per-batch, len(--lora-paths))
+    max_lora_rank: int | None = None  # default: the largest rank of --lora-paths, else 16
+    lora_target_modules: list[str] | None = None  # default: what --lora-paths target, else all
+    lora_eviction_policy: str = "lru"
+    lora_backend: str = "auto"  # auto: triton on CUDA, torch_native elsewhere
     # Wire behaviour
     incremental_streaming_output: bool = False  # /generate stream chunks carry only what is new
     weight_version: str = "default"  # reported in every response's meta_info
@@ -239,6 +248,7 @@ class ServerArgs:
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
         self._check_hicache()
+        self._check_lora()
         self._check_disaggregation()
         if self.api_key is not None and not all(self.api_keys):
             raise ValueError("--api-key must not be empty (or contain an empty key between commas)")
@@ -278,6 +288,59 @@ class ServerArgs:
             from srt.disaggregation.transfer import mooncake_engine_class
 
             mooncake_engine_class()
+
+    def _check_lora(self) -> None:
+        from srt.lora.adapter import TARGET_MODULES, LoRAError, adapter_rank_and_modules, parse_lora_paths
+        from srt.lora.backend import resolve_lora_backend
+
+        if self.lora_paths and not self.enable_lora:
+            self.enable_lora = True  # as SGLang: adapters named at start-up turn LoRA on
+        if not self.enable_lora:
+            return
+        try:
+            refs = parse_lora_paths(self.lora_paths)
+            shapes = [adapter_rank_and_modules(r.path) for r in refs]
+        except LoRAError as e:
+            raise ValueError(str(e)) from None
+        if not 1 <= self.max_loras_per_batch <= 64:
+            raise ValueError(f"--max-loras-per-batch must be in [1, 64], got {self.max_loras_per_batch}")
+        if self.max_loaded_loras is None:
+            self.max_loaded_loras = max(self.max_loras_per_batch, len(refs))
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(
+                f"--max-loaded-loras ({self.max_loaded_loras}) must be >= --max-loras-per-batch "
+                f"({self.max_loras_per_batch}): a batch's adapters must fit in the pool together"
+            )
+        pinned = sum(r.pinned for r in refs)
+        if pinned and pinned >= self.max_loaded_loras:
+            raise ValueError(
+                f"--lora-paths pins {pinned} adapters; --max-loaded-loras {self.max_loaded_loras} must leave "
+                f"a slot for unpinned ones"
+            )
+        if self.max_lora_rank is None:
+            self.max_lora_rank = max((rank for rank, _ in shapes), default=16)
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"--max-lora-rank must be in [1, 1024], got {self.max_lora_rank}")
+        over = [(r.name, rank) for r, (rank, _) in zip(refs, shapes) if rank > self.max_lora_rank]
+        if over:
+            raise ValueError(f"--lora-paths adapter {over[0][0]!r} has rank {over[0][1]} > --max-lora-rank")
+        if self.lora_target_modules is None:
+            targets = set().union(*(m for _, m in shapes)) if refs else set(TARGET_MODULES)
+            self.lora_target_modules = sorted(targets, key=TARGET_MODULES.index)
+        elif "all" in self.lora_target_modules:
+            self.lora_target_modules = list(TARGET_MODULES)
+        bad = [m for m in self.lora_target_modules if m not in TARGET_MODULES]
+        if bad:
+            raise ValueError(
+                f"--lora-target-modules {bad[0]!r} is not supported; choose from {', '.join(TARGET_MODULES)} or all"
+            )
+        if self.lora_eviction_policy not in ("lru", "fifo"):
+            raise ValueError(f"--lora-eviction-policy must be lru or fifo, got {self.lora_eviction_policy!r}")
+        self.lora_backend = resolve_lora_backend(self.lora_backend, resolve_device(self.device))
+        if self.speculative_algorithm is not None:
+            raise ValueError("--enable-lora does not combine with --speculative-algorithm yet")
+        if self.disaggregation_mode != "null":
+            raise ValueError("--enable-lora does not combine with --disaggregation-mode yet")
 
     def _check_hicache(self) -> None:
         from srt.mem_cache.hiradix_cache import (
@@ -706,6 +769,58 @@ class ServerArgs:
             "--disable-cuda-graph",
             action="store_true",
             help="GPU: run decode eagerly instead of replaying captured CUDA graphs (ignored on CPU)",
+        )
+        g = parser.add_argument_group("LoRA adapters")
+        g.add_argument(
+            "--enable-lora",
+            action="store_true",
+            help="serve LoRA adapters over the base model (requests pick one with lora_path; implied by --lora-paths)",
+        )
+        g.add_argument(
+            "--lora-paths",
+            nargs="+",
+            default=d.lora_paths,
+            help="adapters loaded at start-up (PEFT folders): PATH, NAME=PATH or a JSON object "
+            '{"lora_name": ..., "lora_path": ..., "pinned": true}',
+        )
+        g.add_argument(
+            "--max-loras-per-batch",
+            type=int,
+            default=d.max_loras_per_batch,
+            help="distinct adapters running at once (in one batch); requests of others wait",
+        )
+        g.add_argument(
+            "--max-loaded-loras",
+            type=int,
+            default=d.max_loaded_loras,
+            help="adapters held in memory at once (the pool's slots; default max(--max-loras-per-batch, "
+            "number of --lora-paths)); more are registered and loaded on demand, evicting idle ones",
+        )
+        g.add_argument(
+            "--max-lora-rank",
+            type=int,
+            default=d.max_lora_rank,
+            help="largest adapter rank the pool holds (default: the largest of --lora-paths, else 16)",
+        )
+        g.add_argument(
+            "--lora-target-modules",
+            nargs="+",
+            default=d.lora_target_modules,
+            help="projections the pool holds: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+            "(default: those --lora-paths target, else all)",
+        )
+        g.add_argument(
+            "--lora-eviction-policy",
+            default=d.lora_eviction_policy,
+            choices=["lru", "fifo"],
+            help="which idle, unpinned adapter leaves the pool when another needs its slot",
+        )
+        g.add_argument(
+            "--lora-backend",
+            default=d.lora_backend,
+            choices=["auto", "torch_native", "triton"],
+            help="segment-batched LoRA kernels: torch_native (grouped GEMMs per adapter) or triton (SGMV; "
+            "GPU); auto picks triton on CUDA, torch_native on CPU",
         )
         g = parser.add_argument_group("structured output")
         g.add_argument(

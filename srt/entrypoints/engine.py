@@ -16,6 +16,7 @@ from typing import Any
 import uvloop
 
 from srt.entrypoints.processes import launch_subprocesses
+from srt.lora.adapter import LoRARef
 from srt.managers.io_struct import GenerateReqInput
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
@@ -65,6 +66,7 @@ class Engine:
         bootstrap_host: str | list[str] | None = None,
         bootstrap_port: int | list[int] | None = None,
         bootstrap_room: int | list[int] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Same arguments and outputs as POST /generate. With stream=True, an iterator of chunks."""
         obj = GenerateReqInput(
@@ -82,6 +84,7 @@ class Engine:
             bootstrap_host=bootstrap_host,
             bootstrap_port=bootstrap_port,
             bootstrap_room=bootstrap_room,
+            lora_path=lora_path,
         )
         if not stream:
             return self._run(self._first(obj))
@@ -130,6 +133,7 @@ class Engine:
         bootstrap_host=None,
         bootstrap_port=None,
         bootstrap_room=None,
+        lora_path=None,
     ):
         """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
         obj = GenerateReqInput(
@@ -147,6 +151,7 @@ class Engine:
             bootstrap_host=bootstrap_host,
             bootstrap_port=bootstrap_port,
             bootstrap_room=bootstrap_room,
+            lora_path=lora_path,
         )
         if not stream:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._first(obj), self._loop))
@@ -172,6 +177,16 @@ class Engine:
                 yield item
         finally:
             future.cancel()
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """Register a LoRA adapter (POST /load_lora_adapter): {success, error_message, loaded_adapters}."""
+        out = self._run(self.tokenizer_manager.load_lora_adapter(LoRARef(lora_name, lora_path, pinned)))
+        return {"success": out.success, "error_message": out.message or None, "loaded_adapters": out.loaded_adapters}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unregister a LoRA adapter once its requests have finished (POST /unload_lora_adapter)."""
+        out = self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
+        return {"success": out.success, "error_message": out.message or None, "loaded_adapters": out.loaded_adapters}
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success

@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from srt.configs.model_config import load_hf_config
 from srt.entrypoints.openai.serving import EventStream, OpenAIServing, openai_error_response, with_retry_after
 from srt.entrypoints.processes import Subprocesses, launch_subprocesses
-from srt.managers.io_struct import GenerateReqInput, InvalidRequest, ProfileReq
+from srt.lora.adapter import LoRAError, lora_ref
+from srt.managers.io_struct import GenerateReqInput, InvalidRequest, LoRAUpdateOutput, ProfileReq
 from srt.managers.profiler import PROFILE_ACTIVITIES, default_profile_dir
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
 from srt.metrics.collector import render
@@ -52,6 +53,8 @@ ADMIN_ROUTES = frozenset(
         "/start_profile",
         "/stop_profile",
         "/configure_logging",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
     }
 )
 # Probes answer without a key (load balancers and orchestrators call them unauthenticated).
@@ -435,6 +438,45 @@ async def clear_hicache_storage_backend(request: Request) -> Response:
     if out.success:
         return Response("Hierarchical cache storage backend cleared.\n", status_code=200)
     return error_response(400, f"Storage not cleared: {out.message}")
+
+
+def _lora_reply(out: LoRAUpdateOutput) -> Response:
+    """SGLang's LoRA update reply: success, error_message, loaded_adapters (name -> path)."""
+    body = {"success": out.success, "error_message": out.message or None, "loaded_adapters": out.loaded_adapters}
+    if out.success:
+        return json_response(body)
+    return json_response({**body, "error": {"message": out.message, "code": 400}}, 400)
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """Register a LoRA adapter: {"lora_name", "lora_path", "pinned"}; checked and loaded at once."""
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    try:
+        ref = lora_ref(body, "the /load_lora_adapter body")
+        return _lora_reply(await _tm(request).load_lora_adapter(ref))
+    except LoRAError as e:
+        return error_response(400, str(e))
+    except InvalidRequest as e:
+        return to_error(e)
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    """Unregister a LoRA adapter: {"lora_name"}. New requests for it get 400 at once; the reply
+    comes when its queued and running requests have finished."""
+    body = await _json_body(request)
+    if isinstance(body, Response):
+        return body
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        return error_response(400, f"lora_name = {name!r} must be the name of a loaded adapter")
+    try:
+        return _lora_reply(await _tm(request).unload_lora_adapter(name))
+    except InvalidRequest as e:
+        return to_error(e)
 
 
 @router.post("/abort_request")

@@ -40,8 +40,8 @@ class FusedDecodeLayer:
 
     def __call__(self, positions, hidden: torch.Tensor, fb, residual):
         backend = fb.attn_backend
-        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2:
-            return None
+        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2 or fb.lora_slots_cpu is not None:
+            return None  # (rows of LoRA adapters take the Python path: srt/lora)
         first = residual is None
         if first:
             residual = torch.empty_like(hidden)

@@ -10,6 +10,7 @@ for any tp_size and any format.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -133,6 +134,8 @@ class LinearBase(nn.Module):
         self.quant_method = make_quant_method(self, quant_config, "linear", prefix)
         self.quant_method.create_weights(self, input_size, output_size, torch.get_default_dtype())
         self.bias = _make_param(output_size, loader=self.bias_loader) if bias else None
+        # adds the batch's LoRA deltas to the output when the server serves adapters (srt/lora/manager.py)
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def pieces(self, loaded_rows: int, shard_id) -> list[Piece]:
         raise NotImplementedError
@@ -193,6 +196,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self, self.bias)
+        if self.lora is not None:
+            out = self.lora(x, out)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -334,7 +339,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1 or not self.reduce_results:
-            return linear(x, self, self.bias if self.tp_rank == 0 else None)
-        # The bias is added once, after the partial sums are reduced.
-        out = tensor_model_parallel_all_reduce(linear(x, self))
-        return out if self.bias is None else out + self.bias
+            out = linear(x, self, self.bias if self.tp_rank == 0 else None)
+        else:
+            # The bias is added once, after the partial sums are reduced.
+            out = tensor_model_parallel_all_reduce(linear(x, self))
+            if self.bias is not None:
+                out = out + self.bias
+        # a row-parallel LoRA reduces its own partial sums (reduce_results=False layers have none)
+        return out if self.lora is None else self.lora(x, out)

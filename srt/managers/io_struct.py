@@ -1,15 +1,16 @@
 """Messages between the processes: the HTTP/Engine request shape, and what flows over ZMQ.
 
 TokenizerManager -> Scheduler (through the DP controller with --dp-size > 1):
-    TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq.
+    TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq, ProfileReq,
+    LoadLoRAAdapterReq, UnloadLoRAAdapterReq.
 Scheduler -> TokenizerManager, two paths into the same socket:
     - request outputs go through the detokenizer: Scheduler -> Detokenizer BatchTokenIDOutput,
       Detokenizer -> TokenizerManager BatchStrOutput. So does SchedulerCrashed, the scheduler's
       last words: it travels behind the outputs sent before it, so a request that finished before
       the crash still gets its final output, and every other request then fails with the reason.
-    - control replies go directly: FlushCacheReqOutput, GetInternalStateReqOutput (one per
-      data-parallel replica; they carry no request output, so their order against outputs does
-      not matter).
+    - control replies go directly: FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput,
+      LoRAUpdateOutput (one per data-parallel replica; they carry no request output, so their order
+      against outputs does not matter).
 Scheduler -> DP controller, directly: LoadReport.
 """
 
@@ -53,6 +54,9 @@ class GenerateReqInput:
     extra_key: str | list[str] | None = None
     timeout: float | list[float] | None = None  # seconds; past it the request is aborted
     data_parallel_rank: int | None = None  # pin to one --dp-size replica (SGLang's router sends it)
+    # the LoRA adapter to run under, by name (--lora-paths, /load_lora_adapter), or one per prompt;
+    # None: the base model
+    lora_path: str | list[str | None] | None = None
     # prefill-decode disaggregation: the prefill server's bootstrap address and the request's room
     # (what SGLang's router adds; one per prompt in a batch)
     bootstrap_host: str | list[str] | None = None
@@ -109,6 +113,7 @@ class GenerateReqInput:
             "priority",
             "extra_key",
             "timeout",
+            "lora_path",
             "bootstrap_host",
             "bootstrap_port",
             "bootstrap_room",
@@ -145,6 +150,7 @@ class GenerateReqInput:
             extra_key=_item(self.extra_key, i, b),
             timeout=_item(self.timeout, i, b),
             data_parallel_rank=self.data_parallel_rank,
+            lora_path=_item(self.lora_path, i, b),
             bootstrap_host=_item(self.bootstrap_host, i, b),
             bootstrap_port=_item(self.bootstrap_port, i, b),
             bootstrap_room=_item(self.bootstrap_room, i, b),
@@ -247,6 +253,7 @@ class TokenizedGenerateReqInput:
     created_time: float = 0.0
     timeout: float | None = None
     data_parallel_rank: int | None = None
+    lora_name: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -292,6 +299,32 @@ class GetInternalStateReq:
 class GetInternalStateReqOutput:
     rid: str
     state: dict
+
+
+@dataclass(kw_only=True)
+class LoadLoRAAdapterReq:
+    """/load_lora_adapter: register an adapter (every data-parallel replica loads it)."""
+
+    rid: str = field(default_factory=new_rid)
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass(kw_only=True)
+class UnloadLoRAAdapterReq:
+    """/unload_lora_adapter: answered once the adapter's queued and running requests have finished."""
+
+    rid: str = field(default_factory=new_rid)
+    lora_name: str
+
+
+@dataclass(kw_only=True)
+class LoRAUpdateOutput:
+    rid: str
+    success: bool
+    message: str = ""
+    loaded_adapters: dict[str, str] = field(default_factory=dict)  # name -> path, after the update
 
 
 @dataclass(kw_only=True)

@@ -54,6 +54,9 @@ class Req:
     bootstrap_room: int | None = None
     disagg_target: str | None = None
     disagg_done: bool = False
+    # LoRA (srt/lora): the adapter it runs under (None: the base model) and, once admitted, its pool slot
+    lora_name: str | None = None
+    lora_slot: int = -1
 
     output_ids: list[int] = field(default_factory=list)
     # memory
@@ -249,12 +252,18 @@ class BatchBuilder:
 
     def build(self, batch: ScheduleBatch, vocab_size: int, eos_token_ids: set[int]) -> tuple[ForwardBatch, list[int]]:
         """The ForwardBatch for batch, and the future-map slot of each row's sampled token."""
+        lora_slots = None
+        if batch.spec_trees is None and any(r.lora_slot >= 0 for r in batch.reqs):
+            # each adapter's rows in one segment (the LoRA kernels run per segment); stable: base rows first
+            batch.reqs.sort(key=lambda r: r.lora_slot)
+            lora_slots = [r.lora_slot for r in batch.reqs]
         if batch.spec_trees is not None:
             fb = self.prepare_for_verify(batch)
         elif batch.forward_mode.is_extend():
             fb = self.prepare_for_extend(batch)
         else:
             fb = self.prepare_for_decode(batch)
+        fb.lora_slots_cpu = lora_slots
         if batch.spec_trees is not None:
             fb.sampling_info = SamplingBatchInfo.for_tree_rows(
                 batch.reqs, batch.spec_trees, vocab_size, eos_token_ids, self.device

@@ -22,6 +22,8 @@ from srt.constrained.grammar_backend import GrammarError, XGrammarBackend
 from srt.disaggregation.prefill import PrefillDisagg
 from srt.disaggregation.setup import build_disaggregation
 from srt.hf_transformers_utils import get_tokenizer
+from srt.lora.adapter import LoRAError, LoRARef, parse_lora_paths
+from srt.lora.registry import LoRARegistry
 from srt.managers.io_struct import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -30,10 +32,13 @@ from srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoadLoRAAdapterReq,
     LoadReport,
+    LoRAUpdateOutput,
     ProfileReq,
     SchedulerCrashed,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
 )
 from srt.managers.profiler import ForwardProfiler
 from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch
@@ -146,6 +151,17 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.profiler = ForwardProfiler(
             tp_rank, dp_rank, server_args.dp_size, broadcaster.post if broadcaster is not None else None
         )
+        self.lora: LoRARegistry | None = None
+        if runner.lora_manager is not None:
+            self.lora = LoRARegistry(
+                runner.lora_manager,
+                server_args.max_loras_per_batch,
+                server_args.lora_eviction_policy,
+                broadcaster.post_lora if broadcaster is not None else None,
+                self.wait_launched,
+            )
+            for ref in parse_lora_paths(server_args.lora_paths):
+                self.lora.register(ref, set())
         self.warmup()
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = zmq_socket(
@@ -292,8 +308,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(rid=msg.rid, state=self.internal_state()))
             elif isinstance(msg, ProfileReq):
                 self.send_to_tokenizer.send_pyobj(self.profiler.handle(msg, self.forward_passes))
+            elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
+                self.update_lora(msg)
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
+        if self.lora is not None:
+            self.finish_lora_unloads()
 
     def report_load(self) -> None:
         if self.send_to_controller is None:
@@ -339,6 +359,17 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             bootstrap_room=recv.bootstrap_room,
         )
         self.track_deadline(req)
+        if recv.lora_name is not None:
+            try:
+                if self.lora is None:
+                    raise LoRAError("lora_path needs a server started with --enable-lora (or --lora-paths)")
+                entry = self.lora.accepts(recv.lora_name)
+            except LoRAError as e:
+                self.fail_request(req, str(e))
+                return
+            req.lora_name = recv.lora_name
+            # KV computed under an adapter is its own: a cache namespace per adapter's weights
+            req.extra_key = f"lora:{entry.uid}\x00{req.extra_key or ''}"
         if self.hicache is not None:  # its stored pages start loading while it waits
             self.hicache.prefetch(req, req.cacheable_ids())
         key = req.sampling_params.grammar_key
@@ -470,13 +501,21 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         )
         if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req) is AddReqResult.ADMITTED:
             self.chunked_req = None  # its last chunk runs in this batch
-        admitted = []
+        admitted, failed = [], []
         in_batch = InBatchPrefixes() if self.policy.radix_enabled else None
+        adapters = self.running_adapters()
         # Only one request is chunked at a time: while one continues, nothing new starts.
         if self.chunked_req is None:
             for req in self.waiting_queue:
                 if self.hicache is not None and not self.hicache.prefetch_ready(req):
                     continue  # its pages are still coming from storage (the prefetch policy waits)
+                if req.lora_name is not None:
+                    try:
+                        if not self.admit_lora(req, adapters):
+                            continue  # its adapter waits for a place in the batch or the pool
+                    except LoRAError as e:  # its files changed or went away since it was registered
+                        failed.append((req, str(e)))
+                        continue
                 req.match_prefix(self.tree_cache)  # fresh: the tree changes between rounds
                 if self.hicache is not None and req.host_hit_len:
                     self.load_back(req, self.hicache)
@@ -491,6 +530,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                     break
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
+        for req, message in failed:
+            self.waiting_queue.remove(req)
+            self.fail_request(req, message)
         if not adder.can_run:
             return None
         admitted_set = set(map(id, admitted))
@@ -503,6 +545,55 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                     self.metrics.on_admitted(r)
         self.log_prefill_stats(adder.can_run, running)
         return ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
+
+    def running_adapters(self) -> set[str]:
+        """Adapters of the running requests (a prefill batch joins them: the batch limit counts all)."""
+        if self.lora is None:
+            return set()
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return {r.lora_name for r in self.running_batch.reqs + chunked if r.lora_name is not None}
+
+    def admit_lora(self, req: Req, adapters: set[str]) -> bool:
+        """Give req's adapter a pool slot (loading it when needed) if --max-loras-per-batch lets it
+        join the adapters already running; `adapters` gains it."""
+        assert self.lora is not None and req.lora_name is not None
+        if req.lora_name not in adapters and len(adapters) >= self.lora.max_per_batch:
+            return False
+        slot = self.lora.slot_for(req.lora_name, adapters)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        adapters.add(req.lora_name)
+        return True
+
+    def update_lora(self, msg: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> None:
+        """A load is answered at once; an unload once the adapter's requests have finished."""
+        try:
+            if self.lora is None:
+                raise LoRAError("LoRA is off on this server: start it with --enable-lora")
+            if isinstance(msg, LoadLoRAAdapterReq):
+                ref = LoRARef(msg.lora_name, msg.lora_path, msg.pinned)
+                self.lora.register(ref, self.running_adapters())
+            else:
+                self.lora.request_unload(msg.lora_name, msg.rid)
+                return  # answered by finish_lora_unloads
+        except LoRAError as e:
+            self.send_to_tokenizer.send_pyobj(LoRAUpdateOutput(rid=msg.rid, success=False, message=str(e)))
+            return
+        self.send_to_tokenizer.send_pyobj(LoRAUpdateOutput(rid=msg.rid, success=True, loaded_adapters=self.adapters()))
+
+    def adapters(self) -> dict[str, str]:
+        assert self.lora is not None
+        return {name: e.ref.path for name, e in self.lora.entries.items() if e.unload_rid is None}
+
+    def finish_lora_unloads(self) -> None:
+        assert self.lora is not None
+        if not any(e.unload_rid is not None for e in self.lora.entries.values()):
+            return
+        reqs = self.all_live_reqs() + [r for r, _, _ in self.grammar_queue]
+        for name, rid in self.lora.finish_unloads({r.lora_name for r in reqs if r.lora_name is not None}):
+            out = LoRAUpdateOutput(rid=rid, success=True, message=f"unloaded {name}", loaded_adapters=self.adapters())
+            self.send_to_tokenizer.send_pyobj(out)
 
     def load_back(self, req: Req, hicache: HiRadixCache) -> None:
         """Move the host part of req's match to the device, so its extend starts after it."""

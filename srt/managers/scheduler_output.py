@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from srt.constrained.grammar_backend import XGrammarBackend
     from srt.disaggregation.decode import DecodeDisagg
     from srt.disaggregation.prefill import PrefillDisagg
+    from srt.lora.registry import LoRARegistry
     from srt.managers.profiler import ForwardProfiler
     from srt.managers.schedule_batch import ScheduleBatch
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -44,6 +45,7 @@ class SchedulerOutputProcessorMixin:
     tree_cache: BasePrefixCache
     hicache: HiRadixCache | None
     disagg: PrefillDisagg | DecodeDisagg | None
+    lora: LoRARegistry | None
     waiting_queue: list[Req]
     running_batch: ScheduleBatch
     chunked_req: Req | None
@@ -248,6 +250,7 @@ class SchedulerOutputProcessorMixin:
             "speculative": self.proposer.stats() if self.proposer is not None else None,
             "hicache": self.hicache.state() if self.hicache is not None else None,
             "disagg": self.disagg.state() if self.disagg is not None else None,
+            "lora": self.lora.status() if self.lora is not None else None,
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "cuda_graph": self.runner.cuda_graph_status(),

@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from srt.hf_transformers_utils import get_tokenizer
+from srt.lora.adapter import LoRARef, parse_lora_paths
 from srt.managers.io_struct import (
     FINISH_ABORT,
     AbortReq,
@@ -32,10 +33,13 @@ from srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     InvalidRequest,
+    LoadLoRAAdapterReq,
+    LoRAUpdateOutput,
     ProfileReq,
     ProfileReqOutput,
     SchedulerCrashed,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     new_rid,
 )
 from srt.sampling.sampling_params import SamplingParams
@@ -123,6 +127,10 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self.handle_loop_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # LoRA adapters requests may name (name -> path), as the schedulers last reported them
+        self.lora_adapters: dict[str, str] = {}
+        if server_args.enable_lora:
+            self.lora_adapters = {r.name: r.path for r in parse_lora_paths(server_args.lora_paths)}
         # /configure_logging changes these at run time
         self.log_requests = server_args.log_requests
         self.log_requests_level = server_args.log_requests_level
@@ -241,6 +249,7 @@ class TokenizerManager:
                 f"data_parallel_rank = {dp_rank!r} must be an integer in [0, {self.server_args.dp_size}) (--dp-size)"
             )
         host, port, room = self._bootstrap(obj)
+        lora_name = self._lora_name(obj.lora_path)
         return TokenizedGenerateReqInput(
             rid=rid,
             input_text=text,
@@ -256,6 +265,7 @@ class TokenizerManager:
             created_time=time.time(),
             timeout=self._timeout(obj.timeout),
             data_parallel_rank=dp_rank,
+            lora_name=lora_name,
             bootstrap_host=host,
             bootstrap_port=port,
             bootstrap_room=room,
@@ -280,6 +290,24 @@ class TokenizerManager:
                 "bootstrap_room on a --disaggregation-mode decode server"
             )
         return host, port, room
+
+    def _lora_name(self, lora_path) -> str | None:
+        """The adapter a prompt runs under: `lora_path` names it (or gives its registered path)."""
+        if lora_path is None:
+            return None
+        if not isinstance(lora_path, str):
+            raise InvalidRequest(f"lora_path = {lora_path!r} must be an adapter name, or null for the base model")
+        if not self.server_args.enable_lora:
+            raise InvalidRequest(
+                f"lora_path = {lora_path!r}: this server serves no LoRA adapters (start it with --enable-lora)"
+            )
+        if lora_path in self.lora_adapters:
+            return lora_path
+        by_path = next((n for n, p in self.lora_adapters.items() if p == lora_path), None)
+        if by_path is None:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise InvalidRequest(f"LoRA adapter {lora_path!r} is not loaded (loaded adapters: {loaded})")
+        return by_path
 
     def _token_ids_logprob(self, ids) -> list[int] | None:
         """`token_ids_logprob` of one prompt: distinct-or-not token ids, at most MAX_TOKEN_IDS_LOGPROB."""
@@ -501,10 +529,12 @@ class TokenizerManager:
             elif isinstance(msg, SchedulerCrashed):
                 logger.error("the scheduler crashed: %s", msg.message)
                 self.fail_all(f"the scheduler crashed: {msg.message}")
-            elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput)):
+            elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput, LoRAUpdateOutput)):
                 self._handle_control_reply(msg)
 
-    def _handle_control_reply(self, reply: FlushCacheReqOutput | GetInternalStateReqOutput | ProfileReqOutput) -> None:
+    def _handle_control_reply(
+        self, reply: FlushCacheReqOutput | GetInternalStateReqOutput | ProfileReqOutput | LoRAUpdateOutput
+    ) -> None:
         waiter = self.control_waiters.get(reply.rid)
         if waiter is None:
             return  # its call timed out (a replica was silent); a later call must not take it
@@ -540,7 +570,11 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> None:
         self.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all, message=message))
 
-    async def _control(self, req: FlushCacheReq | GetInternalStateReq | ProfileReq, timeout: float) -> list:
+    async def _control(
+        self,
+        req: FlushCacheReq | GetInternalStateReq | ProfileReq | LoadLoRAAdapterReq | UnloadLoRAAdapterReq,
+        timeout: float,
+    ) -> list:
         """Send a control request; every data-parallel replica answers it, in any order. Raises
         asyncio.TimeoutError when some replica has not answered within timeout seconds."""
         fut = asyncio.get_running_loop().create_future()
@@ -562,6 +596,37 @@ class TokenizerManager:
         ranks); a stop returns once each replica's rank 0 has written its trace."""
         replies: list[ProfileReqOutput] = await self._control(req, timeout)
         return ProfileReqOutput(rid=req.rid, traces=sorted(t for r in replies for t in r.traces), **_merged(replies))
+
+    async def load_lora_adapter(self, ref: LoRARef, timeout: float = 300.0) -> LoRAUpdateOutput:
+        """Register an adapter on every data-parallel replica (each checks and loads it)."""
+        if not self.server_args.enable_lora:
+            raise InvalidRequest("this server serves no LoRA adapters: start it with --enable-lora")
+        req = LoadLoRAAdapterReq(lora_name=ref.name, lora_path=ref.path, pinned=ref.pinned)
+        replies: list[LoRAUpdateOutput] = await self._control(req, timeout)
+        out = LoRAUpdateOutput(rid=req.rid, **_merged(replies))
+        if any(r.success for r in replies):  # requests may name it from now on
+            self.lora_adapters[ref.name] = ref.path
+        out.loaded_adapters = dict(self.lora_adapters)
+        return out
+
+    async def unload_lora_adapter(self, name: str, timeout: float = 600.0) -> LoRAUpdateOutput:
+        """Unregister an adapter: new requests for it get 400 at once; the reply waits until its
+        queued and running requests have finished."""
+        if not self.server_args.enable_lora:
+            raise InvalidRequest("this server serves no LoRA adapters: start it with --enable-lora")
+        if name not in self.lora_adapters:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise InvalidRequest(f"lora_name = {name!r} is not loaded (loaded adapters: {loaded})")
+        path = self.lora_adapters.pop(name)
+        req = UnloadLoRAAdapterReq(lora_name=name)
+        try:
+            replies: list[LoRAUpdateOutput] = await self._control(req, timeout)
+        except BaseException:
+            self.lora_adapters.setdefault(name, path)  # still registered where the call did not finish
+            raise
+        out = LoRAUpdateOutput(rid=req.rid, **_merged(replies))
+        out.loaded_adapters = dict(self.lora_adapters)
+        return out
 
     async def get_internal_states(self, timeout: float = 10.0) -> list[dict]:
         """One state per data-parallel replica, ordered by `dp_rank`."""

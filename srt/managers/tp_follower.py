@@ -4,12 +4,14 @@ the model's collectives, until rank 0 says stop or the group breaks."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable
 
 from srt.configs.model_config import ModelConfig
 from srt.disaggregation.setup import FollowerDisagg
+from srt.lora.registry import follower_load
 from srt.managers.profiler import ForwardProfiler
 from srt.mem_cache.hiradix_cache import HiCacheFollower
 from srt.model_executor.model_runner import ModelRunner
@@ -28,12 +30,20 @@ def serve_forwards(
 ) -> None:
     """Write each broadcast batch's page-table rows into this rank's table, then run it. Rank 0's
     control messages start and stop this rank's profiler; its KV moves (accepted draft rows),
-    hierarchical-cache movements and KV writes to a decode server apply to this rank's shard."""
+    hierarchical-cache movements, KV writes to a decode server and LoRA adapter loads apply to this
+    rank's shard."""
     table = runner.req_to_token_pool.req_to_token
     on_hicache = hicache.handle if hicache is not None else None
+    lora = runner.lora_manager
+    on_lora = functools.partial(follower_load, lora) if lora is not None else None
     while (
         received := receive_forward(
-            runner.device, lambda req: profiler.handle(req, 0), runner.token_to_kv_pool.move_kv, on_hicache, on_disagg
+            runner.device,
+            lambda req: profiler.handle(req, 0),
+            runner.token_to_kv_pool.move_kv,
+            on_hicache,
+            on_disagg,
+            on_lora,
         )
     ) is not None:
         fb, offset = received.forward_batch, 0

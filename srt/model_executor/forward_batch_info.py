@@ -53,6 +53,8 @@ class ForwardBatch:
     # tree's mask ([n, n] bool, True = may attend).
     spec_row0: torch.Tensor | None = None
     tree_masks: list[torch.Tensor] | None = None
+    # LoRA: each request's adapter slot in the pool (-1: the base model); None when none uses one
+    lora_slots_cpu: list[int] | None = None
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None

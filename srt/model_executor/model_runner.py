@@ -22,6 +22,7 @@ from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.quantization import build_config as build_quant_config
 from srt.layers.quantization import resolve_quantization, weight_report
 from srt.layers.sampler import Sampler
+from srt.lora.manager import LoRAManager
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, kv_format_for, load_fp8_kv_scales
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
@@ -165,6 +166,20 @@ class ModelRunner:
             fused = enable_fused_decode_layers(self.model, cpu_ops, self.tp_size)
             if fused:
                 logger.info("Fused decode op for %d decoder layers", fused)
+        self.lora_manager: LoRAManager | None = None
+        if server_args.enable_lora:
+            assert server_args.max_loaded_loras is not None and server_args.max_lora_rank is not None
+            self.lora_manager = LoRAManager(
+                self.model,
+                model_config.hf_config,
+                server_args.max_loaded_loras,
+                server_args.max_lora_rank,
+                frozenset(server_args.lora_target_modules or ()),
+                server_args.lora_backend,
+                self.dtype,
+                self.device,
+                self.tp_size,
+            )
         self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
         self.init_memory_pool(available_before, cpu_ops)
         self.sampler = Sampler()
@@ -214,6 +229,7 @@ class ModelRunner:
             free_after, device_total = memory_info(self.device)
             # The request table is a real allocation on GPU; on CPU its pages are touched lazily.
             table_bytes = max_running_cap * (cfg.context_len + self.page_size) * 4 if self.device == "cuda" else 0
+            lora_bytes = self.lora_manager.pool_bytes if self.lora_manager is not None else 0
             total = kv_pool_tokens(
                 self.device,
                 fraction,
@@ -223,7 +239,7 @@ class ModelRunner:
                 free_after=free_after,
                 total=device_total,
                 weight_bytes=self.weight_bytes,
-                reserved_bytes=self.cuda_graph_reserved_bytes + table_bytes,
+                reserved_bytes=self.cuda_graph_reserved_bytes + table_bytes + lora_bytes,
             )
             if total < self.page_size:
                 raise RuntimeError(
@@ -278,10 +294,20 @@ class ModelRunner:
         other ranks first). The caller's batch is left as it was: the model reads a copy that
         also carries this runner's pools and attention backend."""
         fb = self.bind(forward_batch)
+        if self.lora_manager is not None:
+            rows = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else [1] * fb.batch_size
+            if self.lora_manager.begin(fb.lora_slots_cpu, rows):
+                try:  # graphs hold no LoRA: batches that use adapters run eagerly
+                    return self._forward_eager(fb)
+                finally:
+                    self.lora_manager.end()
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)
         if self.compiled_decode is not None and self.compiled_decode.can_run(fb):
             return self.compiled_decode.forward(fb)
+        return self._forward_eager(fb)
+
+    def _forward_eager(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         if fb.forward_mode.is_target_verify():
             self.attn_backend.init_target_verify_metadata(fb)
         else:

@@ -94,6 +94,12 @@ class ForwardBroadcaster:
         with self.lock:
             self.posted.append({"kind": "disagg", "fields": fields})
 
+    def post_lora(self, load: dict) -> None:
+        """Queue a LoRA adapter load (srt/lora/registry.py) for the followers: each reads the same
+        adapter into the same pool slot before the next forward."""
+        with self.lock:
+            self.posted.append({"kind": "lora", "load": load})
+
     def _flush_posted(self) -> None:
         with self.lock:
             posted, self.posted = self.posted, []
@@ -140,11 +146,12 @@ def receive_forward(
     on_move_kv: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
     on_hicache: Callable[[str, dict], object] | None = None,
     on_disagg: Callable[[dict], object] | None = None,
+    on_lora: Callable[[dict], object] | None = None,
 ) -> ReceivedForward | None:
     """A follower's side: block until rank 0's next forward (keep-alives are skipped, control
     messages go to `on_control`, KV moves to `on_move_kv`, hierarchical-cache movements to
-    `on_hicache` with their tensors on the CPU, KV writes to a decode server to `on_disagg`); None
-    when rank 0 says stop."""
+    `on_hicache` with their tensors on the CPU, KV writes to a decode server to `on_disagg`, LoRA
+    adapter loads to `on_lora`); None when rank 0 says stop."""
     while True:
         msg = pickle.loads(broadcast_bytes(None))
         if msg["kind"] == "stop":
@@ -157,6 +164,8 @@ def receive_forward(
             on_hicache(msg["op"], {k: _unpack_field(v, "cpu") for k, v in msg["fields"].items()})
         if msg["kind"] == "disagg" and on_disagg is not None:
             on_disagg(msg["fields"])
+        if msg["kind"] == "lora" and on_lora is not None:
+            on_lora(msg["load"])
         if msg["kind"] == "forward":
             fields: dict[str, Any] = {k: _unpack_field(v, device) for k, v in msg["fields"].items()}
             return ReceivedForward(ForwardBatch(**fields), _unpack(msg["rows"], device))

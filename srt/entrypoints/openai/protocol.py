@@ -68,6 +68,7 @@ class _SamplingFields(_Body):
     ebnf: str | None = None
     rid: str | None = None
     timeout: float | None = Field(default=None, gt=0)  # seconds; past it the request is aborted
+    lora_path: str | None = None  # a LoRA adapter's name (also: "model": "<base>:<adapter>")
     # prefill-decode disaggregation (what SGLang's router adds; one per prompt in a batch)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None

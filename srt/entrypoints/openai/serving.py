@@ -135,7 +135,38 @@ class OpenAIServing:
     # -- routes ----------------------------------------------------------------------------------
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "radixserve",
+                "root": path,
+                "parent": self.model_name,
+                "max_model_len": self.tm.context_len,
+            }
+            for name, path in sorted(self.tm.lora_adapters.items())
+        ]
+        return {"object": "list", "data": [self.model_card(), *adapters]}
+
+    def lora_path(self, req) -> str | None:
+        """The adapter a request asks for: `lora_path`, else a `model` of "<base>:<adapter>" or an
+        adapter's own name (as /v1/models lists it). Other model names mean the base model."""
+        if req.lora_path is not None or not self.tm.server_args.enable_lora or not req.model:
+            return req.lora_path
+        if req.model in self.tm.lora_adapters:
+            return req.model
+        if ":" in req.model:
+            adapter = req.model.split(":", 1)[1]
+            if adapter not in self.tm.lora_adapters:
+                loaded = ", ".join(sorted(self.tm.lora_adapters)) or "none"
+                raise OpenAIError(
+                    400,
+                    f"model {req.model!r} names LoRA adapter {adapter!r}, which is not loaded (loaded: {loaded})",
+                    "model",
+                )
+            return adapter
+        return None
 
     def model_card(self) -> dict:
         return {
@@ -193,6 +224,7 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=req.stream,
             timeout=req.timeout,
+            lora_path=self.lora_path(req),
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
@@ -271,6 +303,7 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=req.stream,
             timeout=req.timeout,
+            lora_path=self.lora_path(req),
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
