@@ -177,6 +177,8 @@ def _check_segments(name: str, ref: torch.Tensor, seg_start, seg_len, seg_slot, 
             f"{name}: seg_start, seg_len and seg_slot have shapes {tuple(seg_start.shape)}, "
             f"{tuple(seg_len.shape)}, {tuple(seg_slot.shape)}; expected the same [G]"
         )
+    if not all(s.is_contiguous() for s in segs):  # the kernels index them as flat arrays
+        raise ValueError(f"{name}: seg_start, seg_len and seg_slot must be contiguous")
     if any(s.device != ref.device for s in segs):
         raise ValueError(f"{name}: the segment tensors must be on {ref.device}, got {[str(s.device) for s in segs]}")
     if max_seg_len < 0:

@@ -44,8 +44,9 @@ class LoRABatchInfo:
             start += n
         if not segments:
             return None
-        t = torch.tensor(segments, dtype=torch.int64).to(device, non_blocking=True)
-        return cls([(s, a, n) for s, a, n in segments], t[:, 1], t[:, 2], t[:, 0], max(n for _, _, n in segments))
+        # one transfer; each column contiguous (the kernels index them as flat arrays)
+        t = torch.tensor(list(zip(*segments)), dtype=torch.int64).to(device, non_blocking=True)
+        return cls([(s, a, n) for s, a, n in segments], t[1], t[2], t[0], max(n for _, _, n in segments))
 
 
 class TorchNativeBackend:

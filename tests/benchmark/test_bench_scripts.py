@@ -250,3 +250,45 @@ def test_bench_one_batch_steps_compares_kv_cache_formats(tiny_chat_model, tmp_pa
         assert got == {(kv, b, c) for kv in ("auto", "int8", "fp8_e4m3") for b in (1, 3) for c in (16, 40)}
     assert all(r["attn_gb_s"] > 0 for r in rows if "attn_ms" in r)
     assert "| int8 | cpu |" in text and "1.00x" in text
+
+
+def test_bench_lora_quick(tiny_chat_model, tmp_path):
+    """2 random adapters: the workloads are the base model, 1 and 2 adapters (4 and 8 capped at 2, repeats
+    dropped), every request served, the base-only workload the ratios' unit."""
+    out = tmp_path / "lora.json"
+    stdout = run(
+        "bench_lora.py",
+        "--model-path",
+        tiny_chat_model,
+        "--num-adapters",
+        "2",
+        "--lora-rank",
+        "4",
+        "--num-requests",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--threads",
+        "1",
+        "--server-args",
+        "--dtype float32 --max-total-tokens 4096",
+        "--quiet",
+        "--output",
+        str(out),
+        timeout=300,
+    )
+    res = json.loads(out.read_text())
+    assert [w["adapters"] for w in res["workloads"]] == [0, 1, 2]
+    assert res["workloads"][0]["ratio_vs_base"] == 1.0
+    for w in res["workloads"]:
+        assert w["output_tok_s"] > 0 and w["ratio_vs_base"] > 0
+        assert [r["output_tokens"] for r in w["rounds"]] == [4 * 4]  # ignore_eos: 4 requests x 4 tokens
+    assert res["server"]["dtype"] == "float32" and res["cpu"]["model"]
+    pool = res["lora_pool"]
+    assert sorted(a["lora_name"] for a in pool["adapters"]) == ["a0", "a1"]
+    assert all(a["slot"] is not None and a["rank"] == 4 for a in pool["adapters"])
+    assert pool["loads_during_runs"] == 0 and pool["evictions_during_runs"] == 0
+    assert "--lora-paths" in res["server_flags"] and "bench_lora.py" in res["command"]
+    assert "| 2 adapters | 2 |" in stdout and "goal (issue 24)" in stdout

@@ -282,7 +282,8 @@ def test_lora_path_on_a_server_without_lora(tiny_server):
 
 
 def test_tensor_parallel_paged_overlap_equals_peft(server_factory, tiny_chat_model, adapters, oracle):
-    """Adapters sharded like their base layers over 2 ranks, pages of 16, the overlap schedule."""
+    """Adapters sharded like their base layers over 2 ranks, pages of 16, the overlap schedule, and the
+    Triton SGMV kernels (the GPU backend; here under Triton's interpreter)."""
     tp = server_factory(
         "--model-path",
         tiny_chat_model,
@@ -294,7 +295,11 @@ def test_tensor_parallel_paged_overlap_equals_peft(server_factory, tiny_chat_mod
         "--page-size",
         "16",
         "--enable-overlap-schedule",
+        "--lora-backend",
+        "triton",
+        env={"TRITON_INTERPRET": "1"},
     )
+    assert tp.state()["lora"]["backend"] == "triton"
     ids = prompts(4, salt=5)
     loras = ["c", None, "b", "a"]
     outs = tp.generate(input_ids=ids, lora_path=loras, sampling_params=GREEDY)
