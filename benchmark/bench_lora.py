@@ -35,6 +35,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -202,6 +203,8 @@ def main() -> None:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if not targets or any(t not in TARGETS for t in targets):
         p.error(f"--targets {args.targets!r}: choose from {','.join(TARGETS)}")
+    # SIGTERM as Ctrl-C: the finally blocks stop the server (its own process group) and remove the adapters
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from srt.model_loader.default_model import resolve_model_path
 
     model = resolve_model_path(args.model_path)
@@ -327,4 +330,8 @@ def report(results: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the server is stopped and the adapters removed by then
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

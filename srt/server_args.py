@@ -131,7 +131,7 @@ class ServerArgs:
     max_lora_rank: int | None = None  # default: the largest rank of --lora-paths, else 16
     lora_target_modules: list[str] | None = None  # default: what --lora-paths target, else all
     lora_eviction_policy: str = "lru"
-    lora_backend: str = "auto"  # auto: triton on CUDA, torch_native elsewhere
+    lora_backend: str = "auto"  # auto: triton on CUDA, cpu (C++ kernels) on CPU, else torch_native
     # Wire behaviour
     incremental_streaming_output: bool = False  # /generate stream chunks carry only what is new
     weight_version: str = "default"  # reported in every response's meta_info
@@ -291,7 +291,7 @@ class ServerArgs:
 
     def _check_lora(self) -> None:
         from srt.lora.adapter import TARGET_MODULES, LoRAError, adapter_rank_and_modules, parse_lora_paths
-        from srt.lora.backend import resolve_lora_backend
+        from srt.lora.backend import check_lora_backend
 
         if self.lora_paths and not self.enable_lora:
             self.enable_lora = True  # as SGLang: adapters named at start-up turn LoRA on
@@ -336,7 +336,7 @@ class ServerArgs:
             )
         if self.lora_eviction_policy not in ("lru", "fifo"):
             raise ValueError(f"--lora-eviction-policy must be lru or fifo, got {self.lora_eviction_policy!r}")
-        self.lora_backend = resolve_lora_backend(self.lora_backend, resolve_device(self.device))
+        check_lora_backend(self.lora_backend, resolve_device(self.device))
         if self.speculative_algorithm is not None:
             raise ValueError("--enable-lora does not combine with --speculative-algorithm yet")
         if self.disaggregation_mode != "null":
@@ -818,9 +818,9 @@ class ServerArgs:
         g.add_argument(
             "--lora-backend",
             default=d.lora_backend,
-            choices=["auto", "torch_native", "triton"],
-            help="segment-batched LoRA kernels: torch_native (grouped GEMMs per adapter) or triton (SGMV; "
-            "GPU); auto picks triton on CUDA, torch_native on CPU",
+            choices=["auto", "cpu", "torch_native", "triton"],
+            help="segment-batched LoRA kernels: cpu (C++, one call per projection), torch_native (two GEMMs per "
+            "adapter segment) or triton (SGMV, GPU); auto: triton on CUDA, cpu on a CPU",
         )
         g = parser.add_argument_group("structured output")
         g.add_argument(

@@ -9,6 +9,8 @@
 //   K/V written to the layer's pool slots (in the pool's format); paged decode attention
 //   o = attn @ Wo.T + b; residual += o; h = rmsnorm(residual)
 //   returns silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
+// With LoRA adapters in the batch, each projection adds its segments' deltas (cpu_lora.cpp) to its
+// output, as the Python layers do.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -29,6 +31,7 @@ void kv_store(at::Tensor& k_buffer, at::Tensor& v_buffer, const c10::optional<at
               const c10::optional<at::Tensor>& v_scales, int64_t kv_format, double k_scale, double v_scale,
               const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
+void lora_apply(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, at::Tensor& out, at::IntArrayRef segs);
 
 namespace {
 
@@ -36,6 +39,14 @@ at::Tensor project(const at::Tensor& x, at::TensorList w, at::IntArrayRef t, con
   at::Tensor out = quant_linear(x, w, t, false);
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
+}
+
+// LoRA adapters (srt/lora, cpu_lora.cpp): `lora` holds (A, Bt) pools of the qkv, o, gate_up and down
+// projections in that order (empty tensors for projections no adapter targets), `segs` the batch's
+// segments; no LoRA when `lora` is empty.
+void add_lora(const at::Tensor& x, at::Tensor& out, at::TensorList lora, int64_t which, at::IntArrayRef segs) {
+  if (lora.empty() || lora[2 * which].numel() == 0) return;
+  lora_apply(x, lora[2 * which], lora[2 * which + 1], out, segs);
 }
 
 // Per-head RMSNorm of a [T, heads * head_dim] slice, returned contiguous.
@@ -58,7 +69,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
                         const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale,
                         int64_t num_splits, at::TensorList o_w, at::IntArrayRef o_t,
                         const c10::optional<at::Tensor>& o_bias, at::TensorList gate_up_w, at::IntArrayRef gate_up_t,
-                        at::TensorList down_w, at::IntArrayRef down_t) {
+                        at::TensorList down_w, at::IntArrayRef down_t, at::TensorList lora, at::IntArrayRef lora_segs) {
+  TORCH_CHECK(lora.empty() || lora.size() == 8, "decode_layer: lora holds (A, Bt) of 4 projections");
   TORCH_CHECK(hidden.dim() == 2 && residual.sizes() == hidden.sizes() && residual.is_contiguous(),
               "decode_layer: hidden and residual must be [T, hidden_size]");
   const int64_t tokens = hidden.size(0);
@@ -70,6 +82,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
     rms_norm(h, residual, ln1, eps);  // residual += h; h = norm(residual)
   }
   at::Tensor qkv = project(h, qkv_w, qkv_t, qkv_bias);
+  add_lora(h, qkv, lora, 0, lora_segs);
   at::Tensor q = qkv.narrow(1, 0, q_size);
   at::Tensor k = qkv.narrow(1, q_size, kv_size);
   at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
@@ -86,12 +99,17 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
   at::Tensor attn = at::empty_like(q3);
   decode_attention(q3, k_buffer, v_buffer, k_scales, v_scales, kv_format, k_scale, v_scale, req_to_token,
                    req_pool_indices, seq_lens, attn, scale, num_splits);
-  at::Tensor o = project(attn.view({tokens, q_size}), o_w, o_t, o_bias);
+  at::Tensor attn2 = attn.view({tokens, q_size});
+  at::Tensor o = project(attn2, o_w, o_t, o_bias);
+  add_lora(attn2, o, lora, 1, lora_segs);
   rms_norm(o, residual, ln2, eps);  // residual += o; o = norm(residual)
   at::Tensor gate_up = quant_linear(o, gate_up_w, gate_up_t, false);
+  add_lora(o, gate_up, lora, 2, lora_segs);
   at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
   silu_and_mul(act, gate_up);
-  return quant_linear(act, down_w, down_t, false);
+  at::Tensor down = quant_linear(act, down_w, down_t, false);
+  add_lora(act, down, lora, 3, lora_segs);
+  return down;
 }
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
@@ -102,7 +120,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
       "Tensor(c!) v_buffer, Tensor(d!)? k_scales, Tensor(e!)? v_scales, int kv_format, float k_scale, "
       "float v_scale, Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
       "float scale, int num_splits, Tensor[] o_w, int[] o_t, Tensor? o_bias, Tensor[] gate_up_w, int[] gate_up_t, "
-      "Tensor[] down_w, int[] down_t) -> Tensor");
+      "Tensor[] down_w, int[] down_t, Tensor[] lora, int[] lora_segs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("decode_layer", &decode_layer); }

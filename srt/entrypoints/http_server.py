@@ -714,6 +714,15 @@ def _full_load(st: dict, max_running_requests: int, include: set[str]) -> dict:
     }
     if include & {"queues", "all"}:
         load["queues"] = {"waiting": st["num_queue_reqs"], "grammar": st["grammar_queue"]}
+    if include & {"lora", "all"} and st.get("lora"):
+        lora = st["lora"]
+        load["lora"] = {
+            "registered_adapters": len(lora["adapters"]),
+            "loaded_adapters": sum(a["slot"] is not None for a in lora["adapters"]),
+            "running_adapters": len(lora["running_adapters"]),
+            "max_loaded_loras": lora["slots"],
+            "max_loras_per_batch": lora["max_loras_per_batch"],
+        }
     if include & {"disagg", "all"} and st.get("disagg"):
         load["disagg"] = dict(st["disagg"])
     return load

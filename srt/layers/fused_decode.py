@@ -4,8 +4,9 @@ At batch 1 the default model's eager decode step spent more time in Python and p
 (~15 torch ops per layer, 30 layers) than in its 4-bit matmuls. A layer whose pieces the fused op
 covers (linears the C++ `quant_linear` runs: GGUF blocks or bf16 rows; the C++ norm and rotary
 kernels; the cpu attention backend; one tensor-parallel rank) runs its decode step as one op with
-the same kernels in the same order, so its output is unchanged. Extend batches, compiled graphs
-and other backends take the Python path. `RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off (for
+the same kernels in the same order, so its output is unchanged; LoRA adapters' deltas are added by
+the C++ LoRA kernels inside it (srt/lora, backend cpu). Extend batches, compiled graphs and other
+backends take the Python path. `RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off (for
 A/B measurements).
 """
 
@@ -37,11 +38,28 @@ class FusedDecodeLayer:
         self.k_norm = attn.k_norm.weight if attn.qk_norm else None
         self.cos, self.sin = attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache
         self.scaling = attn.attn.scaling
+        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+    def lora_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The (A, Bt) pools of the four projections and the batch's segments for the C++ LoRA
+        kernels; ([], []) when no row uses an adapter; None when the LoRA backend is not the C++ one."""
+        loras = [m.lora for m in self.linears]
+        lora = next((x for x in loras if x is not None), None)
+        if lora is None or lora.manager.batch is None:
+            return [], []
+        if lora.manager.backend.name != "cpu":
+            return None
+        empty = torch.empty(0)
+        pools = [t for x in loras for t in ((x.A, x.Bt) if x is not None else (empty, empty))]
+        return pools, lora.manager.batch.flat
 
     def __call__(self, positions, hidden: torch.Tensor, fb, residual):
         backend = fb.attn_backend
-        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2 or fb.lora_slots_cpu is not None:
-            return None  # (rows of LoRA adapters take the Python path: srt/lora)
+        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2:
+            return None
+        lora = self.lora_args()
+        if lora is None:
+            return None  # LoRA rows with another backend than the C++ one take the Python path
         first = residual is None
         if first:
             residual = torch.empty_like(hidden)
@@ -73,6 +91,7 @@ class FusedDecodeLayer:
             self.o_bias,
             *self.gate_up,
             *self.down,
+            *lora,
         )
         return out, residual
 

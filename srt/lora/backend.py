@@ -3,20 +3,30 @@ adapters and of the base model; each adapter's rows form a segment, and a LoRA l
 `(x[seg] @ A[slot].T) @ B[slot].T` to its base output for every segment: shrink to the ranks, then
 expand to the output features. Base-model rows belong to no segment and cost nothing.
 
+The pool stores A as [slots, K, in] and B transposed, Bt [slots, K, out] (K: the stacked ranks).
+The scheduler orders a batch's requests by adapter, so each adapter is one contiguous segment: at
+most --max-loras-per-batch segments per layer.
+
 Backends (`--lora-backend`):
-- torch_native: two GEMMs per segment (the scheduler orders a batch's requests by adapter, so each
-  adapter is one contiguous segment: at most --max-loras-per-batch segments per layer). CPU default.
+- cpu: the C++ kernels of kernels/csrc/cpu_lora.cpp, one call per projection for all segments (blocks
+  of 4 rows against the adapter's float32 A and Bt); also inside the fused C++ decode layer. CPU default.
+- torch_native: two torch GEMMs per segment (any device; each small GEMM costs tens of microseconds
+  of dispatch on a CPU).
 - triton: the SGMV shrink and expand kernels of kernels/triton_lora.py, one launch each for all
   segments. GPU default.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
-LORA_BACKENDS = ("auto", "torch_native", "triton")
+logger = logging.getLogger(__name__)
+
+LORA_BACKENDS = ("auto", "cpu", "torch_native", "triton")
 
 
 @dataclass
@@ -24,6 +34,7 @@ class LoRABatchInfo:
     """The adapter segments of one forward pass: rows [start, start + length) use pool slot `slot`."""
 
     segments: list[tuple[int, int, int]]  # (slot, start, length), slot >= 0, in row order
+    flat: list[int]  # the same, flattened (the C++ kernels' argument)
     seg_start: torch.Tensor  # [G] int64, on the device (the triton kernels read these)
     seg_len: torch.Tensor
     seg_slot: torch.Tensor
@@ -46,11 +57,19 @@ class LoRABatchInfo:
             return None
         # one transfer; each column contiguous (the kernels index them as flat arrays)
         t = torch.tensor(list(zip(*segments)), dtype=torch.int64).to(device, non_blocking=True)
-        return cls([(s, a, n) for s, a, n in segments], t[1], t[2], t[0], max(n for _, _, n in segments))
+        return cls(
+            [(s, a, n) for s, a, n in segments],
+            [v for seg in segments for v in seg],
+            t[1],
+            t[2],
+            t[0],
+            max(n for _, _, n in segments),
+        )
 
 
 class TorchNativeBackend:
     name = "torch_native"
+    pool_dtype: torch.dtype | None = None  # the model's
 
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         """xa [T, K]: x @ A[slot].T on each segment's rows, zero elsewhere."""
@@ -59,18 +78,19 @@ class TorchNativeBackend:
             torch.mm(x[a : a + n], A[slot].t(), out=xa[a : a + n])
         return xa
 
-    def expand(self, xa: torch.Tensor, B: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+    def expand(self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
         for slot, a, n in info.segments:
-            out[a : a + n].addmm_(xa[a : a + n], B[slot].t())
+            out[a : a + n].addmm_(xa[a : a + n].to(out.dtype), Bt[slot])
 
-    def apply(self, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+    def apply(self, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
         """out += the LoRA delta, segment by segment (shrink and expand without a full-size xa)."""
         for slot, a, n in info.segments:
-            out[a : a + n].addmm_(torch.mm(x[a : a + n], A[slot].t()), B[slot].t())
+            out[a : a + n].addmm_(torch.mm(x[a : a + n], A[slot].t()), Bt[slot])
 
 
 class TritonBackend:
     name = "triton"
+    pool_dtype: torch.dtype | None = None  # the model's
 
     def __init__(self):
         from kernels import triton_lora
@@ -80,27 +100,51 @@ class TritonBackend:
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         return self.kernels.sgmv_shrink(x, A, info.seg_start, info.seg_len, info.seg_slot, info.max_len)
 
-    def expand(self, xa: torch.Tensor, B: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+    def expand(self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+        B = Bt.transpose(1, 2)  # [slots, out, K] view: the kernels take strides
         self.kernels.sgmv_expand(xa, B, info.seg_start, info.seg_len, info.seg_slot, info.max_len, out)
 
-    def apply(self, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
-        self.expand(self.shrink(x, A, info), B, info, out)
+    def apply(self, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+        self.expand(self.shrink(x, A, info), Bt, info, out)
 
 
-def resolve_lora_backend(name: str, device: str) -> str:
-    """auto: triton on CUDA, torch_native elsewhere. triton needs a CUDA device (its kernels run on
-    the CPU only under TRITON_INTERPRET=1, for tests)."""
+class CpuBackend:
+    """kernels/csrc/cpu_lora.cpp: the pool is float32 whatever the activations."""
+
+    name = "cpu"
+    pool_dtype = torch.float32
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+        return self.ops.lora_shrink(x.contiguous(), A, info.flat)
+
+    def expand(self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+        self.ops.lora_expand(xa.float().contiguous(), Bt, out, info.flat)
+
+    def apply(self, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+        self.ops.lora_apply(x.contiguous(), A, Bt, out, info.flat)
+
+
+def check_lora_backend(name: str, device: str) -> None:
+    """triton needs a CUDA device (its kernels run on the CPU only under TRITON_INTERPRET=1, for
+    tests); cpu a CPU."""
     if name not in LORA_BACKENDS:
         raise ValueError(f"--lora-backend must be one of {', '.join(LORA_BACKENDS)}; got {name!r}")
+    if name == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--lora-backend triton needs a CUDA device; on CPU use cpu or torch_native (or auto)")
+    if name == "cpu" and device != "cpu":
+        raise ValueError("--lora-backend cpu runs on the CPU; on a GPU use triton or torch_native (or auto)")
+
+
+def make_backend(name: str, device: str, cpu_ops=None):
+    """auto: triton on CUDA, the C++ kernels on a CPU where they built, else torch_native."""
     if name == "auto":
-        return "triton" if device == "cuda" else "torch_native"
-    if name == "triton" and device != "cuda":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("--lora-backend triton needs a CUDA device; on CPU use torch_native (or auto)")
-    return name
-
-
-def make_backend(name: str):
-    return TritonBackend() if name == "triton" else TorchNativeBackend()
+        name = "triton" if device == "cuda" else "cpu" if cpu_ops is not None else "torch_native"
+    if name == "cpu" and cpu_ops is None:
+        logger.warning("--lora-backend cpu: the C++ CPU kernels are unavailable; using torch_native")
+        name = "torch_native"
+    if name == "triton":
+        return TritonBackend()
+    return CpuBackend(cpu_ops) if name == "cpu" else TorchNativeBackend()

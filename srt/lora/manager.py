@@ -1,14 +1,15 @@
 """One rank's LoRA memory pool and the LoRA layers that read it.
 
 The pool holds `slots` adapters at once (--max-loaded-loras), preallocated at start-up for rank
---max-lora-rank and the --lora-target-modules, in the model's dtype and sharded like the base layers:
+--max-lora-rank and the --lora-target-modules (float32 for the C++ backend, else the model's dtype),
+sharded like the base layers. B is stored transposed (Bt):
 
 - column-parallel projections (q/k/v fused as qkv_proj, gate/up fused as gate_up_proj): A is
-  replicated, [slots, P * R, in]: part p's A in rows [p * R, p * R + r); B holds this rank's output
-  rows, [slots, out_rank, P * R], part p's B in its own column block, so one GEMM of each covers
+  replicated, [slots, P * R, in]: part p's A in rows [p * R, p * R + r); Bt holds this rank's output
+  columns, [slots, P * R, out_rank], part p's in its own row block, so one GEMM of each covers
   every part (zeros elsewhere);
 - row-parallel projections (o_proj, down_proj): A holds this rank's input columns [slots, R, in_rank]
-  (x @ A.T is a partial sum, all-reduced before the expand), B is replicated [slots, out, R].
+  (x @ A.T is a partial sum, all-reduced before the expand), Bt is replicated [slots, R, out].
 
 Adapters of rank r < R leave the rest of their slot zero. B carries the adapter's scaling. The
 scheduler (rank 0, srt/lora/registry.py) decides which adapter lives in which slot; every rank loads
@@ -43,9 +44,9 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 class LoRALinear:
     """A linear layer's LoRA: the layer calls it on its input and base output (`layer.lora`)."""
 
-    def __init__(self, manager: LoRAManager, layer: LinearBase, A: torch.Tensor, B: torch.Tensor, row_parallel: bool):
+    def __init__(self, manager: LoRAManager, layer: LinearBase, A: torch.Tensor, Bt: torch.Tensor, row_parallel: bool):
         self.manager, self.layer = manager, layer
-        self.A, self.B = A, B
+        self.A, self.Bt = A, Bt
         self.row_parallel = row_parallel
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -54,9 +55,9 @@ class LoRALinear:
             return out
         backend = self.manager.backend
         if self.row_parallel and self.manager.tp_size > 1:
-            backend.expand(tensor_model_parallel_all_reduce(backend.shrink(x, self.A, info)), self.B, info, out)
+            backend.expand(tensor_model_parallel_all_reduce(backend.shrink(x, self.A, info)), self.Bt, info, out)
         else:
-            backend.apply(x, self.A, self.B, info, out)
+            backend.apply(x, self.A, self.Bt, info, out)
         return out
 
 
@@ -72,10 +73,12 @@ class LoRAManager:
         dtype: torch.dtype,
         device,
         tp_size: int,
+        cpu_ops=None,
     ):
         self.base = BaseShape.from_hf_config(hf_config)
         self.slots, self.max_rank, self.targets = slots, max_rank, targets
-        self.backend = make_backend(backend)
+        self.backend = make_backend(backend, device, cpu_ops)
+        dtype = self.backend.pool_dtype or dtype
         self.tp_size = tp_size
         self.batch: LoRABatchInfo | None = None
         self.device = device
@@ -89,19 +92,17 @@ class LoRAManager:
                     continue
                 layer: LinearBase = getattr(getattr(decoder, parent), attr)
                 P = len(modules)
-                if attr in ROW_PARALLEL:
-                    A = torch.zeros(slots, R, layer.input_size_per_partition, dtype=dtype, device=device)
-                    B = torch.zeros(slots, layer.output_size_per_partition, R, dtype=dtype, device=device)
-                else:
-                    n_in = self.base.in_out[modules[0]][0]
-                    A = torch.zeros(slots, P * R, n_in, dtype=dtype, device=device)
-                    B = torch.zeros(slots, layer.output_size_per_partition, P * R, dtype=dtype, device=device)
-                lora = LoRALinear(self, layer, A, B, attr in ROW_PARALLEL)
+                row = attr in ROW_PARALLEL
+                n_in = layer.input_size_per_partition if row else self.base.in_out[modules[0]][0]
+                K = R if row else P * R
+                A = torch.zeros(slots, K, n_in, dtype=dtype, device=device)
+                Bt = torch.zeros(slots, K, layer.output_size_per_partition, dtype=dtype, device=device)
+                lora = LoRALinear(self, layer, A, Bt, row)
                 layer.lora = lora
                 per_layer[attr] = lora
             self.layers.append(per_layer)
         self.pool_bytes = sum(
-            (m.A.numel() + m.B.numel()) * m.A.element_size() for per in self.layers for m in per.values()
+            (m.A.numel() + m.Bt.numel()) * m.A.element_size() for per in self.layers for m in per.values()
         )
         logger.info(
             "LoRA pool: %d adapter slots, rank <= %d, targets %s, %.1f MiB, backend %s",
@@ -119,7 +120,7 @@ class LoRAManager:
             for attr, lora in per_layer.items():
                 _, modules, shard_ids = FUSED_TARGETS[attr]
                 lora.A[slot].zero_()
-                lora.B[slot].zero_()
+                lora.Bt[slot].zero_()
                 for p, (module, shard) in enumerate(zip(modules, shard_ids)):
                     w = adapter.weights.get((i, module))
                     if w is None:
@@ -131,12 +132,12 @@ class LoRAManager:
                         assert piece.cols is not None, "row-parallel layers split their input columns"
                         offset, size = piece.cols
                         lora.A[slot, :r].copy_(a[:, offset : offset + size])
-                        lora.B[slot, :, :r].copy_(b)
+                        lora.Bt[slot, :r].copy_(b.t())
                     else:
                         lora.A[slot, p * R : p * R + r].copy_(a)
                         for piece in lora.layer.pieces(b.shape[0], shard):
                             rows = b[piece.src_row : piece.src_row + piece.rows]
-                            lora.B[slot, piece.dst_row : piece.dst_row + piece.rows, p * R : p * R + r].copy_(rows)
+                            lora.Bt[slot, p * R : p * R + r, piece.dst_row : piece.dst_row + piece.rows].copy_(rows.t())
 
     def begin(self, slots: list[int] | None, rows: list[int]) -> bool:
         """Set the segments of the forward pass about to run; False (nothing set) when no row of it

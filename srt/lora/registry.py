@@ -145,12 +145,14 @@ class LoRARegistry:
                 logger.info("LoRA adapter %r unloaded", name)
         return done
 
-    def status(self) -> dict:
+    def status(self, running: set[str]) -> dict:
+        """/server_info's `lora` (`running`: adapters of the running batch)."""
         return {
             "adapters": [
                 {**e.ref.to_json(), "rank": e.rank, "slot": e.slot, "unloading": e.unload_rid is not None}
                 for e in self.entries.values()
             ],
+            "running_adapters": sorted(running),
             "slots": self.manager.slots,
             "max_loras_per_batch": self.max_per_batch,
             "max_lora_rank": self.manager.max_rank,

@@ -250,7 +250,11 @@ class SchedulerOutputProcessorMixin:
             "speculative": self.proposer.stats() if self.proposer is not None else None,
             "hicache": self.hicache.state() if self.hicache is not None else None,
             "disagg": self.disagg.state() if self.disagg is not None else None,
-            "lora": self.lora.status() if self.lora is not None else None,
+            "lora": (
+                self.lora.status({r.lora_name for r in self.running_batch.reqs if r.lora_name is not None})
+                if self.lora is not None
+                else None
+            ),
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "cuda_graph": self.runner.cuda_graph_status(),

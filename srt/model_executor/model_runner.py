@@ -179,6 +179,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 self.tp_size,
+                cpu_ops,
             )
         self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
         self.init_memory_pool(available_before, cpu_ops)

@@ -206,6 +206,8 @@ def test_eviction_and_reload_on_demand(server, adapters, oracle):
     slots = {a["lora_name"]: a["slot"] for a in state["adapters"]}
     assert slots["d"] is not None and sum(s is None for s in slots.values()) == 1  # 4 adapters, 3 slots
     assert state["evictions"] == before["evictions"] + 1
+    loads = requests.get(server.url + "/v1/loads?include=lora", timeout=10).json()["loads"][0]["lora"]
+    assert (loads["registered_adapters"], loads["loaded_adapters"], loads["max_loaded_loras"]) == (4, 3, 3)
     evicted = next(n for n, s in slots.items() if s is None)
     ids = prompts(2, salt=3)
     outs = server.generate(input_ids=ids, lora_path=[evicted, "d"], sampling_params=GREEDY)
