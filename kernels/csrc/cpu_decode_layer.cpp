@@ -31,7 +31,8 @@ void kv_store(at::Tensor& k_buffer, at::Tensor& v_buffer, const c10::optional<at
               const c10::optional<at::Tensor>& v_scales, int64_t kv_format, double k_scale, double v_scale,
               const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
-void lora_apply(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, at::Tensor& out, at::IntArrayRef segs);
+void lora_apply(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, at::Tensor& out, at::IntArrayRef segs,
+                at::IntArrayRef parts);
 
 namespace {
 
@@ -43,10 +44,11 @@ at::Tensor project(const at::Tensor& x, at::TensorList w, at::IntArrayRef t, con
 
 // LoRA adapters (srt/lora, cpu_lora.cpp): `lora` holds (A, Bt) pools of the qkv, o, gate_up and down
 // projections in that order (empty tensors for projections no adapter targets), `segs` the batch's
-// segments; no LoRA when `lora` is empty.
-void add_lora(const at::Tensor& x, at::Tensor& out, at::TensorList lora, int64_t which, at::IntArrayRef segs) {
+// segments; no LoRA when `lora` is empty. The fused projections' parts: q, k, v and gate, up.
+void add_lora(const at::Tensor& x, at::Tensor& out, at::TensorList lora, int64_t which, at::IntArrayRef segs,
+              at::IntArrayRef parts) {
   if (lora.empty() || lora[2 * which].numel() == 0) return;
-  lora_apply(x, lora[2 * which], lora[2 * which + 1], out, segs);
+  lora_apply(x, lora[2 * which], lora[2 * which + 1], out, segs, parts);
 }
 
 // Per-head RMSNorm of a [T, heads * head_dim] slice, returned contiguous.
@@ -82,7 +84,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
     rms_norm(h, residual, ln1, eps);  // residual += h; h = norm(residual)
   }
   at::Tensor qkv = project(h, qkv_w, qkv_t, qkv_bias);
-  add_lora(h, qkv, lora, 0, lora_segs);
+  add_lora(h, qkv, lora, 0, lora_segs, {q_size, kv_size, kv_size});
   at::Tensor q = qkv.narrow(1, 0, q_size);
   at::Tensor k = qkv.narrow(1, q_size, kv_size);
   at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
@@ -101,14 +103,14 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
                    req_pool_indices, seq_lens, attn, scale, num_splits);
   at::Tensor attn2 = attn.view({tokens, q_size});
   at::Tensor o = project(attn2, o_w, o_t, o_bias);
-  add_lora(attn2, o, lora, 1, lora_segs);
+  add_lora(attn2, o, lora, 1, lora_segs, {o.size(1)});
   rms_norm(o, residual, ln2, eps);  // residual += o; o = norm(residual)
   at::Tensor gate_up = quant_linear(o, gate_up_w, gate_up_t, false);
-  add_lora(o, gate_up, lora, 2, lora_segs);
+  add_lora(o, gate_up, lora, 2, lora_segs, {gate_up.size(1) / 2, gate_up.size(1) / 2});
   at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
   silu_and_mul(act, gate_up);
   at::Tensor down = quant_linear(act, down_w, down_t, false);
-  add_lora(act, down, lora, 3, lora_segs);
+  add_lora(act, down, lora, 3, lora_segs, {down.size(1)});
   return down;
 }
 

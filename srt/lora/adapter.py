@@ -186,6 +186,13 @@ def load_adapter(
     """Read and check an adapter folder: every tensor must be a LoRA A or B of a supported
     projection of an existing layer with the base model's sizes, ranks at most `max_rank`, modules
     within `allowed` (the server's --lora-target-modules)."""
+    try:
+        return _load_adapter(path, base, max_rank, allowed)
+    except OSError as e:  # permissions, a file vanishing while read: the client's folder, not the server
+        raise LoRAError(f"cannot read the adapter at {path!r}: {e}") from None
+
+
+def _load_adapter(path: str, base: BaseShape, max_rank: int | None, allowed: frozenset[str] | None) -> LoRAAdapter:
     cfg = read_config(path)
     tensors, data = _read_tensors(path)
     cfg_bytes = json.dumps(cfg, sort_keys=True).encode()

@@ -35,6 +35,8 @@ class LoRABatchInfo:
 
     segments: list[tuple[int, int, int]]  # (slot, start, length), slot >= 0, in row order
     flat: list[int]  # the same, flattened (the C++ kernels' argument)
+    short_flat: list[int]  # segments under CpuBackend.LONG_SEGMENT rows, flattened
+    long: list[tuple[int, int, int]]  # the others
     seg_start: torch.Tensor  # [G] int64, on the device (the triton kernels read these)
     seg_len: torch.Tensor
     seg_slot: torch.Tensor
@@ -57,9 +59,12 @@ class LoRABatchInfo:
             return None
         # one transfer; each column contiguous (the kernels index them as flat arrays)
         t = torch.tensor(list(zip(*segments)), dtype=torch.int64).to(device, non_blocking=True)
+        long = [(s, a, n) for s, a, n in segments if n >= CpuBackend.LONG_SEGMENT]
         return cls(
             [(s, a, n) for s, a, n in segments],
             [v for seg in segments for v in seg],
+            [v for seg in segments if seg[2] < CpuBackend.LONG_SEGMENT for v in seg],
+            long,
             t[1],
             t[2],
             t[0],
@@ -78,11 +83,21 @@ class TorchNativeBackend:
             torch.mm(x[a : a + n], A[slot].t(), out=xa[a : a + n])
         return xa
 
-    def expand(self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+    def expand(
+        self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor, parts: list[int]
+    ) -> None:
         for slot, a, n in info.segments:
             out[a : a + n].addmm_(xa[a : a + n].to(out.dtype), Bt[slot])
 
-    def apply(self, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+    def apply(
+        self,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        Bt: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        parts: list[int],
+    ) -> None:
         """out += the LoRA delta, segment by segment (shrink and expand without a full-size xa)."""
         for slot, a, n in info.segments:
             out[a : a + n].addmm_(torch.mm(x[a : a + n], A[slot].t()), Bt[slot])
@@ -100,19 +115,32 @@ class TritonBackend:
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         return self.kernels.sgmv_shrink(x, A, info.seg_start, info.seg_len, info.seg_slot, info.max_len)
 
-    def expand(self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
+    def expand(
+        self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor, parts: list[int]
+    ) -> None:
         B = Bt.transpose(1, 2)  # [slots, out, K] view: the kernels take strides
         self.kernels.sgmv_expand(xa, B, info.seg_start, info.seg_len, info.seg_slot, info.max_len, out)
 
-    def apply(self, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
-        self.expand(self.shrink(x, A, info), Bt, info, out)
+    def apply(
+        self,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        Bt: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        parts: list[int],
+    ) -> None:
+        self.expand(self.shrink(x, A, info), Bt, info, out, parts)
 
 
 class CpuBackend:
-    """kernels/csrc/cpu_lora.cpp: the pool is float32 whatever the activations."""
+    """kernels/csrc/cpu_lora.cpp for short segments (decode: one call per projection for every
+    segment); torch's GEMMs for segments of LONG_SEGMENT rows or more (prefill), where they run at
+    full speed. The pool is float32 whatever the activations."""
 
     name = "cpu"
     pool_dtype = torch.float32
+    LONG_SEGMENT = 64
 
     def __init__(self, ops):
         self.ops = ops
@@ -120,11 +148,26 @@ class CpuBackend:
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         return self.ops.lora_shrink(x.contiguous(), A, info.flat)
 
-    def expand(self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
-        self.ops.lora_expand(xa.float().contiguous(), Bt, out, info.flat)
+    def expand(
+        self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor, parts: list[int]
+    ) -> None:
+        self.ops.lora_expand(xa.float().contiguous(), Bt, out, info.flat, parts)
 
-    def apply(self, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor) -> None:
-        self.ops.lora_apply(x.contiguous(), A, Bt, out, info.flat)
+    def apply(
+        self,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        Bt: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        parts: list[int],
+    ) -> None:
+        x = x.contiguous()
+        if info.short_flat:
+            self.ops.lora_apply(x, A, Bt, out, info.short_flat, parts)
+        for slot, a, n in info.long:
+            delta = torch.mm(torch.mm(x[a : a + n].float(), A[slot].t()), Bt[slot])
+            out[a : a + n] += delta.to(out.dtype)
 
 
 def check_lora_backend(name: str, device: str) -> None:

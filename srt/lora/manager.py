@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from srt.distributed import tensor_model_parallel_all_reduce
-from srt.layers.linear import LinearBase
+from srt.layers.linear import LinearBase, QKVParallelLinear
 from srt.lora.adapter import BaseShape, LoRAAdapter
 from srt.lora.backend import LoRABatchInfo, make_backend
 
@@ -44,10 +44,19 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 class LoRALinear:
     """A linear layer's LoRA: the layer calls it on its input and base output (`layer.lora`)."""
 
-    def __init__(self, manager: LoRAManager, layer: LinearBase, A: torch.Tensor, Bt: torch.Tensor, row_parallel: bool):
+    def __init__(
+        self,
+        manager: LoRAManager,
+        layer: LinearBase,
+        A: torch.Tensor,
+        Bt: torch.Tensor,
+        row_parallel: bool,
+        parts: list[int],
+    ):
         self.manager, self.layer = manager, layer
         self.A, self.Bt = A, Bt
         self.row_parallel = row_parallel
+        self.parts = parts  # this rank's output features of each fused part (their ranks: K / len(parts) each)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         info = self.manager.batch
@@ -55,9 +64,10 @@ class LoRALinear:
             return out
         backend = self.manager.backend
         if self.row_parallel and self.manager.tp_size > 1:
-            backend.expand(tensor_model_parallel_all_reduce(backend.shrink(x, self.A, info)), self.Bt, info, out)
+            xa = tensor_model_parallel_all_reduce(backend.shrink(x, self.A, info))
+            backend.expand(xa, self.Bt, info, out, self.parts)
         else:
-            backend.apply(x, self.A, self.Bt, info, out)
+            backend.apply(x, self.A, self.Bt, info, out, self.parts)
         return out
 
 
@@ -97,7 +107,11 @@ class LoRAManager:
                 K = R if row else P * R
                 A = torch.zeros(slots, K, n_in, dtype=dtype, device=device)
                 Bt = torch.zeros(slots, K, layer.output_size_per_partition, dtype=dtype, device=device)
-                lora = LoRALinear(self, layer, A, Bt, row)
+                if isinstance(layer, QKVParallelLinear):
+                    parts = [layer.q_size, layer.kv_size, layer.kv_size]
+                else:
+                    parts = [layer.output_size_per_partition // P] * P
+                lora = LoRALinear(self, layer, A, Bt, row, parts)
                 layer.lora = lora
                 per_layer[attr] = lora
             self.layers.append(per_layer)

@@ -547,11 +547,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         return ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
 
     def running_adapters(self) -> set[str]:
-        """Adapters of the running requests (a prefill batch joins them: the batch limit counts all)."""
+        """Adapters of the running requests, whose pool slots must stay (a prefill batch joins them:
+        the batch limit counts all)."""
         if self.lora is None:
             return set()
         chunked = [self.chunked_req] if self.chunked_req is not None else []
-        return {r.lora_name for r in self.running_batch.reqs + chunked if r.lora_name is not None}
+        launched = self.last_prefill.reqs if self.last_prefill is not None else []  # not yet in the running batch
+        return {r.lora_name for r in self.running_batch.reqs + chunked + launched if r.lora_name is not None}
 
     def admit_lora(self, req: Req, adapters: set[str]) -> bool:
         """Give req's adapter a pool slot (loading it when needed) if --max-loras-per-batch lets it

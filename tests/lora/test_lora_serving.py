@@ -29,14 +29,14 @@ SPECS = {
 }
 
 
-def peft_model(base: str, seed: int, **lora_kwargs):
+def peft_model(base: str, seed: int, adapter_name: str = "default", **lora_kwargs):
     """A PeftModel over `base` with random, non-zero A and B (init_lora_weights=False)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    pm = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora_kwargs))
+    pm = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora_kwargs), adapter_name=adapter_name)
     with torch.no_grad():  # strong enough to change greedy tokens of a random model
         for name, p in pm.named_parameters():
             if "lora_B" in name:
@@ -135,18 +135,7 @@ def test_mixed_batch_equals_peft_per_adapter(server, oracle):
     assert [o["output_ids"] for o in outs] == want
     assert len({tuple(w) for w in want}) == 4, "the adapters must change the output for the test to mean anything"
     # streamed, with the radix cache now holding every prompt under its own adapter
-    r = requests.post(
-        server.url + "/generate",
-        json={"input_ids": ids, "lora_path": loras, "sampling_params": GREEDY, "stream": True},
-        stream=True,
-        timeout=120,
-    )
-    assert r.status_code == 200
-    final: dict[int, list[int]] = {}
-    for line in r.iter_lines():
-        if line.startswith(b"data: ") and line != b"data: [DONE]":
-            chunk = json.loads(line[6:])
-            final[chunk["index"]] = chunk["output_ids"]
+    final = stream_outputs(server, {"input_ids": ids, "lora_path": loras, "sampling_params": GREEDY})
     assert [final[i] for i in range(4)] == want
 
 
@@ -313,18 +302,55 @@ def test_tensor_parallel_paged_overlap_equals_peft(server_factory, tiny_chat_mod
     assert tp.wait_idle()["integrity_ok"]
 
 
+def stream_outputs(server, body: dict) -> dict[int, list[int]]:
+    """A streamed batch /generate: each prompt's final output_ids, by index."""
+    r = requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=300)
+    assert r.status_code == 200, r.text
+    final: dict[int, list[int]] = {}
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            chunk = json.loads(line[6:])
+            final[chunk["index"]] = chunk["output_ids"]
+    return final
+
+
 def test_default_model_equals_peft(server_factory, default_model_path, tmp_path):
-    """SmolLM2-135M (dense float32 from its converted folder) with a rank-8 adapter on every projection."""
-    pm = peft_model(default_model_path, 7, r=8, lora_alpha=16, target_modules="all-linear")
-    pm.save_pretrained(str(tmp_path / "smol"))
+    """SmolLM2-135M (dense float32 from its converted folder) with three adapters of ranks 4 / 8 / 16
+    (q+v, the MLP, every projection) and the base model in one batch, streamed and not."""
+    from peft import LoraConfig
+
+    configs = {name: LoraConfig(init_lora_weights=False, **SPECS[name]) for name in ("a", "b", "c")}
+    pm = peft_model(default_model_path, 7, adapter_name="a", **SPECS["a"])
+    for name in ("b", "c"):
+        pm.add_adapter(name, configs[name])
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name and (".b." in name or ".c." in name):
+                p.mul_(4.0)  # as peft_model() scales "a"
+    pm.save_pretrained(str(tmp_path / "smol"))  # one sub-folder per adapter name
+    paths = {n: tmp_path / "smol" / n for n in ("a", "b", "c")}
     server = server_factory(
-        "--model-path", default_model_path, "--max-total-tokens", "4096", "--lora-paths", f"smol={tmp_path / 'smol'}"
+        "--model-path",
+        default_model_path,
+        "--max-total-tokens",
+        "4096",
+        "--lora-paths",
+        *(f"{n}={p}" for n, p in paths.items()),
     )
-    ids = prompts(2, salt=6, length=20)
-    loras = [None, "smol", "smol"]
-    outs = server.generate(input_ids=[ids[0], ids[1], ids[0]], lora_path=loras, sampling_params=GREEDY)
-    with pm.disable_adapter():
-        base = greedy(pm, ids[0])
-    want = [base, greedy(pm, ids[1]), greedy(pm, ids[0])]
+    ids = prompts(4, salt=6, length=20)
+    loras = [None, "a", "b", "c"]
+    want = []
+    for lora, p in zip(loras, ids):
+        if lora is None:
+            with pm.disable_adapter():
+                want.append(greedy(pm, p))
+        else:
+            pm.set_adapter(lora)
+            want.append(greedy(pm, p))
+    outs = server.generate(input_ids=ids, lora_path=loras, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == want
-    assert want[2] != want[0]
+    streamed = stream_outputs(server, {"input_ids": ids, "lora_path": loras, "sampling_params": GREEDY})
+    assert [streamed[i] for i in range(4)] == want
+    with pm.disable_adapter():
+        unchanged = [lora for lora, p, w in zip(loras[1:], ids[1:], want[1:]) if greedy(pm, p) == w]
+    assert not unchanged, f"adapters {unchanged} do not change their prompt's greedy tokens: the test would mean little"

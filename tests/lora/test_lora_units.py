@@ -72,7 +72,9 @@ def _delta_reference(x, A, Bt, slots_per_row):
 @pytest.mark.parametrize("backend_name", ["cpu", "torch_native", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backends_add_each_rows_adapter_delta(backend_name, dtype, request):
-    """Segments of several slots (a gap of base rows, rows past a 4-row block), one call per form."""
+    """Segments of several slots (a gap of base rows, rows past a 4-row block, one segment long enough
+    for the C++ backend to hand it to torch's GEMMs), a fused projection of 3 parts (each part's rank
+    block of Bt only feeds its own output features), one call per form."""
     from srt.lora.backend import make_backend
 
     if backend_name == "triton":
@@ -81,23 +83,27 @@ def test_backends_add_each_rows_adapter_delta(backend_name, dtype, request):
     backend = make_backend(backend_name, "cpu", ops)
     pool_dtype = backend.pool_dtype or dtype
     g = torch.Generator().manual_seed(0)
-    slots, rows = [1, -1, 3, 3, 0], [6, 2, 1, 3, 1]
+    slots, rows = [1, -1, 3, 3, 0, 2], [6, 2, 1, 3, 1, 70]
     per_row = [s for s, n in zip(slots, rows) for _ in range(n)]
+    parts, rank = [16, 12, 12], 8  # q, k, v of one fused projection, K = 3 x 8
     x = torch.randn(len(per_row), 48, generator=g).to(dtype)
     A = (torch.randn(4, 24, 48, generator=g) * 0.2).to(pool_dtype)
-    Bt = (torch.randn(4, 24, 40, generator=g) * 0.2).to(pool_dtype)
+    Bt = torch.zeros(4, 24, 40)
+    for p, (start, size) in enumerate(zip([0, 16, 28], parts)):
+        Bt[:, p * rank : (p + 1) * rank, start : start + size] = torch.randn(4, rank, size, generator=g) * 0.2
+    Bt = Bt.to(pool_dtype)
     base = torch.randn(len(per_row), 40, generator=g).to(dtype)
     info = LoRABatchInfo.build(slots, rows, "cpu")
-    assert info is not None
+    assert info is not None and info.long == [(2, 13, 70)]
     tol: dict[str, Any] = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
     out = base.clone()
-    backend.apply(x, A, Bt, info, out)
+    backend.apply(x, A, Bt, info, out, parts)
     want = base.float() + _delta_reference(x, A, Bt, per_row)
     torch.testing.assert_close(out.float(), want, **tol)
     assert torch.equal(out[6:8], base[6:8])  # base rows untouched
     # the two-phase form (tensor-parallel row layers reduce xa in between) gives the same
     out2 = base.clone()
-    backend.expand(backend.shrink(x, A, info), Bt, info, out2)
+    backend.expand(backend.shrink(x, A, info), Bt, info, out2, parts)
     torch.testing.assert_close(out2.float(), want, **tol)
 
 

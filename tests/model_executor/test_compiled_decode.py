@@ -1,7 +1,11 @@
 """--enable-torch-compile: bucketed, padded decode graphs compiled in the background give the same
-greedy tokens as eager, for every architecture family and with the prefix read in place."""
+greedy tokens as eager, for every architecture family and with the prefix read in place; with LoRA
+enabled, batches that use an adapter run eagerly with the eager runner's tokens."""
+
+import dataclasses
 
 import pytest
+import torch
 
 from srt.model_executor.compiled_decode import CompiledDecodeRunner, bucket_sizes, compiled_graph_count
 from srt.model_executor.static_batch import StaticBatchGenerator
@@ -21,9 +25,11 @@ def test_compiled_decode_matches_eager(tiny_model_factory, runner_factory, archi
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile
     path = tiny_model_factory(architecture)
     prompts = [list(range(3 + i, 20 + 7 * i)) for i in range(3)]  # ragged; 3 rows pad to bucket 4
-    eager = StaticBatchGenerator(runner_factory(path)).generate(prompts, GREEDY)
+    lora = dict(enable_lora=True, max_loaded_loras=1, max_loras_per_batch=1, max_lora_rank=4)
+    eager_runner = runner_factory(path, **lora)
+    eager = StaticBatchGenerator(eager_runner).generate(prompts, GREEDY)
 
-    runner = runner_factory(path, enable_torch_compile=True, torch_compile_max_bs=4)
+    runner = runner_factory(path, enable_torch_compile=True, torch_compile_max_bs=4, **lora)
     compiled = runner.compiled_decode
     assert compiled.buckets == [1, 2, 4]
     assert compiled.wait(timeout=900), compiled.status()
@@ -38,6 +44,29 @@ def test_compiled_decode_matches_eager(tiny_model_factory, runner_factory, archi
     single = StaticBatchGenerator(runner).generate(prompts[:1], GREEDY)
     assert single[0].output_ids == eager[0].output_ids
     assert compiled_graph_count() == graphs  # real batches hit the graphs compiled on dummy ones
+    # an adapter in the batch: eager (the graphs hold no LoRA), the same tokens as the eager runner
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from srt.lora.adapter import load_adapter
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(path),
+        LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+    )
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+
+    def with_adapter(r):
+        m = r.lora_manager
+        m.load(0, load_adapter(str(tmp_path / "adapter"), m.base, m.max_rank, m.targets))
+        forward = lambda fb: r.forward(dataclasses.replace(fb, lora_slots_cpu=[0, -1, 0][: fb.batch_size]))  # noqa: E731
+        return [x.output_ids for x in StaticBatchGenerator(r, forward).generate(prompts, GREEDY)]
+
+    calls.clear()
+    want = with_adapter(eager_runner)
+    assert with_adapter(runner) == want and not calls
+    assert want[1] == eager[1].output_ids and want != [r.output_ids for r in eager]
 
 
 def test_compile_failure_keeps_decode_eager(tiny_model_factory, runner_factory, monkeypatch, caplog):
