@@ -165,9 +165,9 @@ class CpuBackend:
         x = x.contiguous()
         if info.short_flat:
             self.ops.lora_apply(x, A, Bt, out, info.short_flat, parts)
-        for slot, a, n in info.long:
-            delta = torch.mm(torch.mm(x[a : a + n].float(), A[slot].t()), Bt[slot])
-            out[a : a + n] += delta.to(out.dtype)
+        for slot, a, n in info.long:  # in the activations' dtype (AMX for bf16): no float32 copies of x or out
+            xs = x[a : a + n]
+            out[a : a + n].addmm_(torch.mm(xs, A[slot].t().to(xs.dtype)), Bt[slot].to(out.dtype))
 
 
 def check_lora_backend(name: str, device: str) -> None:
