@@ -15,6 +15,8 @@ ADMIN_PATHS = {
     "/start_profile",
     "/stop_profile",
     "/configure_logging",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
 }
 
 
