@@ -180,13 +180,11 @@ class Engine:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
         """Register a LoRA adapter (POST /load_lora_adapter): {success, error_message, loaded_adapters}."""
-        out = self._run(self.tokenizer_manager.load_lora_adapter(LoRARef(lora_name, lora_path, pinned)))
-        return {"success": out.success, "error_message": out.message or None, "loaded_adapters": out.loaded_adapters}
+        return self._run(self.tokenizer_manager.load_lora_adapter(LoRARef(lora_name, lora_path, pinned))).to_json()
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unregister a LoRA adapter once its requests have finished (POST /unload_lora_adapter)."""
-        out = self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
-        return {"success": out.success, "error_message": out.message or None, "loaded_adapters": out.loaded_adapters}
+        return self._run(self.tokenizer_manager.unload_lora_adapter(lora_name)).to_json()
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success

@@ -442,7 +442,7 @@ async def clear_hicache_storage_backend(request: Request) -> Response:
 
 def _lora_reply(out: LoRAUpdateOutput) -> Response:
     """SGLang's LoRA update reply: success, error_message, loaded_adapters (name -> path)."""
-    body = {"success": out.success, "error_message": out.message or None, "loaded_adapters": out.loaded_adapters}
+    body = out.to_json()
     if out.success:
         return json_response(body)
     return json_response({**body, "error": {"message": out.message, "code": 400}}, 400)

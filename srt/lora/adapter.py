@@ -39,6 +39,11 @@ class LoRARef:
         return {"lora_name": self.name, "lora_path": self.path, "pinned": self.pinned}
 
 
+def not_loaded(what: str, names) -> str:
+    """The message for a request naming an adapter the server does not have (HTTP 400)."""
+    return f"{what} is not loaded (loaded adapters: {', '.join(sorted(names)) or 'none'})"
+
+
 def parse_lora_paths(entries: list[str] | None) -> list[LoRARef]:
     """--lora-paths values: `PATH` (named after its folder), `NAME=PATH`, or a JSON object
     {"lora_name", "lora_path", "pinned"}."""

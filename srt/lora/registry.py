@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from srt.lora.adapter import LoRAAdapter, LoRAError, LoRARef, load_adapter
+from srt.lora.adapter import LoRAAdapter, LoRAError, LoRARef, load_adapter, not_loaded
 from srt.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
@@ -86,8 +86,8 @@ class LoRARegistry:
         """The entry a new request for `name` runs under."""
         entry = self.entries.get(name)
         if entry is None or entry.unload_rid is not None:
-            loaded = ", ".join(sorted(n for n, e in self.entries.items() if e.unload_rid is None)) or "none"
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded adapters: {loaded})")
+            loaded = [n for n, e in self.entries.items() if e.unload_rid is None]
+            raise LoRAError(not_loaded(f"LoRA adapter {name!r}", loaded))
         return entry
 
     def slot_for(self, name: str, live: set[str]) -> int | None:

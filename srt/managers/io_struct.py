@@ -326,6 +326,10 @@ class LoRAUpdateOutput:
     message: str = ""
     loaded_adapters: dict[str, str] = field(default_factory=dict)  # name -> path, after the update
 
+    def to_json(self) -> dict[str, Any]:
+        """SGLang's reply shape (/load_lora_adapter, /unload_lora_adapter, the Engine's methods)."""
+        return {"success": self.success, "error_message": self.message or None, "loaded_adapters": self.loaded_adapters}
+
 
 @dataclass(kw_only=True)
 class ProfileReq:

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from srt.hf_transformers_utils import get_tokenizer
-from srt.lora.adapter import LoRARef, parse_lora_paths
+from srt.lora.adapter import LoRARef, not_loaded, parse_lora_paths
 from srt.managers.io_struct import (
     FINISH_ABORT,
     AbortReq,
@@ -305,8 +305,7 @@ class TokenizerManager:
             return lora_path
         by_path = next((n for n, p in self.lora_adapters.items() if p == lora_path), None)
         if by_path is None:
-            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
-            raise InvalidRequest(f"LoRA adapter {lora_path!r} is not loaded (loaded adapters: {loaded})")
+            raise InvalidRequest(not_loaded(f"LoRA adapter {lora_path!r}", self.lora_adapters))
         return by_path
 
     def _token_ids_logprob(self, ids) -> list[int] | None:
@@ -615,8 +614,7 @@ class TokenizerManager:
         if not self.server_args.enable_lora:
             raise InvalidRequest("this server serves no LoRA adapters: start it with --enable-lora")
         if name not in self.lora_adapters:
-            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
-            raise InvalidRequest(f"lora_name = {name!r} is not loaded (loaded adapters: {loaded})")
+            raise InvalidRequest(not_loaded(f"lora_name = {name!r}", self.lora_adapters))
         path = self.lora_adapters.pop(name)
         req = UnloadLoRAAdapterReq(lora_name=name)
         try:

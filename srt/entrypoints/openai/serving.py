@@ -24,6 +24,7 @@ from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionReq
 from srt.function_call import FunctionCallParser, ToolCallStream, ToolError, check_tool_choice, check_tools
 from srt.function_call.core import new_call_id
 from srt.function_call.smollm2 import SmolLM2Detector
+from srt.lora.adapter import not_loaded
 from srt.managers.io_struct import GenerateReqInput, InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
 from srt.parser.reasoning_parser import ReasoningParser
@@ -159,12 +160,8 @@ class OpenAIServing:
         if ":" in req.model:
             adapter = req.model.split(":", 1)[1]
             if adapter not in self.tm.lora_adapters:
-                loaded = ", ".join(sorted(self.tm.lora_adapters)) or "none"
-                raise OpenAIError(
-                    400,
-                    f"model {req.model!r} names LoRA adapter {adapter!r}, which is not loaded (loaded: {loaded})",
-                    "model",
-                )
+                what = f"model {req.model!r} names LoRA adapter {adapter!r}, which"
+                raise OpenAIError(400, not_loaded(what, self.tm.lora_adapters), "model")
             return adapter
         return None
 
