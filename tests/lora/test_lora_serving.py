@@ -354,3 +354,19 @@ def test_default_model_equals_peft(server_factory, default_model_path, tmp_path)
     with pm.disable_adapter():
         unchanged = [lora for lora, p, w in zip(loras[1:], ids[1:], want[1:]) if greedy(pm, p) == w]
     assert not unchanged, f"adapters {unchanged} do not change their prompt's greedy tokens: the test would mean little"
+
+
+def test_engine_loads_serves_and_unloads_adapters(tiny_chat_model, adapters, oracle):
+    """The in-process Engine: load_lora_adapter, generate(lora_path=...) and unload_lora_adapter."""
+    from srt.entrypoints.engine import Engine
+    from srt.managers.io_struct import InvalidRequest
+
+    ids = prompts(2, salt=7)
+    with Engine(model_path=tiny_chat_model, dtype="float32", max_total_tokens=4096, enable_lora=True) as engine:
+        out = engine.load_lora_adapter("b", adapters["b"])
+        assert out == {"success": True, "error_message": None, "loaded_adapters": {"b": adapters["b"]}}
+        outs = engine.generate(input_ids=ids, lora_path=["b", None], sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [oracle.greedy("b", ids[0]), oracle.greedy(None, ids[1])]
+        assert engine.unload_lora_adapter("b")["success"]
+        with pytest.raises(InvalidRequest, match="'b' is not loaded"):
+            engine.generate(input_ids=ids[0], lora_path="b", sampling_params=GREEDY)
