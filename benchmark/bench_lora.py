@@ -49,29 +49,12 @@ import httpx  # noqa: E402
 from bench_quant import cpu_busy, cpu_line, cpu_summary, our_server  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from srt.lora.adapter import TARGET_MODULES as TARGETS  # noqa: E402
+from srt.lora.adapter import BaseShape  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GOAL = 0.7  # the most-adapters workload's output tok/s over the base-only one's
 GOAL_ADAPTERS = 8
-
-
-def projection_shapes(config: dict) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(num_hidden_layers, module -> (in_features, out_features)) of a Llama-family config.json."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    shapes = {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-    return config["num_hidden_layers"], shapes
 
 
 def write_random_adapter(
@@ -93,7 +76,8 @@ def write_random_adapter(
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise ValueError(f"targets {list(targets)}: choose one or more of {', '.join(TARGETS)}")
-    num_layers, shapes = projection_shapes(config)
+    base = BaseShape.from_hf_config(argparse.Namespace(**config))  # the sizes the server checks adapters against
+    num_layers, shapes = base.num_layers, base.in_out
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(num_layers):

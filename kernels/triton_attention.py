@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from kernels.triton_ops import check_device, interpreting, jit, tl, triton
+from kernels.triton_ops import check_device, dot_config, interpreting, jit, tl, triton
 
 LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -61,15 +61,6 @@ def choose_num_kv_splits(batch: int, max_seq_len: int, num_sms: int) -> int:
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _dot_config(dtype: torch.dtype) -> dict:
-    """Operand dtype and input precision of the kernels' dots (see the module docstring)."""
-    if interpreting():
-        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="ieee")
-    if dtype not in (torch.float16, torch.bfloat16):
-        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="tf32x3")
-    return dict(MMA_DTYPE=tl.float16 if dtype == torch.float16 else tl.bfloat16, DOT_PRECISION="tf32")
 
 
 def _check_common(name: str, q, k_buffer, v_buffer, o, req_to_token, tokens_dim: str) -> None:
@@ -477,7 +468,7 @@ def decode_attention_fwd(
         BLOCK_DV=block_dv,
         BLOCK_N=block_n,
         NUM_KV_SPLITS=num_kv_splits,
-        **_dot_config(q.dtype),
+        **dot_config(q.dtype),
         KV_FORMAT=kv_format,
         num_warps=4,
         num_stages=2,
@@ -738,7 +729,7 @@ def extend_attention_fwd(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
-        **_dot_config(q.dtype),
+        **dot_config(q.dtype),
         KV_FORMAT=kv_format,
         TREE=tree,
         num_warps=warps,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_ops import check_device, interpreting, jit, tl, triton
+from kernels.triton_ops import check_device, dot_config, interpreting, jit, tl, triton
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -186,14 +186,6 @@ def _check_segments(name: str, ref: torch.Tensor, seg_start, seg_len, seg_slot, 
     return seg_start.shape[0]
 
 
-def _shrink_dot_config(dtype: torch.dtype) -> dict:
-    if interpreting():
-        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="ieee")
-    if dtype == torch.float32:
-        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="tf32x3")
-    return dict(MMA_DTYPE=tl.float16 if dtype == torch.float16 else tl.bfloat16, DOT_PRECISION="tf32")
-
-
 def sgmv_shrink(x, A, seg_start, seg_len, seg_slot, max_seg_len: int) -> torch.Tensor:
     """xa[T, K] (float32): for each segment g, rows r in [seg_start[g], seg_start[g]+seg_len[g]):
     xa[r] = x[r] @ A[seg_slot[g]].T ; rows in no segment are 0.
@@ -227,7 +219,7 @@ def sgmv_shrink(x, A, seg_start, seg_len, seg_slot, max_seg_len: int) -> torch.T
         A.stride(1),
         A.stride(2),
         xa.stride(0),
-        **_shrink_dot_config(x.dtype),
+        **dot_config(x.dtype),
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         BLOCK_IN=block_in,
@@ -276,7 +268,7 @@ def sgmv_expand(xa, B, seg_start, seg_len, seg_slot, max_seg_len: int, out) -> N
         B.stride(2),
         out.stride(0),
         out.stride(1),
-        DOT_PRECISION="ieee" if interpreting() else "tf32x3",
+        DOT_PRECISION=dot_config(torch.float32)["DOT_PRECISION"],  # xa is float32
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -44,6 +44,16 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def dot_config(dtype: torch.dtype) -> dict:
+    """Operand dtype and input precision of a kernel's dots over `dtype` inputs: the 16-bit storage
+    dtype with float32 accumulation, 3xTF32 (float32 accuracy) for float32, float32 under the interpreter."""
+    if interpreting():
+        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="ieee")
+    if dtype not in (torch.float16, torch.bfloat16):
+        return dict(MMA_DTYPE=tl.float32, DOT_PRECISION="tf32x3")
+    return dict(MMA_DTYPE=tl.float16 if dtype == torch.float16 else tl.bfloat16, DOT_PRECISION="tf32")
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     if not interpreting() and not all(t.is_cuda for t in tensors):
         devices = sorted({str(t.device) for t in tensors})

@@ -39,19 +39,26 @@ class FusedDecodeLayer:
         self.cos, self.sin = attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache
         self.scaling = attn.attn.scaling
         self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        # (LoRA manager, pools): looked up on the first call (the pools are attached after this layer
+        # is fused, before any forward) and never change
+        self.lora: tuple[Any, list[torch.Tensor]] | None = None
+        self.lora_looked_up = False
 
     def lora_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """The (A, Bt) pools of the four projections and the batch's segments for the C++ LoRA
         kernels; ([], []) when no row uses an adapter; None when the LoRA backend is not the C++ one."""
-        loras = [m.lora for m in self.linears]
-        lora = next((x for x in loras if x is not None), None)
-        if lora is None or lora.manager.batch is None:
+        if not self.lora_looked_up:
+            self.lora_looked_up = True
+            loras = [m.lora for m in self.linears]
+            lora = next((x for x in loras if x is not None), None)
+            if lora is not None:
+                empty = torch.empty(0)
+                pools = [t for x in loras for t in ((x.A, x.Bt) if x is not None else (empty, empty))]
+                self.lora = lora.manager, pools
+        if self.lora is None or self.lora[0].batch is None:
             return [], []
-        if lora.manager.backend.name != "cpu":
-            return None
-        empty = torch.empty(0)
-        pools = [t for x in loras for t in ((x.A, x.Bt) if x is not None else (empty, empty))]
-        return pools, lora.manager.batch.flat
+        manager, pools = self.lora
+        return (pools, manager.batch.flat) if manager.backend.name == "cpu" else None
 
     def __call__(self, positions, hidden: torch.Tensor, fb, residual):
         backend = fb.attn_backend

@@ -18,6 +18,7 @@ Backends (`--lora-backend`):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -34,50 +35,74 @@ class LoRABatchInfo:
     """The adapter segments of one forward pass: rows [start, start + length) use pool slot `slot`."""
 
     segments: list[tuple[int, int, int]]  # (slot, start, length), slot >= 0, in row order
-    flat: list[int]  # the same, flattened (the C++ kernels' argument)
-    short_flat: list[int]  # segments under CpuBackend.LONG_SEGMENT rows, flattened
-    long: list[tuple[int, int, int]]  # the others
-    seg_start: torch.Tensor  # [G] int64, on the device (the triton kernels read these)
-    seg_len: torch.Tensor
-    seg_slot: torch.Tensor
-    max_len: int
+    device: torch.device | str
 
     @classmethod
     def build(cls, slots: list[int], rows: list[int], device) -> LoRABatchInfo | None:
         """Segments from each request's pool slot (-1: the base model) and row count; None when no
         row uses an adapter. Neighbouring requests of one adapter merge into one segment."""
-        segments: list[list[int]] = []
+        segments: list[tuple[int, int, int]] = []
         start = 0
         for slot, n in zip(slots, rows):
             if slot >= 0 and n > 0:
-                if segments and segments[-1][0] == slot and segments[-1][1] + segments[-1][2] == start:
-                    segments[-1][2] += n
+                if segments and segments[-1][0] == slot and sum(segments[-1][1:]) == start:
+                    segments[-1] = (slot, segments[-1][1], segments[-1][2] + n)
                 else:
-                    segments.append([slot, start, n])
+                    segments.append((slot, start, n))
             start += n
-        if not segments:
-            return None
-        # one transfer; each column contiguous (the kernels index them as flat arrays)
-        t = torch.tensor(list(zip(*segments)), dtype=torch.int64).to(device, non_blocking=True)
-        long = [(s, a, n) for s, a, n in segments if n >= CpuBackend.LONG_SEGMENT]
-        return cls(
-            [(s, a, n) for s, a, n in segments],
-            [v for seg in segments for v in seg],
-            [v for seg in segments if seg[2] < CpuBackend.LONG_SEGMENT for v in seg],
-            long,
-            t[1],
-            t[2],
-            t[0],
-            max(n for _, _, n in segments),
+        return cls(segments, device) if segments else None
+
+    @functools.cached_property
+    def flat(self) -> list[int]:
+        """The segments flattened (the C++ kernels' argument)."""
+        return [v for seg in self.segments for v in seg]
+
+    @functools.cached_property
+    def max_len(self) -> int:
+        return max(n for _, _, n in self.segments)
+
+    @functools.cached_property
+    def seg_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(start, length, slot) per segment, int64 on the device, each contiguous (the Triton kernels
+        index them as flat arrays); built once per forward, on first use."""
+        slot, start, length = torch.tensor(list(zip(*self.segments)), dtype=torch.int64).to(
+            self.device, non_blocking=True
         )
+        return start, length, slot
 
 
-class TorchNativeBackend:
-    name = "torch_native"
-    pool_dtype: torch.dtype | None = None  # the model's
+class LoRABackend:
+    """Adds a batch's LoRA deltas to a projection's output: `shrink` (x @ A.T per segment, zero
+    elsewhere) and `expand` (out += xa @ Bt per segment), or both at once with `apply`. `parts`: the
+    output features of each fused part (their ranks are K / len(parts) each)."""
+
+    name = ""
+    pool_dtype: torch.dtype | None = None  # None: the model's
 
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        """xa [T, K]: x @ A[slot].T on each segment's rows, zero elsewhere."""
+        raise NotImplementedError
+
+    def expand(
+        self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor, parts: list[int]
+    ) -> None:
+        raise NotImplementedError
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        Bt: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        parts: list[int],
+    ) -> None:
+        self.expand(self.shrink(x, A, info), Bt, info, out, parts)
+
+
+class TorchNativeBackend(LoRABackend):
+    name = "torch_native"
+
+    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         xa = x.new_zeros(x.shape[0], A.shape[1])
         for slot, a, n in info.segments:
             torch.mm(x[a : a + n], A[slot].t(), out=xa[a : a + n])
@@ -98,14 +123,13 @@ class TorchNativeBackend:
         out: torch.Tensor,
         parts: list[int],
     ) -> None:
-        """out += the LoRA delta, segment by segment (shrink and expand without a full-size xa)."""
+        """Segment by segment, without a full-size xa."""
         for slot, a, n in info.segments:
             out[a : a + n].addmm_(torch.mm(x[a : a + n], A[slot].t()), Bt[slot])
 
 
-class TritonBackend:
+class TritonBackend(LoRABackend):
     name = "triton"
-    pool_dtype: torch.dtype | None = None  # the model's
 
     def __init__(self):
         from kernels import triton_lora
@@ -113,27 +137,16 @@ class TritonBackend:
         self.kernels = triton_lora
 
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        return self.kernels.sgmv_shrink(x, A, info.seg_start, info.seg_len, info.seg_slot, info.max_len)
+        return self.kernels.sgmv_shrink(x, A, *info.seg_tensors, info.max_len)
 
     def expand(
         self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor, parts: list[int]
     ) -> None:
         B = Bt.transpose(1, 2)  # [slots, out, K] view: the kernels take strides
-        self.kernels.sgmv_expand(xa, B, info.seg_start, info.seg_len, info.seg_slot, info.max_len, out)
-
-    def apply(
-        self,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        Bt: torch.Tensor,
-        info: LoRABatchInfo,
-        out: torch.Tensor,
-        parts: list[int],
-    ) -> None:
-        self.expand(self.shrink(x, A, info), Bt, info, out, parts)
+        self.kernels.sgmv_expand(xa, B, *info.seg_tensors, info.max_len, out)
 
 
-class CpuBackend:
+class CpuBackend(LoRABackend):
     """kernels/csrc/cpu_lora.cpp for short segments (decode: one call per projection for every
     segment); torch's GEMMs for segments of LONG_SEGMENT rows or more (prefill), where they run at
     full speed. The pool is float32 whatever the activations."""
@@ -163,11 +176,16 @@ class CpuBackend:
         parts: list[int],
     ) -> None:
         x = x.contiguous()
-        if info.short_flat:
-            self.ops.lora_apply(x, A, Bt, out, info.short_flat, parts)
-        for slot, a, n in info.long:  # in the activations' dtype (AMX for bf16): no float32 copies of x or out
-            xs = x[a : a + n]
-            out[a : a + n].addmm_(torch.mm(xs, A[slot].t().to(xs.dtype)), Bt[slot].to(out.dtype))
+        if info.max_len < self.LONG_SEGMENT:  # decode: every segment in one call
+            self.ops.lora_apply(x, A, Bt, out, info.flat, parts)
+            return
+        short = [v for seg in info.segments if seg[2] < self.LONG_SEGMENT for v in seg]
+        if short:
+            self.ops.lora_apply(x, A, Bt, out, short, parts)
+        for slot, a, n in info.segments:
+            if n >= self.LONG_SEGMENT:  # in the activations' dtype (AMX for bf16): no float32 copies
+                xs = x[a : a + n]
+                out[a : a + n].addmm_(torch.mm(xs, A[slot].t().to(xs.dtype)), Bt[slot].to(out.dtype))
 
 
 def check_lora_backend(name: str, device: str) -> None:
@@ -181,7 +199,7 @@ def check_lora_backend(name: str, device: str) -> None:
         raise ValueError("--lora-backend cpu runs on the CPU; on a GPU use triton or torch_native (or auto)")
 
 
-def make_backend(name: str, device: str, cpu_ops=None):
+def make_backend(name: str, device: str, cpu_ops=None) -> LoRABackend:
     """auto: triton on CUDA, the C++ kernels on a CPU where they built, else torch_native."""
     if name == "auto":
         name = "triton" if device == "cuda" else "cpu" if cpu_ops is not None else "torch_native"

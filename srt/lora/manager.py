@@ -26,8 +26,9 @@ from torch import nn
 
 from srt.distributed import tensor_model_parallel_all_reduce
 from srt.layers.linear import LinearBase, QKVParallelLinear
-from srt.lora.adapter import BaseShape, LoRAAdapter
+from srt.lora.adapter import BaseShape, LoRAAdapter, load_adapter
 from srt.lora.backend import LoRABatchInfo, make_backend
+from srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +102,14 @@ class LoRAManager:
                 if not targets & set(modules):
                     continue
                 layer: LinearBase = getattr(getattr(decoder, parent), attr)
-                P = len(modules)
-                row = attr in ROW_PARALLEL
-                n_in = layer.input_size_per_partition if row else self.base.in_out[modules[0]][0]
-                K = R if row else P * R
-                A = torch.zeros(slots, K, n_in, dtype=dtype, device=device)
-                Bt = torch.zeros(slots, K, layer.output_size_per_partition, dtype=dtype, device=device)
+                P = len(modules)  # row-parallel projections are single: K = R
+                A = torch.zeros(slots, P * R, layer.input_size_per_partition, dtype=dtype, device=device)
+                Bt = torch.zeros(slots, P * R, layer.output_size_per_partition, dtype=dtype, device=device)
                 if isinstance(layer, QKVParallelLinear):
                     parts = [layer.q_size, layer.kv_size, layer.kv_size]
                 else:
                     parts = [layer.output_size_per_partition // P] * P
-                lora = LoRALinear(self, layer, A, Bt, row, parts)
+                lora = LoRALinear(self, layer, A, Bt, attr in ROW_PARALLEL, parts)
                 layer.lora = lora
                 per_layer[attr] = lora
             self.layers.append(per_layer)
@@ -126,6 +124,10 @@ class LoRAManager:
             self.pool_bytes / 2**20,
             self.backend.name,
         )
+
+    def read(self, path: str) -> LoRAAdapter:
+        """An adapter folder, checked against this pool (its base model, rank and targets)."""
+        return load_adapter(path, self.base, self.max_rank, self.targets)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy an adapter (checked against this pool: srt/lora/adapter.py load_adapter) into a slot."""
@@ -153,10 +155,13 @@ class LoRAManager:
                             rows = b[piece.src_row : piece.src_row + piece.rows]
                             lora.Bt[slot, p * R : p * R + r, piece.dst_row : piece.dst_row + piece.rows].copy_(rows.t())
 
-    def begin(self, slots: list[int] | None, rows: list[int]) -> bool:
+    def begin(self, fb: ForwardBatch) -> bool:
         """Set the segments of the forward pass about to run; False (nothing set) when no row of it
         uses an adapter."""
-        self.batch = None if slots is None else LoRABatchInfo.build(slots, rows, self.device)
+        self.batch = None
+        if fb.lora_slots_cpu is not None:
+            rows = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else [1] * fb.batch_size
+            self.batch = LoRABatchInfo.build(fb.lora_slots_cpu, rows, self.device)
         return self.batch is not None
 
     def end(self) -> None:

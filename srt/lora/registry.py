@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from srt.lora.adapter import LoRAAdapter, LoRAError, LoRARef, load_adapter, not_loaded
+from srt.lora.adapter import LoRAAdapter, LoRAError, LoRARef, not_loaded
 from srt.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ class LoRARegistry:
         self.loads = 0  # adapters copied into a slot, start-up included
         self.evictions = 0
 
-    def read(self, path: str) -> LoRAAdapter:
-        m = self.manager
-        return load_adapter(path, m.base, m.max_rank, m.targets)
-
     def register(self, ref: LoRARef, live: set[str]) -> None:
         """Check and register an adapter; it goes into a slot now when one is free or evictable."""
         if ref.name in self.entries:
@@ -68,7 +64,7 @@ class LoRARegistry:
                 f"pinning {ref.name!r} would pin {pinned + 1} adapters in a pool of {self.manager.slots} slots "
                 f"(--max-loaded-loras); at least one slot must stay free for unpinned adapters"
             )
-        adapter = self.read(ref.path)
+        adapter = self.manager.read(ref.path)
         entry = Entry(ref, adapter.uid, adapter.rank)
         if not self._place(entry, adapter, live) and ref.pinned:
             raise LoRAError(f"no pool slot is free for the pinned adapter {ref.name!r}: every slot is in use")
@@ -82,12 +78,18 @@ class LoRARegistry:
             f" in slot {entry.slot}" if entry.slot is not None else "; loads on demand",
         )
 
+    def adapters(self) -> dict[str, str]:
+        """name -> path of the adapters new requests may use (not those being unloaded)."""
+        return {name: e.ref.path for name, e in self.entries.items() if e.unload_rid is None}
+
+    def unloading(self) -> bool:
+        return any(e.unload_rid is not None for e in self.entries.values())
+
     def accepts(self, name: str) -> Entry:
         """The entry a new request for `name` runs under."""
         entry = self.entries.get(name)
         if entry is None or entry.unload_rid is not None:
-            loaded = [n for n, e in self.entries.items() if e.unload_rid is None]
-            raise LoRAError(not_loaded(f"LoRA adapter {name!r}", loaded))
+            raise LoRAError(not_loaded(f"LoRA adapter {name!r}", self.adapters()))
         return entry
 
     def slot_for(self, name: str, live: set[str]) -> int | None:
@@ -95,7 +97,7 @@ class LoRARegistry:
         an adapter that `live` (adapters of running requests) or pinning keeps."""
         entry = self.entries[name]
         self.clock += 1
-        if entry.slot is None and not self._place(entry, self.read(entry.ref.path), live):
+        if entry.slot is None and not self._place(entry, self.manager.read(entry.ref.path), live):
             return None
         entry.last_used = self.clock
         return entry.slot
@@ -166,7 +168,7 @@ class LoRARegistry:
 
 def follower_load(manager: LoRAManager, msg: dict) -> None:
     """A tensor-parallel follower's side of a posted load: the same adapter into the same slot."""
-    adapter = load_adapter(msg["path"], manager.base, manager.max_rank, manager.targets)
+    adapter = manager.read(msg["path"])
     if adapter.uid != msg["uid"]:
         raise RuntimeError(f"LoRA adapter {msg['path']!r} changed on disk while loading: ranks would disagree")
     manager.load(msg["slot"], adapter)

@@ -360,9 +360,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         )
         self.track_deadline(req)
         if recv.lora_name is not None:
+            assert self.lora is not None, "the tokenizer manager refuses lora_path without --enable-lora"
             try:
-                if self.lora is None:
-                    raise LoRAError("lora_path needs a server started with --enable-lora (or --lora-paths)")
                 entry = self.lora.accepts(recv.lora_name)
             except LoRAError as e:
                 self.fail_request(req, str(e))
@@ -570,9 +569,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
 
     def update_lora(self, msg: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> None:
         """A load is answered at once; an unload once the adapter's requests have finished."""
+        assert self.lora is not None, "the tokenizer manager refuses LoRA updates without --enable-lora"
         try:
-            if self.lora is None:
-                raise LoRAError("LoRA is off on this server: start it with --enable-lora")
             if isinstance(msg, LoadLoRAAdapterReq):
                 ref = LoRARef(msg.lora_name, msg.lora_path, msg.pinned)
                 self.lora.register(ref, self.running_adapters())
@@ -582,19 +580,18 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         except LoRAError as e:
             self.send_to_tokenizer.send_pyobj(LoRAUpdateOutput(rid=msg.rid, success=False, message=str(e)))
             return
-        self.send_to_tokenizer.send_pyobj(LoRAUpdateOutput(rid=msg.rid, success=True, loaded_adapters=self.adapters()))
-
-    def adapters(self) -> dict[str, str]:
-        assert self.lora is not None
-        return {name: e.ref.path for name, e in self.lora.entries.items() if e.unload_rid is None}
+        out = LoRAUpdateOutput(rid=msg.rid, success=True, loaded_adapters=self.lora.adapters())
+        self.send_to_tokenizer.send_pyobj(out)
 
     def finish_lora_unloads(self) -> None:
         assert self.lora is not None
-        if not any(e.unload_rid is not None for e in self.lora.entries.values()):
+        if not self.lora.unloading():
             return
         reqs = self.all_live_reqs() + [r for r, _, _ in self.grammar_queue]
         for name, rid in self.lora.finish_unloads({r.lora_name for r in reqs if r.lora_name is not None}):
-            out = LoRAUpdateOutput(rid=rid, success=True, message=f"unloaded {name}", loaded_adapters=self.adapters())
+            out = LoRAUpdateOutput(
+                rid=rid, success=True, message=f"unloaded {name}", loaded_adapters=self.lora.adapters()
+            )
             self.send_to_tokenizer.send_pyobj(out)
 
     def load_back(self, req: Req, hicache: HiRadixCache) -> None:

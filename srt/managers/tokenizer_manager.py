@@ -291,16 +291,17 @@ class TokenizerManager:
             )
         return host, port, room
 
+    def _require_lora(self, what: str) -> None:
+        if not self.server_args.enable_lora:
+            raise InvalidRequest(f"{what}: this server serves no LoRA adapters (start it with --enable-lora)")
+
     def _lora_name(self, lora_path) -> str | None:
         """The adapter a prompt runs under: `lora_path` names it (or gives its registered path)."""
         if lora_path is None:
             return None
         if not isinstance(lora_path, str):
             raise InvalidRequest(f"lora_path = {lora_path!r} must be an adapter name, or null for the base model")
-        if not self.server_args.enable_lora:
-            raise InvalidRequest(
-                f"lora_path = {lora_path!r}: this server serves no LoRA adapters (start it with --enable-lora)"
-            )
+        self._require_lora(f"lora_path = {lora_path!r}")
         if lora_path in self.lora_adapters:
             return lora_path
         by_path = next((n for n, p in self.lora_adapters.items() if p == lora_path), None)
@@ -598,8 +599,7 @@ class TokenizerManager:
 
     async def load_lora_adapter(self, ref: LoRARef, timeout: float = 300.0) -> LoRAUpdateOutput:
         """Register an adapter on every data-parallel replica (each checks and loads it)."""
-        if not self.server_args.enable_lora:
-            raise InvalidRequest("this server serves no LoRA adapters: start it with --enable-lora")
+        self._require_lora(f"loading LoRA adapter {ref.name!r}")
         req = LoadLoRAAdapterReq(lora_name=ref.name, lora_path=ref.path, pinned=ref.pinned)
         replies: list[LoRAUpdateOutput] = await self._control(req, timeout)
         out = LoRAUpdateOutput(rid=req.rid, **_merged(replies))
@@ -611,8 +611,7 @@ class TokenizerManager:
     async def unload_lora_adapter(self, name: str, timeout: float = 600.0) -> LoRAUpdateOutput:
         """Unregister an adapter: new requests for it get 400 at once; the reply waits until its
         queued and running requests have finished."""
-        if not self.server_args.enable_lora:
-            raise InvalidRequest("this server serves no LoRA adapters: start it with --enable-lora")
+        self._require_lora(f"unloading LoRA adapter {name!r}")
         if name not in self.lora_adapters:
             raise InvalidRequest(not_loaded(f"lora_name = {name!r}", self.lora_adapters))
         path = self.lora_adapters.pop(name)

@@ -295,13 +295,11 @@ class ModelRunner:
         other ranks first). The caller's batch is left as it was: the model reads a copy that
         also carries this runner's pools and attention backend."""
         fb = self.bind(forward_batch)
-        if self.lora_manager is not None:
-            rows = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else [1] * fb.batch_size
-            if self.lora_manager.begin(fb.lora_slots_cpu, rows):
-                try:  # graphs hold no LoRA: batches that use adapters run eagerly
-                    return self._forward_eager(fb)
-                finally:
-                    self.lora_manager.end()
+        if self.lora_manager is not None and self.lora_manager.begin(fb):
+            try:  # graphs hold no LoRA: batches that use adapters run eagerly
+                return self._forward_eager(fb)
+            finally:
+                self.lora_manager.end()
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)
         if self.compiled_decode is not None and self.compiled_decode.can_run(fb):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from srt.lora.adapter import LoRAError, LoRARef, parse_lora_paths
-from srt.lora.backend import LoRABatchInfo
+from srt.lora.backend import CpuBackend, LoRABatchInfo
 from srt.server_args import ServerArgs
 
 
@@ -56,7 +56,8 @@ def test_segments_merge_neighbours_and_skip_base_rows():
     info = LoRABatchInfo.build([-1, 2, 2, 0, -1, 0], [3, 1, 4, 2, 5, 1], "cpu")
     assert info is not None
     assert info.segments == [(2, 3, 5), (0, 8, 2), (0, 15, 1)]
-    assert info.seg_start.tolist() == [3, 8, 15] and info.seg_slot.tolist() == [2, 0, 0] and info.max_len == 5
+    start, _, slot = info.seg_tensors
+    assert start.tolist() == [3, 8, 15] and slot.tolist() == [2, 0, 0] and info.max_len == 5
     assert LoRABatchInfo.build([-1, -1], [4, 1], "cpu") is None
     assert LoRABatchInfo.build(None or [], [], "cpu") is None
 
@@ -94,7 +95,7 @@ def test_backends_add_each_rows_adapter_delta(backend_name, dtype, request):
     Bt = Bt.to(pool_dtype)
     base = torch.randn(len(per_row), 40, generator=g).to(dtype)
     info = LoRABatchInfo.build(slots, rows, "cpu")
-    assert info is not None and info.long == [(2, 13, 70)]
+    assert info is not None and [s for s in info.segments if s[2] >= CpuBackend.LONG_SEGMENT] == [(2, 13, 70)]
     tol: dict[str, Any] = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
     out = base.clone()
     backend.apply(x, A, Bt, info, out, parts)
@@ -130,7 +131,7 @@ def test_pool_layout_matches_dense_delta(tiny_model_factory, runner_factory, tmp
     peft_base: Any = pm.base_model
     layer, hf_layer = model.model.layers[1], peft_base.model.model.layers[1]
     x = torch.randn(3, 64)
-    manager.begin([1], [3])
+    manager.batch = LoRABatchInfo.build([1], [3], "cpu")  # one extend of 3 rows under slot 1
     try:
         qkv = layer.self_attn.qkv_proj(x)
         gate_up = layer.mlp.gate_up_proj(x)
@@ -157,16 +158,19 @@ class _StubPool:
         self.backend = SimpleNamespace(name="stub")
         self.loaded: list[tuple[int, str]] = []
 
+    def read(self, path: str):
+        from srt.lora.adapter import LoRAAdapter
+
+        return LoRAAdapter(path, 4, frozenset(), path, {})
+
     def load(self, slot, adapter) -> None:
         self.loaded.append((slot, adapter.path))
 
 
 def _registry(slots: int, policy: str, monkeypatch):
-    from srt.lora import registry as reg
-    from srt.lora.adapter import LoRAAdapter
+    from srt.lora.registry import LoRARegistry
 
-    monkeypatch.setattr(reg, "load_adapter", lambda path, *a: LoRAAdapter(path, 4, frozenset(), path, {}))
-    return reg.LoRARegistry(_StubPool(slots), 2, policy)  # pyright: ignore[reportArgumentType]
+    return LoRARegistry(_StubPool(slots), 2, policy)  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo"])
