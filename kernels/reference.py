@@ -145,3 +145,54 @@ def paged_tree_attention(
         out[rows] = _attend_masked(q[rows], k_buffer[slots], v_buffer[slots], allowed, scale)
         start += n - prefix
     return out
+
+
+# MLA (DeepSeek's multi-head latent attention), absorbed form: the pool keeps one row per token and
+# layer, `kv_buffer [num_slots, 1, kv_lora_rank + rope_dim]` = [compressed KV latent | roped key part].
+# Every query head attends over the same rows (one KV head): the key is the whole row, the value its
+# first `v_dim` (= kv_lora_rank) values. Queries arrive with the key up-projection already folded in
+# (q [.., H, kv_lora_rank + rope_dim]); the output is in latent space ([.., H, kv_lora_rank]).
+
+
+def mla_decode_attention(q, kv_buffer, req_to_token, req_pool_indices, seq_lens, v_dim: int, scale: float):
+    """q [B, H, Dk]: one token per request at position seq_len - 1 -> [B, H, v_dim]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        rows = kv_buffer[req_to_token[int(req_pool_indices[b]), :n].long()]
+        out[b] = _attend(q[b : b + 1], rows, rows[..., :v_dim], torch.tensor([n - 1]), scale)[0]
+    return out
+
+
+def mla_extend_attention(
+    q, kv_buffer, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, v_dim: int, scale: float
+):
+    """q [T, H, Dk]: each request's new tokens packed in batch order (rows already in the pool);
+    token i of request b sits at position prefix_b + i and attends causally -> [T, H, v_dim]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    start = 0
+    for b in range(len(seq_lens)):
+        n, prefix = int(seq_lens[b]), int(extend_prefix_lens[b])
+        rows = kv_buffer[req_to_token[int(req_pool_indices[b]), :n].long()]
+        span = slice(start, start + n - prefix)
+        out[span] = _attend(q[span], rows, rows[..., :v_dim], torch.arange(prefix, n), scale)
+        start += n - prefix
+    return out
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """A mixture-of-experts MLP: x [T, K]; w13 [E, 2N, K] (each expert's gate rows, then its up rows);
+    w2 [E, K, N]; topk_weights [T, k] (float32) and topk_ids [T, k] the experts each token goes to.
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j],
+    summed in float32; ids outside [0, E) are skipped (expert parallelism: experts held by other
+    ranks). Returns [T, K] in x's dtype."""
+    num_experts, n = w13.shape[0], w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        tokens, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        h = x[tokens].float() @ w13[e].float().T
+        y = (torch.nn.functional.silu(h[:, :n]) * h[:, n:]) @ w2[e].float().T
+        out.index_add_(0, tokens, y * topk_weights[tokens, slot].float().unsqueeze(1))
+    return out.to(x.dtype)

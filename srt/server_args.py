@@ -98,6 +98,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     # Parallelism
     tp_size: int = 1
+    ep_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     nnodes: int = 1
@@ -142,6 +143,11 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(
+                f"--ep-size must be >= 1 and divide --tp-size {self.tp_size} (experts are split over the "
+                f"tensor-parallel ranks), got {self.ep_size}"
+            )
         if self.log_requests_level not in LOG_REQUESTS_LEVELS:
             raise ValueError(
                 f"--log-requests-level must be one of {list(LOG_REQUESTS_LEVELS)}, got {self.log_requests_level}"
@@ -847,6 +853,15 @@ class ServerArgs:
             type=int,
             default=d.tp_size,
             help="tensor-parallel ranks, one scheduler process each (gloo on CPU, NCCL on GPU)",
+        )
+        g.add_argument(
+            "--ep-size",
+            "--ep",
+            type=int,
+            default=d.ep_size,
+            help="expert parallelism for MoE models: the tensor-parallel ranks form this many groups, each "
+            "holding 1/ep-size of the experts (whole experts when equal to --tp-size); attention stays "
+            "tensor-parallel",
         )
         g.add_argument(
             "--dp-size",

@@ -1,4 +1,6 @@
 from srt.distributed.parallel_state import (
+    get_ep_rank,
+    get_ep_size,
     get_tp_rank,
     get_tp_size,
     init_tp_group,
@@ -7,6 +9,8 @@ from srt.distributed.parallel_state import (
 )
 
 __all__ = [
+    "get_ep_rank",
+    "get_ep_size",
     "get_tp_rank",
     "get_tp_size",
     "init_tp_group",

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_EP_SIZE = 1
 _CPU_GROUP = None
 _SHM = None  # ShmCommunicator when every rank is a CPU process on this host
 
@@ -52,14 +53,33 @@ def init_distributed(
 
 
 def init_tp_group(rank: int, size: int) -> None:
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _EP_SIZE
     if size > 1 and not dist.is_initialized():
         raise RuntimeError("tensor parallelism needs torch.distributed initialized before the model is built")
-    _TP_RANK, _TP_SIZE = rank, size
+    _TP_RANK, _TP_SIZE, _EP_SIZE = rank, size, 1
 
 
 def get_tp_rank() -> int:
     return _TP_RANK
+
+
+def init_ep_group(size: int) -> None:
+    """Expert parallelism (--ep-size): the TP group's ranks form `size` groups of tp_size / size
+    ranks; group g holds experts [g * E / size, (g + 1) * E / size), each expert's intermediate
+    features split over its group's ranks. Attention stays tensor-parallel over the whole group."""
+    global _EP_SIZE
+    if size < 1 or _TP_SIZE % size:
+        raise ValueError(f"--ep-size {size} must divide --tp-size {_TP_SIZE}")
+    _EP_SIZE = size
+
+
+def get_ep_size() -> int:
+    return _EP_SIZE
+
+
+def get_ep_rank() -> int:
+    """This rank's expert group."""
+    return _TP_RANK // (_TP_SIZE // _EP_SIZE)
 
 
 def get_tp_size() -> int:

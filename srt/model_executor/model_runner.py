@@ -12,13 +12,14 @@ import torch
 from kernels import cpu as cpu_kernels
 from srt.configs.model_config import ModelConfig
 from srt.configs.runtime_choices import resolve_device
-from srt.distributed.parallel_state import all_reduce_min_int, init_distributed, init_tp_group
+from srt.distributed.parallel_state import all_reduce_min_int, init_distributed, init_ep_group, init_tp_group
 from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
 from srt.layers.fused_decode import enable_fused_decode_layers
 from srt.layers.linear import prepack_cpu_weights, use_bf16_weight_kernels
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.moe import select_moe_kernels
 from srt.layers.quantization import build_config as build_quant_config
 from srt.layers.quantization import resolve_quantization, weight_report
 from srt.layers.sampler import Sampler
@@ -119,6 +120,7 @@ class ModelRunner:
                 single_host=server_args.nnodes == 1,
             )
         init_tp_group(tp_rank, self.tp_size)
+        init_ep_group(server_args.ep_size)
         if self.device == "cpu":
             set_torch_threads(share=ranks_per_node * server_args.dp_size)  # every rank of every replica computes
         set_random_seed(server_args.random_seed)
@@ -150,6 +152,12 @@ class ModelRunner:
             self.weight_bytes / 2**20,
             f", kernels {self.weight_report['kernel_isa']}" if self.weight_report["kernel_isa"] else "",
         )
+        if moe_kernels := select_moe_kernels(self.model, cpu_ops):
+            logger.info(
+                "MoE layers: %s (--ep-size %d)",
+                ", ".join(f"{n} on the {kind} kernel" for kind, n in moe_kernels.items()),
+                server_args.ep_size,
+            )
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)

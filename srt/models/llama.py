@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -19,13 +20,25 @@ from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmb
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, quant_config=None, prefix: str = ""):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        quant_config=None,
+        prefix: str = "",
+        reduce_results: bool = True,
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+            intermediate_size,
+            hidden_size,
+            bias=False,
+            reduce_results=reduce_results,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
         )
         self.act_fn = SiluAndMul()
 
@@ -79,17 +92,31 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v.contiguous(), forward_batch))
 
 
+# (config, layer_id, quant_config, prefix) -> the layer's MLP (dense, or a mixture of experts)
+MakeMLP = Callable[..., nn.Module]
+
+
+def dense_mlp(config, layer_id: int, quant_config=None, prefix: str = "") -> nn.Module:
+    return LlamaMLP(config.hidden_size, config.intermediate_size, quant_config=quant_config, prefix=prefix)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None, prefix: str = ""
+        self,
+        config,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        quant_config=None,
+        prefix: str = "",
+        make_mlp: MakeMLP = dense_mlp,
     ):
         super().__init__()
         self.self_attn = LlamaAttention(
             config, layer_id, qkv_bias, o_bias, qk_norm, quant_config=quant_config, prefix=f"{prefix}.self_attn"
         )
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, quant_config=quant_config, prefix=f"{prefix}.mlp"
-        )
+        self.mlp = make_mlp(config, layer_id, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fused_decode: Callable | None = None  # set by srt.layers.fused_decode on CPU
@@ -113,14 +140,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
+    def __init__(
+        self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None, make_mlp: MakeMLP = dense_mlp
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="model.embed_tokens"
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                config, i, qkv_bias, o_bias, qk_norm, quant_config=quant_config, prefix=f"model.layers.{i}"
+                config,
+                i,
+                qkv_bias,
+                o_bias,
+                qk_norm,
+                quant_config=quant_config,
+                prefix=f"model.layers.{i}",
+                make_mlp=make_mlp,
             )
             for i in range(config.num_hidden_layers)
         )
@@ -151,7 +187,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
         self.model = LlamaModel(
-            config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm, quant_config=quant_config
+            config,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=self.qk_norm,
+            quant_config=quant_config,
+            make_mlp=self.make_mlp,
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
@@ -167,25 +208,41 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
+    make_mlp: MakeMLP = staticmethod(dense_mlp)
+
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
+    # checkpoint name fragment -> ours (a module named otherwise in the checkpoint)
+    checkpoint_renames: list[tuple[str, str]] = []
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors (HF names) into place: layers with a weight format take their weight
-        through `load_weight(tensor, shard_id)`, other parameters through their `weight_loader`."""
+        through `load_weight(tensor, shard_id)`, MoE experts through `load_expert(expert_id, shard,
+        tensor)`, other parameters through their `weight_loader`."""
         targets: dict[str, Callable] = {}
+        experts: dict[str, Callable] = {}  # "<prefix>.experts" -> load_expert(expert_id, shard, tensor)
         for prefix, module in self.named_modules():
             if callable(load := getattr(module, "load_weight", None)):
                 targets[f"{prefix}.weight"] = load
+            if callable(load := getattr(module, "load_expert", None)):
+                experts[prefix] = load
         for name, param in self.named_parameters():
-            if name not in targets:
+            owner = name.rsplit(".", 1)[0]
+            if name not in targets and owner not in experts:
                 loader = getattr(param, "weight_loader", _default_loader)
                 targets[name] = functools.partial(loader, param)
         loaded: set[str] = set()
         for name, tensor in weights:
+            for old, new in self.checkpoint_renames:
+                name = name.replace(old, new)
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if (m := _EXPERT_WEIGHT.search(name)) is not None and (owner := name[: m.start()] + ".experts") in experts:
+                experts[owner](int(m.group(1)), m.group(2), tensor)
+                loaded.add(owner)
                 continue
             for ckpt, ours, shard in self.stacked_params:
                 if ckpt in name:
@@ -198,9 +255,13 @@ class LlamaForCausalLM(nn.Module):
                     raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
                 targets[target](tensor)
             loaded.add(target)
-        missing = set(targets) - loaded
+        missing = (set(targets) | set(experts)) - loaded
         if missing:
             raise KeyError(f"checkpoint has no tensors for {sorted(missing)[:6]}")
+
+
+# one expert's projection in a checkpoint: "<moe block>.experts.<id>.<w1|w2|w3|gate_proj|up_proj|down_proj>.weight"
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _default_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ import importlib
 
 from srt.model_loader.errors import ModelLoadError
 
-_MODULES = ("llama", "mistral", "qwen2", "qwen3")
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _load_registry() -> dict[str, type]:

@@ -1,0 +1,113 @@
+"""The experts of a mixture-of-experts layer, run as one fused op.
+
+Each expert is a SiLU-gated MLP. The layer stores this rank's experts stacked: `w13 [E_local, 2 *
+N_local, K]` (every expert's gate rows, then its up rows) and `w2 [E_local, K, N_local]`, and runs
+them for a batch in one call of a fused kernel (kernels: C++ on CPU, Triton on GPU, a per-expert
+torch loop otherwise) that groups tokens by expert, does gate-up GEMM, SiLU-and-mul and the down
+GEMM, and sums each token's experts weighted by the router.
+
+Parallelism (srt.distributed): with `--ep-size` E_p, the TP group's ranks form E_p expert groups of
+tp_size / E_p ranks; group g holds experts [g * E / E_p, (g + 1) * E / E_p) and each of its ranks a
+1 / (tp_size / E_p) slice of those experts' intermediate features (plain tensor parallelism when
+E_p = 1, whole experts per rank when E_p = tp_size). Hidden states are replicated on every rank
+after attention, so tokens need no dispatch: each rank runs its experts on the tokens routed to
+them (ids of other ranks' experts are skipped) and one all-reduce combines the partial sums.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kernels import reference
+from srt.distributed import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+logger = logging.getLogger(__name__)
+
+
+class FusedMoE(nn.Module):
+    # gate ("w1"), up ("w3") and down ("w2") projections, by their names in checkpoints
+    SHARD_NAMES = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, reduce_results: bool = True):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.tp_size, self.ep_size = get_tp_size(), get_ep_size()
+        self.ep_rank = get_ep_rank()
+        self.moe_tp_size = self.tp_size // self.ep_size
+        self.moe_tp_rank = get_tp_rank() % self.moe_tp_size
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over --ep-size {self.ep_size}")
+        if intermediate_size % self.moe_tp_size:
+            raise ValueError(
+                f"expert intermediate size {intermediate_size} is not divisible by the {self.moe_tp_size} ranks "
+                f"that share each expert (--tp-size {self.tp_size} / --ep-size {self.ep_size})"
+            )
+        self.num_local_experts = num_experts // self.ep_size
+        self.expert_start = self.ep_rank * self.num_local_experts
+        self.n_local = intermediate_size // self.moe_tp_size
+        self.reduce_results = reduce_results
+        e, n, k = self.num_local_experts, self.n_local, hidden_size
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * n, k), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, k, n), requires_grad=False)
+        self.kernel = None  # set by select_kernel once the device and its kernels are known
+
+    def load_expert(self, expert_id: int, shard: str, loaded: torch.Tensor) -> None:
+        """Take one checkpoint tensor: expert `expert_id`'s gate / up ([N, K]) or down ([K, N]) weight.
+        Experts of other expert groups are skipped."""
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return
+        n, start = self.n_local, self.moe_tp_rank * self.n_local
+        kind = self.SHARD_NAMES[shard]
+        if kind == "w2":
+            expect = (self.hidden_size, self.intermediate_size)
+            _check_shape(loaded, expect, expert_id, shard)
+            self.w2_weight.data[local].copy_(loaded[:, start : start + n])
+            return
+        _check_shape(loaded, (self.intermediate_size, self.hidden_size), expert_id, shard)
+        rows = slice(0, n) if kind == "w1" else slice(n, 2 * n)
+        self.w13_weight.data[local, rows].copy_(loaded[start : start + n])
+
+    def select_kernel(self, cpu_ops) -> str:
+        """Pick the fused kernel for where the weights live: 'cpu' (C++), 'triton' or 'torch'."""
+        if self.w13_weight.device.type == "cuda":
+            from kernels.triton_moe import fused_moe
+
+            self.kernel = fused_moe
+            return "triton"
+        if cpu_ops is not None and hasattr(cpu_ops, "fused_moe"):
+            self.kernel = cpu_ops.fused_moe
+            return "cpu"
+        self.kernel = reference.fused_moe
+        return "torch"
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, K]; topk_weights / topk_ids [T, k] over all experts -> [T, K] (all-reduced over the
+        TP group unless reduce_results=False)."""
+        if self.ep_size > 1:  # other groups' experts: out of [0, E_local), skipped by the kernels
+            topk_ids = topk_ids - self.expert_start
+            outside = (topk_ids < 0) | (topk_ids >= self.num_local_experts)
+            topk_ids = topk_ids.masked_fill(outside, -1)
+        kernel = self.kernel or reference.fused_moe
+        out = kernel(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights.float(), topk_ids)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+
+def _check_shape(loaded: torch.Tensor, expect: tuple[int, int], expert_id: int, shard: str) -> None:
+    if tuple(loaded.shape) != expect:
+        raise ValueError(f"expert {expert_id} {shard} weight has shape {tuple(loaded.shape)}, expected {expect}")
+
+
+def select_moe_kernels(model: nn.Module, cpu_ops) -> dict[str, int]:
+    """Pick every MoE layer's kernel; returns how many layers run on each."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            kind = module.select_kernel(cpu_ops)
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
