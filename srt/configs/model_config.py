@@ -54,6 +54,13 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     eos_token_ids: set[int] = field(default_factory=set)
+    # MLA (DeepSeek-V2/V3): the KV cache holds one latent of kv_lora_rank + qk_rope_head_dim values
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
 
     @classmethod
     def from_path(cls, path: str, context_length: int | None = None) -> ModelConfig:
@@ -83,6 +90,8 @@ class ModelConfig:
             num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             eos_token_ids=read_eos_token_ids(path, cfg),
+            kv_lora_rank=getattr(cfg, "kv_lora_rank", None),
+            qk_rope_head_dim=int(getattr(cfg, "qk_rope_head_dim", 0) or 0),
         )
 
     def num_kv_heads_per_rank(self, tp_size: int, tp_rank: int = 0) -> int:

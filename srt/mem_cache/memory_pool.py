@@ -230,3 +230,48 @@ class MHATokenToKVPool:
             assert ks is not None and vs is not None, "int8 rows come with their scales"
             self.k_scale_buffer[layer_id].index_copy_(0, loc, ks)
             self.v_scale_buffer[layer_id].index_copy_(0, loc, vs)
+
+
+class MLATokenToKVPool:
+    """MLA models (DeepSeek-V2/V3): one row per token and layer, `kv_buffer[layer] [num_slots, 1,
+    kv_lora_rank + qk_rope_head_dim]` = the compressed KV latent (after its RMSNorm) and the roped
+    key part shared by all heads, instead of per-head K and V. Every query head reads the same row:
+    decode attends over it directly (the up-projections folded into the query and the output,
+    srt/layers/attention/mla.py), prefill expands it to per-head K/V. Stored in the model dtype;
+    slots [0, page_size) are the padding page, as in MHATokenToKVPool."""
+
+    head_num = 1  # one row shared by all heads (the attention backends size their work by it)
+    quantized = False
+    format_code = 0
+
+    def __init__(
+        self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, layer_num: int, device
+    ):
+        self.size, self.page_size, self.dtype = size, page_size, dtype
+        self.kv_lora_rank, self.rope_dim, self.layer_num = kv_lora_rank, rope_dim, layer_num
+        self.head_dim = kv_lora_rank + rope_dim
+        self.device = device
+        self.kv_format = str(dtype).removeprefix("torch.")
+        self.store_dtype = dtype
+        shape = (size + page_size, 1, self.head_dim)
+        self.kv_buffer = [lazy_zeros(shape, dtype, device) for _ in range(layer_num)]
+
+    @staticmethod
+    def bytes_per_token(kv_lora_rank: int, rope_dim: int, layer_num: int, dtype: torch.dtype) -> int:
+        return (kv_lora_rank + rope_dim) * layer_num * dtype.itemsize
+
+    def get_kv_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id]
+
+    def set_mla_kv(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store new tokens' latent [T, kv_lora_rank] and roped key part [T, rope_dim] at slots `loc`."""
+        row = torch.cat([latent, k_pe], dim=-1).to(self.dtype)
+        self.kv_buffer[layer_id].index_copy_(0, loc, row.unsqueeze(1))
+
+    def slot_buffers(self) -> list[list[torch.Tensor]]:
+        return [self.kv_buffer]
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        src, dst = src.to(self.device), dst.to(self.device)
+        for buf in self.kv_buffer:
+            buf.index_copy_(0, dst, buf.index_select(0, src))

@@ -25,7 +25,13 @@ from srt.layers.quantization import resolve_quantization, weight_report
 from srt.layers.sampler import Sampler
 from srt.lora.manager import LoRAManager
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
-from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, kv_format_for, load_fp8_kv_scales
+from srt.mem_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    kv_format_for,
+    load_fp8_kv_scales,
+)
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.default_model import cache_root
@@ -214,9 +220,20 @@ class ModelRunner:
             fp8_scales = load_fp8_kv_scales(
                 args.quantization_param_path, self.kv_format, self.tp_rank, cfg.num_hidden_layers
             )
-        per_token = MHATokenToKVPool.bytes_per_token(
-            kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype, self.kv_format
-        )
+        if cfg.is_mla:
+            assert cfg.kv_lora_rank is not None
+            if self.kv_format != str(self.dtype).removeprefix("torch."):
+                raise ModelLoadError(
+                    f"--kv-cache-dtype {args.kv_cache_dtype} is not supported for MLA models ({cfg.architecture}) "
+                    "yet: their latent KV cache is stored in the model dtype (use --kv-cache-dtype auto)"
+                )
+            per_token = MLATokenToKVPool.bytes_per_token(
+                cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.dtype
+            )
+        else:
+            per_token = MHATokenToKVPool.bytes_per_token(
+                kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype, self.kv_format
+            )
         self.kv_bytes_per_token = per_token
         max_running_cap = args.max_running_requests or MAX_RUNNING_CAP[self.device]
         self.cuda_graph_reserved_bytes = 0
@@ -266,18 +283,30 @@ class ModelRunner:
         self.max_total_num_tokens = total
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running, cfg.context_len + self.page_size, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(
-            total,
-            self.page_size,
-            self.dtype,
-            kv_heads,
-            cfg.head_dim,
-            cfg.num_hidden_layers,
-            self.device,
-            self.kv_format,
-            fp8_scales,
-            kv_store=cpu_ops.kv_store if cpu_ops is not None else None,
-        )
+        if cfg.is_mla:
+            assert cfg.kv_lora_rank is not None
+            self.token_to_kv_pool = MLATokenToKVPool(
+                total,
+                self.page_size,
+                self.dtype,
+                cfg.kv_lora_rank,
+                cfg.qk_rope_head_dim,
+                cfg.num_hidden_layers,
+                self.device,
+            )
+        else:
+            self.token_to_kv_pool = MHATokenToKVPool(
+                total,
+                self.page_size,
+                self.dtype,
+                kv_heads,
+                cfg.head_dim,
+                cfg.num_hidden_layers,
+                self.device,
+                self.kv_format,
+                fp8_scales,
+                kv_store=cpu_ops.kv_store if cpu_ops is not None else None,
+            )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, self.page_size)
         logger.info(
             "KV cache: %d tokens (%.2f GiB, %s, %d bytes per token), %d request slots, page size %d",

@@ -115,6 +115,8 @@ def load_model(
             model.load_weights(weights)  # pyright: ignore[reportPossiblyUnbound]
         except KeyError as e:
             raise ModelLoadError(f"weights in {source} do not match {cls.__name__}: {e}") from e
+    if callable(after := getattr(model, "after_loading", None)):
+        after()  # model-level derived weights (MLA's per-head blocks of kv_b_proj)
     try:
         process_weights_after_loading(model)
     except ValueError as e:

@@ -6,14 +6,15 @@ import importlib
 
 from srt.model_loader.errors import ModelLoadError
 
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2")
 
 
 def _load_registry() -> dict[str, type]:
     registry = {}
     for name in _MODULES:
-        cls = importlib.import_module(f"srt.models.{name}").EntryClass
-        registry[cls.__name__] = cls
+        entry = importlib.import_module(f"srt.models.{name}").EntryClass
+        for cls in entry if isinstance(entry, list) else [entry]:
+            registry[cls.__name__] = cls
     return registry
 
 
