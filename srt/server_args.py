@@ -12,6 +12,7 @@ from srt.configs.runtime_choices import (
     ATTENTION_BACKEND_NAMES,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
+    MOE_RUNNER_BACKENDS,
     QUANTIZATION_METHODS,
     SCHEDULE_POLICIES,
     resolve_device,
@@ -99,6 +100,7 @@ class ServerArgs:
     # Parallelism
     tp_size: int = 1
     ep_size: int = 1
+    moe_runner_backend: str = "auto"  # auto: triton on CUDA, cpu (C++ kernels) on CPU, else torch_native
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     nnodes: int = 1
@@ -143,6 +145,17 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:
+            raise ValueError(
+                f"--moe-runner-backend must be one of {', '.join(MOE_RUNNER_BACKENDS)}, got {self.moe_runner_backend!r}"
+            )
+        device = resolve_device(self.device)
+        if self.moe_runner_backend == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "--moe-runner-backend triton needs a CUDA device; on CPU use cpu or torch_native (or auto)"
+            )
+        if self.moe_runner_backend == "cpu" and device != "cpu":
+            raise ValueError("--moe-runner-backend cpu runs on the CPU; on a GPU use triton or torch_native (or auto)")
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(
                 f"--ep-size must be >= 1 and divide --tp-size {self.tp_size} (experts are split over the "
@@ -862,6 +875,13 @@ class ServerArgs:
             help="expert parallelism for MoE models: the tensor-parallel ranks form this many groups, each "
             "holding 1/ep-size of the experts (whole experts when equal to --tp-size); attention stays "
             "tensor-parallel",
+        )
+        g.add_argument(
+            "--moe-runner-backend",
+            default=d.moe_runner_backend,
+            choices=list(MOE_RUNNER_BACKENDS),
+            help="fused MoE kernels: cpu (C++), triton (GPU), torch_native (a GEMM pair per expert); "
+            "auto: triton on CUDA, cpu on a CPU",
         )
         g.add_argument(
             "--dp-size",

@@ -13,6 +13,7 @@ import os
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 # Registered in srt/layers/attention (each implementation registers itself under one of these).
 ATTENTION_BACKEND_NAMES = ("cpu", "torch_native", "triton")
+MOE_RUNNER_BACKENDS = ("auto", "cpu", "torch_native", "triton")
 
 
 def resolve_device(device: str) -> str:

@@ -158,7 +158,7 @@ class ModelRunner:
             self.weight_bytes / 2**20,
             f", kernels {self.weight_report['kernel_isa']}" if self.weight_report["kernel_isa"] else "",
         )
-        if moe_kernels := select_moe_kernels(self.model, cpu_ops):
+        if moe_kernels := select_moe_kernels(self.model, server_args.moe_runner_backend, cpu_ops):
             logger.info(
                 "MoE layers: %s (--ep-size %d)",
                 ", ".join(f"{n} on the {kind} kernel" for kind, n in moe_kernels.items()),

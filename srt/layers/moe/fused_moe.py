@@ -71,18 +71,25 @@ class FusedMoE(nn.Module):
         rows = slice(0, n) if kind == "w1" else slice(n, 2 * n)
         self.w13_weight.data[local, rows].copy_(loaded[start : start + n])
 
-    def select_kernel(self, cpu_ops) -> str:
-        """Pick the fused kernel for where the weights live: 'cpu' (C++), 'triton' or 'torch'."""
-        if self.w13_weight.device.type == "cuda":
+    def select_kernel(self, backend: str, cpu_ops) -> str:
+        """Set the fused kernel (--moe-runner-backend; auto: triton on CUDA, cpu where the C++ kernels
+        built, else torch_native); returns the one chosen."""
+        if backend == "auto":
+            on_gpu = self.w13_weight.device.type == "cuda"
+            backend = "triton" if on_gpu else "cpu" if cpu_ops is not None else "torch_native"
+        if backend == "cpu" and cpu_ops is None:
+            logger.warning("--moe-runner-backend cpu: the C++ CPU kernels are unavailable; using torch_native")
+            backend = "torch_native"
+        if backend == "triton":
             from kernels.triton_moe import fused_moe
 
             self.kernel = fused_moe
-            return "triton"
-        if cpu_ops is not None and hasattr(cpu_ops, "fused_moe"):
+        elif backend == "cpu":
+            assert cpu_ops is not None
             self.kernel = cpu_ops.fused_moe
-            return "cpu"
-        self.kernel = reference.fused_moe
-        return "torch"
+        else:
+            self.kernel = reference.fused_moe
+        return backend
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, K]; topk_weights / topk_ids [T, k] over all experts -> [T, K] (all-reduced over the
@@ -103,11 +110,11 @@ def _check_shape(loaded: torch.Tensor, expect: tuple[int, int], expert_id: int, 
         raise ValueError(f"expert {expert_id} {shard} weight has shape {tuple(loaded.shape)}, expected {expect}")
 
 
-def select_moe_kernels(model: nn.Module, cpu_ops) -> dict[str, int]:
+def select_moe_kernels(model: nn.Module, backend: str, cpu_ops) -> dict[str, int]:
     """Pick every MoE layer's kernel; returns how many layers run on each."""
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, FusedMoE):
-            kind = module.select_kernel(cpu_ops)
+            kind = module.select_kernel(backend, cpu_ops)
             counts[kind] = counts.get(kind, 0) + 1
     return counts
