@@ -18,6 +18,60 @@ TINY_CONFIGS = {
     "MistralForCausalLM": dict(model_type="mistral", sliding_window=None),
     "Qwen2ForCausalLM": dict(model_type="qwen2", tie_word_embeddings=True),
     "Qwen3ForCausalLM": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+    # mixture of experts: 4-8 experts of intermediate 32-64, top-2
+    "MixtralForCausalLM": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "Qwen2MoeForCausalLM": dict(
+        model_type="qwen2_moe",
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        tie_word_embeddings=True,
+    ),
+    "Qwen3MoeForCausalLM": dict(
+        model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32
+    ),
+    # MLA + MoE: a dense first layer, 8 routed experts in 4 groups, one shared expert
+    "DeepseekV2ForCausalLM": dict(
+        model_type="deepseek_v2",
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.0,
+    ),
+    "DeepseekV3ForCausalLM": dict(
+        model_type="deepseek_v3",
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 
@@ -47,6 +101,9 @@ def build_tiny_model(
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: zeros would test nothing
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path

@@ -195,6 +195,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             # the KV cache as allocated: stored format (auto resolved) and bytes per token on this rank
             "kv_cache_dtype": self.runner.kv_format,
             "kv_cache_bytes_per_token": self.runner.kv_bytes_per_token,
+            # "mla": one latent row per token and layer (DeepSeek); "mha": K and V per KV head
+            "kv_cache_layout": "mla" if self.model_config.is_mla else "mha",
             "max_running_requests": self.max_running_requests,
             "context_len": self.model_config.context_len,
             "vocab_size": self.model_config.vocab_size,

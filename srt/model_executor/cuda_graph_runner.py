@@ -54,7 +54,7 @@ def padded_batch_size(batch_size: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def graph_unsupported_reason(device: str, server_args, backend) -> str | None:
+def graph_unsupported_reason(device: str, server_args, backend, moe_or_mla: bool = False) -> str | None:
     """Why decode is not captured as CUDA graphs, or None when it is."""
     if device != "cuda":
         return "CUDA graphs need a CUDA device"
@@ -64,6 +64,8 @@ def graph_unsupported_reason(device: str, server_args, backend) -> str | None:
         return "not supported with --tp-size > 1 yet"
     if server_args.enable_torch_compile:
         return "--enable-torch-compile runs decode compiled instead"  # its compile thread would break a capture
+    if moe_or_mla:
+        return "not captured for MoE / MLA models yet"
     if not backend.supports_cuda_graph:
         return f"attention backend {backend.name} cannot be captured"
     return None

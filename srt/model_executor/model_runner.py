@@ -90,6 +90,37 @@ def kv_pool_tokens(
     return max(0, int(budget // per_token_bytes)) // page_size * page_size
 
 
+def has_experts(model_config: ModelConfig) -> bool:
+    hf = model_config.hf_config
+    return any(getattr(hf, name, None) for name in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def unsupported_with_model(model_config: ModelConfig, args: ServerArgs) -> str | None:
+    """Why these server flags cannot serve this model (MoE / MLA models with features not built
+    for them yet), or None."""
+    moe = has_experts(model_config)
+    kinds = [k for k, on in (("MLA", model_config.is_mla), ("mixture-of-experts", moe)) if on]
+    if not kinds:
+        if args.ep_size > 1:
+            return f"--ep-size {args.ep_size} splits MoE experts, but {model_config.architecture} has none"
+        return None
+    what = f"{model_config.architecture} ({' and '.join(kinds)})"
+    flags = [
+        ("--enable-lora", args.enable_lora),
+        ("--enable-torch-compile", args.enable_torch_compile),
+    ]
+    if model_config.is_mla:
+        flags += [
+            ("--enable-hierarchical-cache", args.enable_hierarchical_cache),
+            ("--disaggregation-mode", args.disaggregation_mode != "null"),
+            ("--speculative-algorithm", args.speculative_algorithm is not None),
+        ]
+    for flag, on in flags:
+        if on:
+            return f"{flag} is not supported with {what} models yet"
+    return None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -101,6 +132,8 @@ class ModelRunner:
     ):
         self.model_config = model_config
         self.server_args = server_args
+        if (reason := unsupported_with_model(model_config, server_args)) is not None:
+            raise ModelLoadError(reason)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
@@ -195,7 +228,9 @@ class ModelRunner:
                 self.tp_size,
                 cpu_ops,
             )
-        self.cuda_graph_off_reason = graph_unsupported_reason(self.device, server_args, self.attn_backend)
+        self.cuda_graph_off_reason = graph_unsupported_reason(
+            self.device, server_args, self.attn_backend, model_config.is_mla or has_experts(model_config)
+        )
         self.init_memory_pool(available_before, cpu_ops)
         self.sampler = Sampler()
         self.compiled_decode = None

@@ -34,6 +34,28 @@ VARIANTS = [
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
     ),
     ("Qwen3ForCausalLM", {}),
+    ("MixtralForCausalLM", {}),
+    ("Qwen2MoeForCausalLM", {}),
+    ("Qwen2MoeForCausalLM", {"norm_topk_prob": True, "decoder_sparse_step": 2}),
+    ("Qwen3MoeForCausalLM", {"norm_topk_prob": True}),
+    ("DeepseekV2ForCausalLM", {}),
+    ("DeepseekV2ForCausalLM", {"topk_method": "greedy", "q_lora_rank": 24, "moe_layer_freq": 1}),
+    (
+        "DeepseekV2ForCausalLM",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            }
+        },
+    ),
+    ("DeepseekV3ForCausalLM", {}),
+    ("DeepseekV3ForCausalLM", {"rope_interleave": False, "norm_topk_prob": False}),
 ]
 
 

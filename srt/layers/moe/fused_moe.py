@@ -53,6 +53,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * n, k), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, k, n), requires_grad=False)
         self.kernel = None  # set by select_kernel once the device and its kernels are known
+        self.backend = "torch_native"
 
     def load_expert(self, expert_id: int, shard: str, loaded: torch.Tensor) -> None:
         """Take one checkpoint tensor: expert `expert_id`'s gate / up ([N, K]) or down ([K, N]) weight.
@@ -89,6 +90,7 @@ class FusedMoE(nn.Module):
             self.kernel = cpu_ops.fused_moe
         else:
             self.kernel = reference.fused_moe
+        self.backend = backend
         return backend
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
