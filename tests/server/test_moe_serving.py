@@ -1,0 +1,114 @@
+"""MoE and MLA models behind live servers (tiny random DeepSeek-V3 and Qwen2-MoE with the default model's
+tokenizer, float32): HF's greedy tokens over HTTP, streamed and not, with the radix cache reusing a
+prefix; tensor parallelism 2 and expert parallelism 2 give the tokens of one rank; /server_info reports
+the latent cache; flags not built for these models stop the server at start-up with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import requests
+import torch
+from conftest import ServerStartError, build_tiny_model
+
+NEW = 12
+GREEDY = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+PROMPTS = [
+    [1] + [100 + (i * 7) % 900 for i in range(150)],
+    [1, 5, 9, 200, 300],
+    [1] + [2000 + i for i in range(40)],
+]
+
+
+def _with_tokenizer(path: str, default_model_path: str) -> str:
+    for name in os.listdir(default_model_path):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(default_model_path, name), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, default_model_path) -> str:
+    path = str(tmp_path_factory.mktemp("tiny-deepseek-v3"))
+    build_tiny_model(path, "DeepseekV3ForCausalLM", vocab_size=49152, eos_token_id=2)
+    return _with_tokenizer(path, default_model_path)
+
+
+@pytest.fixture(scope="module")
+def qwen_moe(tmp_path_factory, default_model_path) -> str:
+    path = str(tmp_path_factory.mktemp("tiny-qwen2-moe"))
+    build_tiny_model(path, "Qwen2MoeForCausalLM", vocab_size=49152, eos_token_id=2)
+    return _with_tokenizer(path, default_model_path)
+
+
+def hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def generate(server, prompts, **extra) -> list[dict]:
+    return server.generate(input_ids=prompts, sampling_params=GREEDY, **extra)
+
+
+def stream_ids(server, prompt: list[int]) -> list[int]:
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "stream": True}
+    ids: list[int] = []
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                ids = json.loads(line[6:])["output_ids"]
+    return ids
+
+
+def test_deepseek_v3_over_http_with_radix_hits(shared_server, deepseek):
+    server = shared_server("--model-path", deepseek, "--max-total-tokens", "4096", "--page-size", "16")
+    server.flush_cache()
+    expect = hf_greedy(deepseek, PROMPTS)
+    first = generate(server, PROMPTS)
+    assert [o["output_ids"] for o in first] == expect
+    again = generate(server, PROMPTS)  # the prompts' KV (latent rows) now come from the radix cache
+    assert [o["output_ids"] for o in again] == expect
+    assert again[0]["meta_info"]["cached_tokens"] >= 144
+    assert stream_ids(server, PROMPTS[2]) == expect[2]
+    info = requests.get(f"{server.url}/server_info", timeout=30).json()
+    cfg = json.load(open(os.path.join(deepseek, "config.json")))
+    assert info["kv_cache_layout"] == "mla"
+    assert info["kv_cache_bytes_per_token"] == cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + 16) * 4
+    state = server.wait_idle()
+    assert state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
+
+
+@pytest.mark.parametrize(
+    "model,flags",
+    [
+        ("deepseek", ("--tp-size", "2")),
+        ("deepseek", ("--tp-size", "2", "--ep-size", "2")),
+        ("qwen_moe", ("--tp-size", "2", "--ep-size", "2")),
+    ],
+    ids=["deepseek-tp2", "deepseek-tp2-ep2", "qwen2moe-tp2-ep2"],
+)
+def test_tensor_and_expert_parallel_equal_one_rank(model, flags, request, server_factory):
+    path = request.getfixturevalue(model)
+    expect = hf_greedy(path, PROMPTS)
+    server = server_factory("--model-path", path, "--max-total-tokens", "4096", *flags)
+    assert [o["output_ids"] for o in generate(server, PROMPTS)] == expect
+    assert stream_ids(server, PROMPTS[0]) == expect[0]
+
+
+def test_flags_not_built_for_these_models_stop_the_server(server_factory, deepseek):
+    with pytest.raises(ServerStartError) as e:
+        server_factory("--model-path", deepseek, "--max-total-tokens", "2048", "--enable-lora")
+    assert "--enable-lora is not supported with DeepseekV3ForCausalLM (MLA and mixture-of-experts) models" in (
+        e.value.log
+    )
