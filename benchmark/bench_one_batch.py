@@ -18,6 +18,15 @@ bandwidth (KV bytes read / attention time).
 
 --kv-cache-dtype (comma-separated) repeats every measurement with each KV cache format, in one run
 over one loaded model, and prints each format's attention time as a ratio of the first's.
+
+    python benchmark/bench_one_batch.py --moe-vs-dense --num-layers 4 --dtype bfloat16
+
+--moe-vs-dense builds two random models (--load-format dummy: only a config.json is written) and
+times both in one run: a DeepSeek-V2-Lite-shaped one (MLA with a 512 + 64 latent, 64 routed experts
+of 1408 and 2 shared, top-6, its first layer dense) and a dense Llama with the same active parameters
+per token (16 heads x 128 with per-head K and V, MLP 8 x 1408 = 11264), both with --num-layers
+layers and DeepSeek-V2-Lite's vocabulary. It prints prefill and decode tok/s, the decode step time
+and the KV cache bytes per token of each, and their ratios.
 """
 
 from __future__ import annotations
@@ -49,7 +58,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def bench_ours(path: str, dtype: str, args, backend: str | None = None, kv_cache_dtype: str = "auto") -> dict:
+def bench_ours(
+    path: str,
+    dtype: str,
+    args,
+    backend: str | None = None,
+    kv_cache_dtype: str = "auto",
+    runner_box: list | None = None,
+) -> dict:
     max_bs = max(args.batch_sizes)
     tokens = max(max_bs * (args.input_len + args.output_len + 2), args.prefill_len + 2) + 64
     sa = ServerArgs(
@@ -59,8 +75,11 @@ def bench_ours(path: str, dtype: str, args, backend: str | None = None, kv_cache
         max_running_requests=max_bs,
         attention_backend=backend,
         kv_cache_dtype=kv_cache_dtype,
+        load_format=args.load_format,
     )
     gen = StaticBatchGenerator(ModelRunner(ModelConfig.from_path(path), sa))
+    if runner_box is not None:
+        runner_box.append(gen.runner)
     vocab = gen.runner.model_config.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
     gen.generate(random_prompts(1, 32, vocab, 0), SamplingParams(max_new_tokens=4, **greedy))  # warm-up
@@ -266,6 +285,137 @@ def print_steps(path: str, dtype: str, rows: list[dict], args) -> None:
         print(f"| {kv} | {backend} | " + " | ".join(cells) + " |")
 
 
+# DeepSeek-V2-Lite's shape (config.json of deepseek-ai/DeepSeek-V2-Lite), layers set per run
+DEEPSEEK_V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    rope_theta=10000,
+    tie_word_embeddings=False,
+    bos_token_id=100000,
+    eos_token_id=100001,
+)
+
+
+def dense_equivalent(moe: dict) -> dict:
+    """A Llama with the MoE model's active parameters per token: per-head K/V attention of the same
+    heads, an MLP as wide as the experts a token visits (routed + shared)."""
+    return dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=moe["vocab_size"],
+        hidden_size=moe["hidden_size"],
+        intermediate_size=moe["moe_intermediate_size"] * (moe["num_experts_per_tok"] + moe["n_shared_experts"]),
+        num_attention_heads=moe["num_attention_heads"],
+        num_key_value_heads=moe["num_attention_heads"],
+        head_dim=moe["v_head_dim"],
+        num_hidden_layers=moe["num_hidden_layers"],
+        rms_norm_eps=moe["rms_norm_eps"],
+        max_position_embeddings=moe["max_position_embeddings"],
+        rope_theta=moe["rope_theta"],
+        tie_word_embeddings=False,
+        bos_token_id=moe["bos_token_id"],
+        eos_token_id=moe["eos_token_id"],
+    )
+
+
+def param_counts(cfg: dict) -> tuple[int, int]:
+    """(parameters, parameters a token passes through) of a --moe-vs-dense model, from its config;
+    the LM head counts, the embedding table does not."""
+    h, layers, head = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"] * cfg["hidden_size"]
+    if cfg["model_type"] == "llama":
+        per_layer = 4 * h * cfg["num_attention_heads"] * cfg["head_dim"] + 3 * h * cfg["intermediate_size"]
+        return head + layers * per_layer, head + layers * per_layer
+    heads, r, rope = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    attn = h * heads * (nope + rope) + h * (r + rope) + r * heads * (nope + v) + heads * v * h
+    dense = cfg["first_k_dense_replace"]
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    routed, shared = cfg["n_routed_experts"], cfg["n_shared_experts"]
+    total = head + layers * attn + dense * 3 * h * cfg["intermediate_size"]
+    active = total + (layers - dense) * (h * routed + expert * (cfg["num_experts_per_tok"] + shared))
+    total += (layers - dense) * (h * routed + expert * (routed + shared))
+    return total, active
+
+
+def bench_moe_vs_dense(args) -> None:
+    import tempfile
+
+    moe = {**DEEPSEEK_V2_LITE, "num_hidden_layers": args.num_layers}
+    models = {"DeepSeek-V2-Lite-shaped (MLA + MoE)": moe, "dense, same active params": dense_equivalent(moe)}
+    dtype = args.dtype.split(",")[0]
+    rows = {}
+    with tempfile.TemporaryDirectory() as root:
+        for name, cfg in tqdm(models.items(), desc="models"):
+            path = os.path.join(root, cfg["model_type"])
+            os.makedirs(path)
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(cfg, f)
+            runner_box: list[ModelRunner] = []
+            result = bench_ours(path, dtype, args, args.attention_backend.split(",")[0], runner_box=runner_box)
+            runner = runner_box[0]
+            total, active = param_counts(cfg)
+            result.update(
+                kv_bytes_per_token=runner.kv_bytes_per_token,
+                kv_layout=runner.token_to_kv_pool.__class__.__name__,
+                params=total,
+                active_params=active,
+                weight_bytes=runner.weight_bytes,
+            )
+            rows[name] = result
+            del runner, runner_box
+    print(
+        f"\n{args.num_layers} layers, {dtype}, {torch.get_num_threads()} threads, random weights; prefill "
+        f"{args.prefill_len} tokens, decode {args.input_len} in + {args.output_len} out\n"
+    )
+    cols = ["params (active)", "weights", "KV bytes/token", "prefill tok/s"]
+    cols += [f"decode bs={b} tok/s (step ms)" for b in args.batch_sizes]
+    print("| model | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for name, r in rows.items():
+        cells = [
+            f"{r['params'] / 1e6:,.0f}M ({r['active_params'] / 1e6:,.0f}M)",
+            f"{r['weight_bytes'] / 2**30:.2f} GiB",
+            f"{r['kv_bytes_per_token']:,}",
+            f"{r['prefill_tok_s']:,.1f}",
+        ]
+        cells += [f"{r['decode_tok_s'][b]:,.1f} ({b / r['decode_tok_s'][b] * 1e3:,.1f})" for b in args.batch_sizes]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    moe_r, dense_r = rows.values()
+    ratio = [dense_r["kv_bytes_per_token"] / moe_r["kv_bytes_per_token"]]
+    ratio += [moe_r["prefill_tok_s"] / dense_r["prefill_tok_s"]]
+    ratio += [moe_r["decode_tok_s"][b] / dense_r["decode_tok_s"][b] for b in args.batch_sizes]
+    print(
+        f"\nKV cache: dense / MLA = {ratio[0]:.1f}x smaller with MLA; speed MoE / dense: prefill {ratio[1]:.2f}x, "
+        + ", ".join(f"decode bs={b} {r:.2f}x" for b, r in zip(args.batch_sizes, ratio[2:]))
+    )
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps({"moe_vs_dense": rows, "dtype": dtype, **vars(args)}, default=str) + "\n")
+
+
 def bench_hf(path: str, dtype: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -327,9 +477,20 @@ def main() -> None:
         default="auto",
         help="comma-separated KV cache formats to compare (auto, bfloat16, int8, fp8_e4m3, fp8_e5m2)",
     )
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
+    p.add_argument(
+        "--moe-vs-dense",
+        action="store_true",
+        help="a DeepSeek-V2-Lite-shaped random model vs a dense one of the same active parameters",
+    )
+    p.add_argument("--num-layers", type=int, default=4, help="layers of the --moe-vs-dense models")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     set_torch_threads()
+    if args.moe_vs_dense:
+        args.load_format = "dummy"
+        bench_moe_vs_dense(args)
+        return
     path = resolve_model_path(args.model_path)
     dtypes = args.dtype.split(",")
     if args.steps:

@@ -171,6 +171,8 @@ def deepseek_mlp(config, layer_id: int, quant_config=None, prefix: str = "") -> 
         router_fp32=True,
         correction_bias=v3,
         shared_name="shared_experts",
+        quant_config=quant_config,
+        prefix=prefix,
     )
 
 

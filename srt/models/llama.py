@@ -225,13 +225,17 @@ class LlamaForCausalLM(nn.Module):
         targets: dict[str, Callable] = {}
         experts: dict[str, Callable] = {}  # "<prefix>.experts" -> load_expert(expert_id, shard, tensor)
         for prefix, module in self.named_modules():
-            if callable(load := getattr(module, "load_weight", None)):
-                targets[f"{prefix}.weight"] = load
             if callable(load := getattr(module, "load_expert", None)):
                 experts[prefix] = load
+
+        def in_experts(name: str) -> bool:  # the experts' own storage, filled by load_expert
+            return any(name.startswith(owner + ".") for owner in experts)
+
+        for prefix, module in self.named_modules():
+            if callable(load := getattr(module, "load_weight", None)) and not in_experts(prefix):
+                targets[f"{prefix}.weight"] = load
         for name, param in self.named_parameters():
-            owner = name.rsplit(".", 1)[0]
-            if name not in targets and owner not in experts:
+            if name not in targets and not in_experts(name):
                 loader = getattr(param, "weight_loader", _default_loader)
                 targets[name] = functools.partial(loader, param)
         loaded: set[str] = set()

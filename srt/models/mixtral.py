@@ -7,7 +7,14 @@ from srt.models.llama import LlamaForCausalLM
 
 def mixtral_moe(config, layer_id: int, quant_config=None, prefix: str = "") -> SparseMoeBlock:
     topk = TopKConfig(config.num_experts_per_tok, renormalize=True)
-    return SparseMoeBlock(config.hidden_size, config.num_local_experts, config.intermediate_size, topk)
+    return SparseMoeBlock(
+        config.hidden_size,
+        config.num_local_experts,
+        config.intermediate_size,
+        topk,
+        quant_config=quant_config,
+        prefix=prefix,
+    )
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

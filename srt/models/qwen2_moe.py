@@ -36,6 +36,8 @@ def qwen_moe(config, layer_id: int, quant_config=None, prefix: str = "") -> nn.M
         topk,
         shared=shared,
         shared_gate=shared is not None,
+        quant_config=quant_config,
+        prefix=prefix,
     )
 
 

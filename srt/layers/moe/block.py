@@ -47,11 +47,20 @@ class SparseMoeBlock(nn.Module):
         router_fp32: bool = False,
         correction_bias: bool = False,
         shared_name: str = "shared_expert",
+        quant_config=None,
+        prefix: str = "",
     ):
         super().__init__()
         self.topk = topk
         self.gate = MoEGate(hidden_size, num_experts, fp32=router_fp32, correction_bias=correction_bias)
-        self.experts = FusedMoE(num_experts, hidden_size, moe_intermediate_size, reduce_results=False)
+        self.experts = FusedMoE(
+            num_experts,
+            hidden_size,
+            moe_intermediate_size,
+            reduce_results=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
+        )
         self.shared_name = shared_name
         if shared is not None:
             self.add_module(shared_name, shared)  # its down projection must not reduce (reduce_results=False)

@@ -17,12 +17,16 @@ them (ids of other ranks' experts are skipped) and one all-reduce combines the p
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch import nn
 
 from kernels import reference
 from srt.distributed import get_ep_rank, get_ep_size, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from srt.layers.activation import SiluAndMul
+from srt.layers.linear import ReplicatedLinear, linear
+from srt.layers.quantization.base_config import Piece, QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +35,15 @@ class FusedMoE(nn.Module):
     # gate ("w1"), up ("w3") and down ("w2") projections, by their names in checkpoints
     SHARD_NAMES = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, reduce_results: bool = True):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        reduce_results: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.tp_size, self.ep_size = get_tp_size(), get_ep_size()
@@ -50,8 +62,18 @@ class FusedMoE(nn.Module):
         self.n_local = intermediate_size // self.moe_tp_size
         self.reduce_results = reduce_results
         e, n, k = self.num_local_experts, self.n_local, hidden_size
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * n, k), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, k, n), requires_grad=False)
+        self.quantized = quant_config is not None
+        if self.quantized:  # one (gate-up, down) pair of linear layers per local expert, in the format
+            self.gate_up = nn.ModuleList(
+                ReplicatedLinear(k, 2 * n, quant_config=quant_config, prefix=f"{prefix}.{i}.gate_up") for i in range(e)
+            )
+            self.down = nn.ModuleList(
+                ReplicatedLinear(n, k, quant_config=quant_config, prefix=f"{prefix}.{i}.down") for i in range(e)
+            )
+            self.act = SiluAndMul()
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(e, 2 * n, k), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(e, k, n), requires_grad=False)
         self.kernel = None  # set by select_kernel once the device and its kernels are known
         self.backend = "torch_native"
 
@@ -64,17 +86,28 @@ class FusedMoE(nn.Module):
         n, start = self.n_local, self.moe_tp_rank * self.n_local
         kind = self.SHARD_NAMES[shard]
         if kind == "w2":
-            expect = (self.hidden_size, self.intermediate_size)
-            _check_shape(loaded, expect, expert_id, shard)
-            self.w2_weight.data[local].copy_(loaded[:, start : start + n])
+            _check_shape(loaded, (self.hidden_size, self.intermediate_size), expert_id, shard)
+            if self.quantized:
+                layer = self.expert_layer("down", local)
+                layer.quant_method.load(layer, loaded, [Piece(0, 0, self.hidden_size, cols=(start, n))])
+            else:
+                self.w2_weight.data[local].copy_(dense(loaded)[:, start : start + n])
             return
         _check_shape(loaded, (self.intermediate_size, self.hidden_size), expert_id, shard)
-        rows = slice(0, n) if kind == "w1" else slice(n, 2 * n)
-        self.w13_weight.data[local, rows].copy_(loaded[start : start + n])
+        dst = 0 if kind == "w1" else n
+        if self.quantized:
+            layer = self.expert_layer("gate_up", local)
+            layer.quant_method.load(layer, loaded, [Piece(dst, start, n)])
+        else:
+            self.w13_weight.data[local, dst : dst + n].copy_(dense(loaded)[start : start + n])
 
     def select_kernel(self, backend: str, cpu_ops) -> str:
         """Set the fused kernel (--moe-runner-backend; auto: triton on CUDA, cpu where the C++ kernels
-        built, else torch_native); returns the one chosen."""
+        built, else torch_native); returns the one chosen. Quantized experts run per expert."""
+        if self.quantized:
+            first = self.expert_layer("gate_up", 0)
+            self.backend = "per-expert " + first.quant_method.describe(first)
+            return self.backend
         if backend == "auto":
             on_gpu = self.w13_weight.device.type == "cuda"
             backend = "triton" if on_gpu else "cpu" if cpu_ops is not None else "torch_native"
@@ -100,11 +133,42 @@ class FusedMoE(nn.Module):
             topk_ids = topk_ids - self.expert_start
             outside = (topk_ids < 0) | (topk_ids >= self.num_local_experts)
             topk_ids = topk_ids.masked_fill(outside, -1)
-        kernel = self.kernel or reference.fused_moe
-        out = kernel(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights.float(), topk_ids)
+        if self.quantized:
+            out = self._per_expert(x, topk_weights.float(), topk_ids)
+        else:
+            kernel = self.kernel or reference.fused_moe
+            out = kernel(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights.float(), topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+    def expert_layer(self, which: str, local: int) -> ReplicatedLinear:
+        """A quantized expert's gate-up ("gate_up") or down ("down") projection."""
+        return cast(ReplicatedLinear, getattr(self, which)[local])
+
+    def _per_expert(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Quantized experts: each chosen expert over its tokens, summed in float32 in a fixed order."""
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1).long()
+        flat = torch.where((flat >= 0) & (flat < self.num_local_experts), flat, self.num_local_experts)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_local_experts + 1).tolist()
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, count in enumerate(counts[: self.num_local_experts]):
+            if count:
+                pairs = order[start : start + count]
+                tokens = pairs // k
+                h = self.act(linear(x.index_select(0, tokens), self.expert_layer("gate_up", e)))
+                y = linear(h, self.expert_layer("down", e)).float() * topk_weights.reshape(-1)[pairs].unsqueeze(1)
+                out.index_add_(0, tokens, y)
+            start += count
+        return out.to(x.dtype)
+
+
+def dense(loaded) -> torch.Tensor:
+    """A checkpoint tensor as dense values (GGUF blocks dequantized)."""
+    return loaded.dequantize() if hasattr(loaded, "dequantize") else loaded
 
 
 def _check_shape(loaded: torch.Tensor, expect: tuple[int, int], expert_id: int, shard: str) -> None:
