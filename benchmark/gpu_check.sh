@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The prepared device check of the GPU path: under 5 minutes on one H200, a compact summary at the end.
+# The prepared device check of the GPU path: under 6 minutes on one H200, a compact summary at the end.
 #
-#   (a) tests on CUDA: the Triton kernels against the references (real shapes, bf16), the triton
+#   (a) tests on CUDA: the Triton kernels against the references (real shapes, bf16; attention, LoRA,
+#       fused MoE, MLA), tiny MoE / MLA models on the Triton kernels against HF, the triton
 #       attention backend against torch_native, greedy outputs identical across backends and with
 #       CUDA graphs on and off, in process and through the Engine (overlap scheduler), float32 and
 #       bf16, on the default model (or its shape with random weights, see below); --quantization fp8
@@ -24,7 +25,7 @@
 # Results go to $GPU_CHECK_OUT (default /tmp/gpu_check/out): each stage's log, pytest.log, bench.json
 # and summary.txt, the summary, printed last also when a stage fails or times out; where $OUT is set
 # (the device tool), the summary, pytest.log, bench.json and a tarball of all logs are copied there.
-# Each stage has a timeout and all of them share a budget of $GPU_CHECK_BUDGET seconds (290).
+# Each stage has a timeout and all of them share a budget of $GPU_CHECK_BUDGET seconds (320).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,7 +58,7 @@ RES=${GPU_CHECK_OUT:-$GPU_CHECK_WORK/out}
 export RADIXSERVE_CACHE_DIR=$GPU_CHECK_WORK/cache PYTHONUNBUFFERED=1
 mkdir -p "$RES" "$GPU_CHECK_WORK"
 : > "$RES/stages.txt"
-DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET:-290}))
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET:-320}))
 
 summary() {
   [ -f "$GPU_CHECK_WORK/test_model.json" ] && cp "$GPU_CHECK_WORK/test_model.json" "$RES/"
@@ -130,10 +131,13 @@ else
   FAILED=1
 fi
 # (a) GPU tests: most telling first, so a timeout keeps them; -v records each result as it ends
-stage pytest 140 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -m "not slow and not soak" -rfE --timeout 120 \
+stage pytest 170 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -m "not slow and not soak" -rfE --timeout 120 \
   tests/model_executor/test_cuda_graph_runner.py tests/layers/test_triton_backend.py \
   tests/kernels/test_triton_kernels.py tests/layers/test_gpu_ops.py tests/model_executor/test_kv_pool_sizing.py \
   tests/model_loader/test_dummy_load.py tests/model_loader/test_gpu_quantization.py \
+  tests/kernels/test_triton_moe_mla.py tests/kernels/test_triton_lora.py \
+  "tests/models/test_moe_mla.py::test_every_kernel_gives_hf_tokens[triton-triton]" \
+  tests/models/test_moe_mla.py::test_greedy_matches_hf_with_any_batching_chunking_and_paging \
   || FAILED=1
 # (b) Llama-3.1-8B shape, dummy weights, bf16
 stage bench 180 "$PY" benchmark/gpu_check.py bench "$RES/bench.json" || FAILED=1
