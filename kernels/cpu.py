@@ -22,7 +22,15 @@ logger = logging.getLogger(__name__)
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [
     os.path.join(CSRC, name)
-    for name in ("cpu_attention.cpp", "cpu_norm_act.cpp", "cpu_quant.cpp", "cpu_decode_layer.cpp", "cpu_lora.cpp", "cpu_moe.cpp", "cpu_mla.cpp")
+    for name in (
+        "cpu_attention.cpp",
+        "cpu_norm_act.cpp",
+        "cpu_quant.cpp",
+        "cpu_decode_layer.cpp",
+        "cpu_lora.cpp",
+        "cpu_moe.cpp",
+        "cpu_mla.cpp",
+    )
 ]
 HEADERS = [os.path.join(CSRC, name) for name in ("cpu_common.h", "cpu_int8.h", "cpu_bf16x2.h", "cpu_i16act.h")]
 # -fopenmp: ATen's parallel_for is a header template that runs serially unless the extension itself
