@@ -149,6 +149,22 @@ class MHATokenToKVPool:
     def quantized(self) -> bool:
         return self.format_code != 0
 
+    def like(self, size: int, device) -> MHATokenToKVPool:
+        """A pool of `size` slots with this one's layout and scales (the hierarchical cache's host tier)."""
+        pool = MHATokenToKVPool(
+            size,
+            self.page_size,
+            self.dtype,
+            self.head_num,
+            self.head_dim,
+            self.layer_num,
+            device,
+            self.kv_format,
+            list(self.k_scale),
+        )
+        pool.v_scale = list(self.v_scale)
+        return pool
+
     @staticmethod
     def bytes_per_token(
         head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype, kv_format: str | None = None
@@ -259,6 +275,11 @@ class MLATokenToKVPool:
     @staticmethod
     def bytes_per_token(kv_lora_rank: int, rope_dim: int, layer_num: int, dtype: torch.dtype) -> int:
         return (kv_lora_rank + rope_dim) * layer_num * dtype.itemsize
+
+    def like(self, size: int, device) -> MLATokenToKVPool:
+        return MLATokenToKVPool(
+            size, self.page_size, self.dtype, self.kv_lora_rank, self.rope_dim, self.layer_num, device
+        )
 
     def get_kv_buffer(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffer[layer_id]

@@ -20,13 +20,9 @@ class HostKVPool:
 
     def __init__(self, device_pool, size: int):
         from srt.mem_cache.allocator import TokenToKVPoolAllocator
-        from srt.mem_cache.memory_pool import MHATokenToKVPool
 
         d = device_pool
-        self.pool = MHATokenToKVPool(
-            size, d.page_size, d.dtype, d.head_num, d.head_dim, d.layer_num, "cpu", d.kv_format, list(d.k_scale)
-        )
-        self.pool.v_scale = list(d.v_scale)
+        self.pool = d.like(size, "cpu")
         if str(d.device).startswith("cuda"):
             for buffers in self.pool.slot_buffers():
                 buffers[:] = [b.pin_memory() for b in buffers]

@@ -111,7 +111,6 @@ def unsupported_with_model(model_config: ModelConfig, args: ServerArgs) -> str |
     ]
     if model_config.is_mla:
         flags += [
-            ("--enable-hierarchical-cache", args.enable_hierarchical_cache),
             ("--disaggregation-mode", args.disaggregation_mode != "null"),
             ("--speculative-algorithm", args.speculative_algorithm is not None),
         ]

@@ -1,7 +1,8 @@
 """MoE and MLA models behind live servers (tiny random DeepSeek-V3 and Qwen2-MoE with the default model's
 tokenizer, float32): HF's greedy tokens over HTTP, streamed and not, with the radix cache reusing a
-prefix; tensor parallelism 2 and expert parallelism 2 give the tokens of one rank; /server_info reports
-the latent cache; flags not built for these models stop the server at start-up with the reason."""
+prefix and the hierarchical cache moving latent rows to the host and back; tensor parallelism 2 and
+expert parallelism 2 give the tokens of one rank; /server_info reports the latent cache; flags not
+built for these models stop the server at start-up with the reason."""
 
 from __future__ import annotations
 
@@ -112,3 +113,19 @@ def test_flags_not_built_for_these_models_stop_the_server(server_factory, deepse
     assert "--enable-lora is not supported with DeepseekV3ForCausalLM (MLA and mixture-of-experts) models" in (
         e.value.log
     )
+
+
+def test_mla_latent_rows_move_through_the_hierarchical_cache(server_factory, deepseek, tmp_path):
+    """Evicted prefixes' latent rows go to the host tier and come back: outputs stay HF's."""
+    docs = [[1] + [(i * 37 + d * 101) % 40000 + 100 for i in range(300)] for d in range(6)]
+    expect = hf_greedy(deepseek, docs)
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}
+    flags = ["--enable-hierarchical-cache", "--hicache-ratio", "4", "--hicache-storage-backend", "file"]
+    server = server_factory("--model-path", deepseek, "--max-total-tokens", "768", *flags, env=env)
+    first = [generate(server, [d])[0] for d in docs]  # one by one: each evicts older ones from the device
+    again = [generate(server, [d])[0] for d in docs]
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again] == expect
+    host = sum(o["meta_info"]["cached_tokens_details"]["host"] for o in again)
+    assert host >= 3 * 256, [o["meta_info"]["cached_tokens_details"] for o in again]
+    state = server.wait_idle()
+    assert state["integrity_ok"] and state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
