@@ -112,7 +112,6 @@ def unsupported_with_model(model_config: ModelConfig, args: ServerArgs) -> str |
     if model_config.is_mla:
         flags += [
             ("--disaggregation-mode", args.disaggregation_mode != "null"),
-            ("--speculative-algorithm", args.speculative_algorithm is not None),
         ]
     for flag, on in flags:
         if on:

@@ -81,8 +81,8 @@ def test_unsupported_flags_are_clear_errors(tiny_model_factory):
     dense = ModelConfig.from_path(tiny_model_factory("LlamaForCausalLM"))
     assert unsupported_with_model(mla, ServerArgs(model_path=mla.path)) is None
     assert unsupported_with_model(moe, ServerArgs(model_path=moe.path, tp_size=2, ep_size=2)) is None
-    why = unsupported_with_model(mla, ServerArgs(model_path=mla.path, speculative_algorithm="NGRAM"))
-    assert why is not None and "--speculative-algorithm" in why and "MLA" in why
+    why = unsupported_with_model(mla, ServerArgs(model_path=mla.path, disaggregation_mode="prefill"))
+    assert why is not None and "--disaggregation-mode" in why and "MLA" in why
     why = unsupported_with_model(moe, ServerArgs(model_path=moe.path, enable_lora=True))
     assert why is not None and "--enable-lora" in why and "mixture-of-experts" in why
     why = unsupported_with_model(dense, ServerArgs(model_path=dense.path, tp_size=2, ep_size=2))

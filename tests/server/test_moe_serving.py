@@ -129,3 +129,28 @@ def test_mla_latent_rows_move_through_the_hierarchical_cache(server_factory, dee
     assert host >= 3 * 256, [o["meta_info"]["cached_tokens_details"] for o in again]
     state = server.wait_idle()
     assert state["integrity_ok"] and state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
+
+
+def test_mla_with_ngram_speculative_decoding(server_factory, deepseek):
+    """Draft trees verified over the latent cache (tree masks, absorbed): HF's greedy tokens, drafts accepted."""
+    prompts = [[1] + [300 + i % 5 for i in range(40)], [1] + [700 + i % 3 for i in range(25)], PROMPTS[1]]
+    expect = hf_greedy(deepseek, prompts)
+    tree = ["--speculative-ngram-max-bfs-breadth", "3", "--speculative-num-draft-tokens", "8"]
+    tree += ["--speculative-num-steps", "4", "--speculative-eagle-topk", "1"]
+    server = server_factory(
+        "--model-path",
+        deepseek,
+        "--max-total-tokens",
+        "4096",
+        "--page-size",
+        "4",
+        "--speculative-algorithm",
+        "NGRAM",
+        *tree,
+        env={"RADIXSERVE_SPEC_ALWAYS_DRAFT": "1"},
+    )
+    assert [o["output_ids"] for o in generate(server, prompts)] == expect
+    assert [stream_ids(server, p) for p in prompts] == expect
+    state = server.wait_idle()
+    assert state["spec_accept_rate"] > 0, state
+    assert state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]

@@ -13,6 +13,8 @@ its value W_UV[h] c, where W_UK / W_UV are kv_b_proj's rows for the head's key (
   (cached prefix and new tokens, read back from the pool) are expanded to per-head K and V with
   kv_b_proj and attended causally with SDPA, whose GEMMs suit many query rows. Shorter extends
   (small chunks, mixed-batch rows) use the absorbed kernel like decode.
+- **Speculative verification:** each request's draft-tree nodes attend to the prefix and their
+  ancestors, absorbed, over the gathered latent rows (torch; trees are a few nodes).
 
 Kernels by attention backend: `cpu` the C++ ops (kernels/csrc/cpu_mla.cpp), `triton` the Triton
 kernels (kernels/triton_mla.py), `torch_native` the references in kernels/reference.py.
@@ -64,6 +66,8 @@ class MLAAttention(nn.Module):
         pool.set_mla_kv(self.layer_id, fb.out_cache_loc, latent, k_pe)
         if fb.forward_mode.is_decode():
             return self._absorbed(q_nope, q_pe, fb, None)
+        if fb.forward_mode.is_target_verify():
+            return self._tree_verify(q_nope, q_pe, fb)
         lens = fb.extend_seq_lens_cpu
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         short = [i for i, n in enumerate(lens) if n < SDPA_MIN_EXTEND]
@@ -122,6 +126,26 @@ class MLAAttention(nn.Module):
                     q, kv, req_to_token, pools, seq_lens, seq_lens - ext_t, self.kv_lora_rank, self.scaling
                 )
         out = torch.bmm(o.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, H, v]
+        return out.reshape(q.shape[0], -1)
+
+    def _tree_verify(self, q_nope, q_pe, fb) -> torch.Tensor:
+        """Speculative verification: each request's draft-tree nodes attend to its whole prefix and to
+        their ancestors (fb.tree_masks), in the absorbed form over the latent rows."""
+        assert self.w_kc is not None and self.w_vc is not None and fb.tree_masks is not None
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)
+        q = torch.cat([q_lat, q_pe], dim=-1).float()
+        kv = fb.token_to_kv_pool.get_kv_buffer(self.layer_id)
+        o = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
+        for i, n in enumerate(fb.extend_seq_lens_cpu):
+            seq, start = fb.seq_lens_cpu[i], fb.extend_start_loc_cpu[i]
+            slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[i], :seq].long()
+            rows = kv.index_select(0, slots).squeeze(1).float()  # [seq, rank + rope]
+            allowed = torch.ones(n, seq, dtype=torch.bool, device=q.device)
+            allowed[:, seq - n :] = fb.tree_masks[i].to(q.device, torch.bool)
+            scores = torch.einsum("nhd,ld->hnl", q[start : start + n], rows) * self.scaling
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            o[start : start + n] = torch.einsum("hnl,lr->nhr", probs, rows[:, : self.kv_lora_rank])
+        out = torch.bmm(o.to(q_nope.dtype).transpose(0, 1), self.w_vc).transpose(0, 1)
         return out.reshape(q.shape[0], -1)
 
     def _expanded(self, q_nope, q_pe, fb, i: int) -> torch.Tensor:
