@@ -334,7 +334,7 @@ def _decode_split_kernel(
 
 
 @jit
-def _decode_merge_kernel(
+def decode_merge_kernel(
     MidO,
     MidLse,
     Out,
@@ -473,7 +473,7 @@ def decode_attention_fwd(
         num_warps=4,
         num_stages=2,
     )
-    _decode_merge_kernel[(batch, heads)](
+    decode_merge_kernel[(batch, heads)](
         mid_o,
         mid_lse,
         o,

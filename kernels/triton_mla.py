@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from kernels.triton_attention import LOG2E, choose_num_kv_splits
+from kernels.triton_attention import LOG2E, choose_num_kv_splits, decode_merge_kernel
 from kernels.triton_ops import check_device, dot_config, interpreting, jit, tl, triton
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,48 +199,6 @@ def _mla_decode_split_kernel(
         mid = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
         tl.store(mid, acc / denom[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, m + tl.log2(denom), mask=mask_h)
-
-
-@jit
-def _mla_decode_merge_kernel(
-    MidO,
-    MidLse,
-    Out,
-    seq_lens,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < HEAD_DIM_V
-    m = float("-inf")
-    total = 0.0
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for split in range(NUM_KV_SPLITS):
-        if split * split_len < seq_len:  # the same empty splits that stage 1 skipped
-            lse = tl.load(MidLse + b * stride_lb + head * stride_lh + split)
-            part = tl.load(
-                MidO + b * stride_mb + head * stride_mh + split * stride_ms + offs_dv, mask=mask_dv, other=0.0
-            )
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            weight = tl.exp2(lse - m_new)
-            acc = acc * alpha + part * weight
-            total = total * alpha + weight
-            m = m_new
-    tl.store(Out + b * stride_ob + head * stride_oh + offs_dv, (acc / total).to(Out.dtype.element_ty), mask=mask_dv)
 
 
 # -- extend -----------------------------------------------------------------------------------------
@@ -480,7 +438,7 @@ def mla_decode_fwd(
         num_warps=warps,
         num_stages=stages,
     )
-    _mla_decode_merge_kernel[(batch, heads)](
+    decode_merge_kernel[(batch, heads)](  # the same log-sum-exp merge as paged attention
         mid_o,
         mid_lse,
         o,
