@@ -105,8 +105,10 @@ class FusedDecodeLayer:
 
 def _eligible(layer: Any, tp_size: int) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None or tp_size != 1 or not hasattr(mlp, "gate_up_proj"):
-        return False  # MoE layers take the Python path
+    if attn is None or mlp is None or tp_size != 1:
+        return False
+    if not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):
+        return False  # MoE and MLA layers take the Python path
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.quant_method.kernel_weights(m) is None for m in linears):
         return False

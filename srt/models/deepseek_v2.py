@@ -22,11 +22,9 @@ from srt.distributed import get_tp_rank, get_tp_size
 from srt.layers.attention.mla import MLAAttention
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.moe.block import SparseMoeBlock
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.rotary_embedding import RotaryEmbedding
-from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -176,65 +174,17 @@ def deepseek_mlp(config, layer_id: int, quant_config=None, prefix: str = "") -> 
     )
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, quant_config=None, prefix: str = ""):
-        super().__init__()
-        self.self_attn = DeepseekV2Attention(config, layer_id, quant_config=quant_config, prefix=f"{prefix}.self_attn")
-        self.mlp = deepseek_mlp(config, layer_id, quant_config=quant_config, prefix=f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, forward_batch, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class DeepseekV2Model(nn.Module):
-    def __init__(self, config, quant_config=None):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="model.embed_tokens"
-        )
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, quant_config=quant_config, prefix=f"model.layers.{i}")
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+def deepseek_attention(config, layer_id: int, *bias_and_norm, quant_config=None, prefix: str = "") -> nn.Module:
+    return DeepseekV2Attention(config, layer_id, quant_config=quant_config, prefix=prefix)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    """Llama's decoder stack with MLA attention and DeepSeek's MLP / MoE blocks."""
+
+    make_attention = staticmethod(deepseek_attention)
+    make_mlp = staticmethod(deepseek_mlp)
     # only the dense MLPs' gate / up are fused (expert weights go through load_expert)
     stacked_params = [(".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1)]
-
-    def __init__(self, config, quant_config=None):
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = DeepseekV2Model(config, quant_config=quant_config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            self.model.embed_tokens
-            if self.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
-        )
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    @torch.no_grad()
-    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
     def load_weights(self, weights) -> None:
         # DeepSeek-V3 checkpoints carry multi-token-prediction layers past num_hidden_layers: not served

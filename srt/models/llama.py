@@ -94,6 +94,8 @@ class LlamaAttention(nn.Module):
 
 # (config, layer_id, quant_config, prefix) -> the layer's MLP (dense, or a mixture of experts)
 MakeMLP = Callable[..., nn.Module]
+# (config, layer_id, qkv_bias, o_bias, qk_norm, quant_config, prefix) -> the layer's attention
+MakeAttention = Callable[..., nn.Module]
 
 
 def dense_mlp(config, layer_id: int, quant_config=None, prefix: str = "") -> nn.Module:
@@ -111,9 +113,10 @@ class LlamaDecoderLayer(nn.Module):
         quant_config=None,
         prefix: str = "",
         make_mlp: MakeMLP = dense_mlp,
+        make_attention: MakeAttention = LlamaAttention,
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(
+        self.self_attn = make_attention(
             config, layer_id, qkv_bias, o_bias, qk_norm, quant_config=quant_config, prefix=f"{prefix}.self_attn"
         )
         self.mlp = make_mlp(config, layer_id, quant_config=quant_config, prefix=f"{prefix}.mlp")
@@ -141,7 +144,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None, make_mlp: MakeMLP = dense_mlp
+        self,
+        config,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        quant_config=None,
+        make_mlp: MakeMLP = dense_mlp,
+        make_attention: MakeAttention = LlamaAttention,
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
@@ -157,6 +167,7 @@ class LlamaModel(nn.Module):
                 quant_config=quant_config,
                 prefix=f"model.layers.{i}",
                 make_mlp=make_mlp,
+                make_attention=make_attention,
             )
             for i in range(config.num_hidden_layers)
         )
@@ -193,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=self.qk_norm,
             quant_config=quant_config,
             make_mlp=self.make_mlp,
+            make_attention=self.make_attention,
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
@@ -209,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     make_mlp: MakeMLP = staticmethod(dense_mlp)
+    make_attention: MakeAttention = LlamaAttention
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
