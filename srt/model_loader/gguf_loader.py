@@ -1,10 +1,18 @@
-"""Read a GGUF file (llama, qwen2 or qwen3 architecture) as a Hugging Face model folder.
+"""Read a GGUF file as a Hugging Face model folder.
+
+Architectures: llama (and Mixtral: llama with `llama.expert_count` > 0), qwen2, qwen3, qwen2moe,
+qwen3moe and deepseek2 (DeepSeek-V2, or V3 when its experts are routed by sigmoid scores).
 
 The folder holds config.json, generation_config.json and tokenizer files, so the rest of the
 runtime only ever reads plain HF folders. The weights are either read straight from the GGUF file,
 still quantized (`iterate_gguf_weights`, for `--quantization gguf`), or written once into the folder
 as model.safetensors (float32, HF names; `write_weights`) for the dequantized path and for HF
 transformers.
+
+llama.cpp stores each MoE layer's experts as one 3-D tensor per projection (`ffn_gate_exps`,
+`ffn_up_exps`, `ffn_down_exps`: [experts, rows, cols], experts outermost); they are split into one
+HF tensor per expert. DeepSeek's kv_b_proj may come split in two (`attn_k_b` transposed and
+`attn_v_b`, for llama.cpp's absorbed MLA) and is put back together.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +34,18 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import GenerationConfig, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV3Config,
+    GenerationConfig,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.gguf_tokenizer import special_token_ids, write_tokenizer_files
@@ -33,9 +53,34 @@ from srt.model_loader.gguf_tokenizer import special_token_ids, write_tokenizer_f
 logger = logging.getLogger("srt.model_loader")
 
 # Bump when the output of the conversion changes, so cached conversions are redone.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 # Written last into a converted folder; its presence means the folder is complete.
 MARKER_FILE = "radixserve_conversion.json"
+
+# GGUF architecture -> the HF architecture it reads as (refined by the metadata in hf_architecture).
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
+}
+HF_CONFIGS: dict[str, type[PretrainedConfig]] = {
+    "LlamaForCausalLM": LlamaConfig,
+    "MixtralForCausalLM": MixtralConfig,
+    "Qwen2ForCausalLM": Qwen2Config,
+    "Qwen3ForCausalLM": Qwen3Config,
+    "Qwen2MoeForCausalLM": Qwen2MoeConfig,
+    "Qwen3MoeForCausalLM": Qwen3MoeConfig,
+    "DeepseekV2ForCausalLM": DeepseekV2Config,
+    "DeepseekV3ForCausalLM": DeepseekV3Config,
+}
+# llama.cpp's converter interleaves the rotary halves of Q/K rows only for Llama-family models; qwen
+# models keep NeoX order and DeepSeek's rope is interleaved (GPT-J style) on both sides.
+_PERMUTED_QK = {"LlamaForCausalLM", "MixtralForCausalLM"}
+# llama.cpp's expert gating function ids (gguf.ExpertGatingFuncType)
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -54,29 +99,75 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # multi-head latent attention (deepseek2)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    # MoE: router, Qwen2-MoE's shared-expert gate, DeepSeek-V3's routing bias (`exp_probs_b.bias`)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
-# GGUF architecture -> (HF config class, HF architecture, whether llama.cpp permuted Q/K rows).
-# llama.cpp's converter interleaves the rotary halves only for llama; qwen models keep NeoX order.
-ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
-    "llama": (LlamaConfig, "LlamaForCausalLM", True),
-    "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
-    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
-}
+# GGUF projection -> HF expert projection (Mixtral's names in _MIXTRAL_EXPERT)
+_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_SHEXP_RE = re.compile(r"^ffn_(gate|up|down)_shexp$")
+_EXPS_RE = re.compile(r"^ffn_(gate|up|down)_exps$")
 WEIGHTS_FILE = "model.safetensors"
-# Tensors llama.cpp adds that an HF Llama folder does not hold (rope_freqs: precomputed llama3 rope).
+# Tensors llama.cpp adds that an HF folder does not hold (rope_freqs: precomputed llama3 rope).
 _IGNORED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Older llama.cpp files hold Mixtral's experts as one 2-D tensor each: blk.L.ffn_gate.E.weight
+_OLD_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+# HF tensors that the runtime keeps dense whatever the weight format (router, gates, MLA's kv_b_proj
+# read as per-head blocks): quantized ones are dequantized even under --quantization gguf.
+_DENSE_ONLY = (".gate.weight", ".shared_expert_gate.weight", ".kv_b_proj.weight", ".e_score_correction_bias")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF Llama name for a GGUF tensor name, or None when it has none."""
+@dataclass(frozen=True)
+class Target:
+    """Where a GGUF tensor goes. kind "tensor": the HF tensor `name`; "experts": a 3-D tensor whose
+    slices are the experts' tensors, `name` a template with {e}; "k_b" / "v_b": a half of
+    kv_b_proj (`name`), put back together with the other half."""
+
+    name: str
+    kind: str = "tensor"
+
+
+def hf_target(gguf_name: str, hf_arch: str = "LlamaForCausalLM") -> Target | None:
+    """Where a GGUF tensor goes in the HF model `hf_arch`, or None when it has no counterpart."""
+    mixtral = hf_arch == "MixtralForCausalLM"
+    moe = "block_sparse_moe" if mixtral else "mlp"
+
+    def expert(layer: str, proj: str, e: str) -> str:
+        name = _EXPERT_PROJ[proj]
+        return f"model.layers.{layer}.{moe}.experts.{e}.{_MIXTRAL_EXPERT[name] if mixtral else name}.weight"
+
+    if (old := _OLD_EXPERT_RE.match(gguf_name)) is not None:
+        layer, proj, e = old.groups()
+        return Target(expert(layer, proj, e))
     match = _LAYER_RE.match(gguf_name)
     if match:
         layer, part, suffix = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}" if part in _LAYER_NAMES else None
+        prefix = f"model.layers.{layer}"
+        if (exps := _EXPS_RE.match(part)) is not None and suffix == "weight":
+            return Target(expert(layer, exps.group(1), "{e}"), "experts")
+        if part in ("attn_k_b", "attn_v_b") and suffix == "weight":
+            return Target(f"{prefix}.self_attn.kv_b_proj.weight", part.removeprefix("attn_"))
+        if (shexp := _SHEXP_RE.match(part)) is not None:
+            shared = "shared_experts" if hf_arch.startswith("Deepseek") else "shared_expert"
+            return Target(f"{prefix}.mlp.{shared}.{_EXPERT_PROJ[shexp.group(1)]}.{suffix}")
+        if part == "exp_probs_b":  # a bias by name in GGUF, a plain buffer in HF
+            return Target(f"{prefix}.{_LAYER_NAMES[part]}")
+        if part == "ffn_gate_inp":
+            return Target(f"{prefix}.{moe}.gate.{suffix}")
+        return Target(f"{prefix}.{_LAYER_NAMES[part]}.{suffix}") if part in _LAYER_NAMES else None
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+        return Target(f"{_GLOBAL_NAMES[base]}.{suffix}")
     return None
 
 
@@ -89,6 +180,17 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def merge_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """kv_b_proj [H * (nope + v), rank] from llama.cpp's halves: k_b [H, rank, nope] (transposed)
+    and v_b [H, v, rank]. Inverse of its converter's `kv_b.view(H, nope + v, rank)`, split into
+    [nope, v] along dim 1, `k_b.transpose(1, 2)`."""
+    if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise ValueError(f"attn_k_b {k_b.shape} and attn_v_b {v_b.shape} are not halves of one kv_b_proj")
+    heads, rank, nope = k_b.shape
+    kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+    return np.ascontiguousarray(kv.reshape(heads * (nope + v_b.shape[1]), rank), dtype=np.float32)
+
+
 def open_gguf(path: str) -> tuple[GGUFReader, dict[str, Any]]:
     """The reader and its metadata as plain Python values; ModelLoadError for a missing or bad file."""
     if not os.path.isfile(path):
@@ -99,6 +201,11 @@ def open_gguf(path: str) -> tuple[GGUFReader, dict[str, Any]]:
     except Exception as e:  # GGUFReader fails on bad input with ValueError, KeyError, IndexError, ... from numpy
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
     return reader, meta
+
+
+def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in HF (row-major) order: GGUF lists dimensions innermost first."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
 
 
 def _f32(value: Any) -> float:
@@ -118,45 +225,170 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
         params["original_max_position_embeddings"] = int(meta["llama.rope.scaling.original_context_length"])
     if kind == "yarn" and "llama.rope.scaling.attn_factor" in meta:
         params["attention_factor"] = _f32(meta["llama.rope.scaling.attn_factor"])
+    if kind == "yarn":
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"llama.rope.scaling.{key}" in meta:
+                params[name] = _f32(meta[f"llama.rope.scaling.{key}"])
+    if kind == "yarn" and arch == "deepseek2" and meta.get("llama.rope.scaling.yarn_log_multiplier"):
+        # llama.cpp's deepseek2 converter writes 0.1 * mscale_all_dim, and its graph takes the rotary
+        # mscale equal to it (DeepSeek's configs set mscale == mscale_all_dim)
+        mscale = round(float(meta["llama.rope.scaling.yarn_log_multiplier"]) / 0.1, 6)
+        params.update(mscale=mscale, mscale_all_dim=mscale)
     return params
 
 
-def build_config(meta: dict[str, Any], tensor_names: set[str], path: str) -> PretrainedConfig:
+def hf_architecture(meta: dict[str, Any], tensors: dict[str, tuple[int, ...]], path: str) -> str:
+    """The HF architecture a GGUF file reads as: llama with experts is Mixtral; deepseek2 with
+    sigmoid expert scores (or a routing bias, `exp_probs_b`) is DeepSeek-V3."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
         )
-    config_cls: Any = ARCHITECTURES[arch][0]  # each takes the Llama-style keyword arguments below
-    hf_arch = ARCHITECTURES[arch][1]
+    if arch == "llama" and int(meta.get("llama.expert_count") or 0) > 0:
+        return "MixtralForCausalLM"
+    if arch == "deepseek2":
+        gating = int(meta.get("deepseek2.expert_gating_func") or 0)
+        if gating not in (0, _GATING_SOFTMAX, _GATING_SIGMOID):
+            raise ModelLoadError(f"{path}: deepseek2.expert_gating_func {gating} is not supported (softmax, sigmoid)")
+        if gating == _GATING_SIGMOID or any(name.endswith(".exp_probs_b.bias") for name in tensors):
+            return "DeepseekV3ForCausalLM"
+    return ARCHITECTURES[arch]
+
+
+def _first_rows(tensors: dict[str, tuple[int, ...]], part: str, n_layers: int) -> int | None:
+    """Rows of the first layer's `blk.L.<part>.weight` (experts: rows of one expert), if any layer has it."""
+    for layer in range(n_layers):
+        shape = tensors.get(f"blk.{layer}.{part}.weight")
+        if shape is not None:
+            dims = list(shape)
+            return dims[-2] if len(dims) >= 2 else dims[0]
+    return None
+
+
+def _moe_kwargs(
+    hf_arch: str, arch: str, meta: dict[str, Any], tensors: dict[str, tuple[int, ...]], n_layers: int, path: str
+) -> dict[str, Any]:
+    """The config keys of the MoE / MLA architectures, from llama.cpp's metadata (tensor shapes
+    where a key is missing)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    def need(key: str) -> int:
+        value = get(key)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return int(value)
+
+    if hf_arch == "MixtralForCausalLM":
+        experts, used = need("expert_count"), need("expert_used_count")
+        return {"num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": None}
+    moe_ffn = get("expert_feed_forward_length") or _first_rows(tensors, "ffn_gate_exps", n_layers)
+    if hf_arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        qwen2 = hf_arch == "Qwen2MoeForCausalLM"
+        out: dict[str, Any] = {
+            "num_experts": need("expert_count"),
+            "num_experts_per_tok": need("expert_used_count"),
+            "moe_intermediate_size": int(moe_ffn or 0),
+            # llama.cpp renormalizes Qwen3-MoE's top-k weights and not Qwen2-MoE's unless told
+            "norm_topk_prob": bool(get("expert_weights_norm", not qwen2)),
+            "decoder_sparse_step": 1,
+            # layers without a router are dense (HF's mlp_only_layers)
+            "mlp_only_layers": [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+        }
+        if qwen2:
+            shared = get("expert_shared_feed_forward_length") or _first_rows(tensors, "ffn_gate_shexp", n_layers)
+            out.update(shared_expert_intermediate_size=int(shared or 0), qkv_bias="blk.0.attn_q.bias" in tensors)
+        return out
+    # DeepSeek-V2 / V3: multi-head latent attention
+    v3 = hf_arch == "DeepseekV3ForCausalLM"
+    rope_dim = need("rope.dimension_count")
+    kv_lora_rank = get("attention.kv_lora_rank") or _first_rows(tensors, "attn_kv_a_norm", n_layers)
+    if not kv_lora_rank:
+        raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.attention.kv_lora_rank")
+    q_lora_rank = None
+    if any(f"blk.{i}.attn_q_a.weight" in tensors for i in range(n_layers)):
+        q_lora_rank = int(get("attention.q_lora_rank") or _first_rows(tensors, "attn_q_a", n_layers) or 0)
+    # newer files describe the absorbed (MQA) form in key/value_length and the per-head one in *_mla
+    if get("attention.key_length_mla") is not None:
+        qk_head_dim, v_head_dim = need("attention.key_length_mla"), need("attention.value_length_mla")
+    else:
+        qk_head_dim, v_head_dim = need("attention.key_length"), need("attention.value_length")
+    n_shared = get("expert_shared_count")
+    if n_shared is None:
+        shared_rows = _first_rows(tensors, "ffn_gate_shexp", n_layers)
+        n_shared = shared_rows // int(moe_ffn) if shared_rows and moe_ffn else 0
+    groups, groups_used = int(get("expert_group_count") or 1), int(get("expert_group_used_count") or 1)
+    out = {
+        "kv_lora_rank": int(kv_lora_rank),
+        "q_lora_rank": q_lora_rank,
+        "qk_nope_head_dim": qk_head_dim - rope_dim,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": v_head_dim,
+        "n_routed_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": int(moe_ffn or 0),
+        "n_shared_experts": int(n_shared),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": _f32(get("expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)),
+        "n_group": groups,
+        "topk_group": groups_used,
+    }
+    if v3:
+        out["num_nextn_predict_layers"] = 0  # llama.cpp's converter drops the MTP layers
+    else:
+        out["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    return out
+
+
+def build_config(meta: dict[str, Any], tensors: dict[str, tuple[int, ...]], path: str) -> PretrainedConfig:
+    """The HF config of a GGUF file; `tensors` maps its tensor names to shapes (tensor_shapes)."""
+    hf_arch = hf_architecture(meta, tensors, path)
+    arch = str(meta["general.architecture"])
+    config_cls: Any = HF_CONFIGS[hf_arch]  # each takes the Llama-style keyword arguments below
 
     def need(key: str) -> int:
         if f"{arch}.{key}" not in meta:
             raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.{key}")
         return int(meta[f"{arch}.{key}"])
 
-    def get(key: str, default=None):
+    def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    hidden, n_head = need("embedding_length"), need("attention.head_count")
+    hidden, n_head, n_layers = need("embedding_length"), need("attention.head_count"), need("block_count")
     head_dim = get("attention.key_length", get("rope.dimension_count", hidden // n_head))
+    n_kv_head = int(get("attention.head_count_kv", n_head) or n_head)
     vocab_size = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     ids = special_token_ids(meta) if "tokenizer.ggml.tokens" in meta else {}
-    extra = {"attention_bias": "blk.0.attn_q.bias" in tensor_names} if arch != "qwen2" else {}
+    extra: dict[str, Any] = {}
+    if hf_arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        extra["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    moe = hf_arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if moe:
+        extra.update(_moe_kwargs(hf_arch, arch, meta, tensors, n_layers, path))
+    if hf_arch.startswith("Deepseek"):
+        # llama.cpp writes MLA as MQA (head_count_kv 1); HF's DeepSeek configs count one KV head per head
+        n_kv_head, head_dim = n_head, extra["qk_rope_head_dim"]
+    if moe and get("feed_forward_length") is None:  # all layers MoE: no dense size to tell
+        intermediate = int(extra.get("moe_intermediate_size") or 0)
+    else:
+        intermediate = need("feed_forward_length")
     try:
         return config_cls(
             architectures=[hf_arch],
             vocab_size=int(vocab_size),
             hidden_size=hidden,
-            intermediate_size=need("feed_forward_length"),
-            num_hidden_layers=need("block_count"),
+            intermediate_size=intermediate,
+            num_hidden_layers=n_layers,
             num_attention_heads=n_head,
-            num_key_value_heads=int(get("attention.head_count_kv", n_head) or n_head),
+            num_key_value_heads=n_kv_head,
             head_dim=int(head_dim or hidden // n_head),
             max_position_embeddings=need("context_length"),
             rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_parameters=_rope_parameters(meta, arch),
-            tie_word_embeddings="output.weight" not in tensor_names,
+            tie_word_embeddings="output.weight" not in tensors,
             bos_token_id=ids.get("bos_token"),
             eos_token_id=ids.get("eos_token"),
             pad_token_id=ids.get("pad_token"),
@@ -167,9 +399,13 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str) -> Pre
         raise ModelLoadError(f"{path}: GGUF metadata does not make a valid {hf_arch} config: {e}") from e
 
 
-def _rotary_heads(config: PretrainedConfig, arch: str) -> dict[str, int]:
+def _hf_arch(config: PretrainedConfig) -> str:
+    return (config.architectures or [""])[0]
+
+
+def _rotary_heads(config: PretrainedConfig) -> dict[str, int]:
     """Heads per projection whose rows llama.cpp permuted (none for architectures it leaves alone)."""
-    if not ARCHITECTURES[arch][2]:
+    if _hf_arch(config) not in _PERMUTED_QK:
         return {}
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
 
@@ -188,83 +424,133 @@ def _read_tensor(f, offset: int, n_bytes: int) -> torch.Tensor:
     return out
 
 
-def iterate_gguf_weights(path: str, progress: bool = False) -> Iterator[tuple[str, Any]]:
-    """(HF name, tensor) for every weight in the file, Q/K rows in HF order. Quantized tensors come
-    as `GGUFWeight` (blocks, not dequantized); F32/F16/BF16 ones as float32 torch tensors."""
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # HF order
+    offset: int
+    n_bytes: int
+
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _as_float(raw: torch.Tensor, info: _TensorInfo, shape: tuple[int, ...], path: str) -> np.ndarray:
+    try:
+        w = dequantize(raw.numpy(), info.qtype)
+    except (NotImplementedError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot dequantize tensor {info.name} of type {info.qtype.name}: {e}") from e
+    if w.size != int(np.prod(shape)):
+        raise ModelLoadError(f"{path}: tensor {info.name} dequantized to {w.shape}, expected {shape}")
+    return w.reshape(shape)
+
+
+def _hf_weights(
+    path: str, infos: list[_TensorInfo], config: PretrainedConfig, dense: bool, progress: bool, desc: str
+) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) for every weight, Q/K rows in HF order, experts one by one. `dense`: all
+    float32 torch tensors; otherwise quantized tensors come as `GGUFWeight` (blocks, not
+    dequantized), except those the runtime keeps dense (_DENSE_ONLY)."""
     from srt.layers.quantization.gguf import GGUFWeight
 
-    reader, meta = open_gguf(path)
-    arch = str(meta.get("general.architecture"))
-    config = build_config(meta, {t.name for t in reader.tensors}, path)
-    n_heads = _rotary_heads(config, arch)
-    tensors = [
-        (t.name, GGMLQuantizationType(t.tensor_type), t.shape.tolist(), t.data_offset, t.n_bytes)
+    hf_arch = _hf_arch(config)
+    n_heads = _rotary_heads(config)
+    names = {info.name for info in infos}
+    halves: dict[str, dict[str, np.ndarray]] = {}  # kv_b_proj name -> its k_b / v_b halves read so far
+    bar = tqdm(total=sum(i.n_bytes for i in infos), desc=desc, unit="B", unit_scale=True, disable=not progress)
+
+    def finish(name: str, raw: torch.Tensor, info: _TensorInfo, shape: tuple[int, ...]) -> Any:
+        proj = name.split(".")[-2]
+        if info.qtype in _FLOAT_TYPES or dense or name.endswith(_DENSE_ONLY):
+            w = _as_float(raw, info, shape, path)
+            if proj in n_heads:
+                w = unpermute_rotary(w, n_heads[proj])
+            if name.endswith(".shared_expert_gate.weight"):
+                w = w.reshape(1, -1)  # llama.cpp may store Qwen2-MoE's [1, hidden] gate as [hidden]
+            return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        data = raw.view(shape[0], -1)
+        if proj in n_heads:
+            data = torch.from_numpy(np.ascontiguousarray(unpermute_rotary(data.numpy(), n_heads[proj])))
+        return GGUFWeight(data, info.qtype, shape[-1])
+
+    with open(path, "rb") as f:
+        for info in infos:
+            bar.update(info.n_bytes)
+            target = hf_target(info.name, hf_arch)
+            if target is None:
+                if info.name not in _IGNORED:
+                    logger.warning("%s: skipping GGUF tensor %s, which has no HF counterpart", path, info.name)
+                continue
+            if target.kind == "experts":
+                if len(info.shape) != 3:
+                    raise ModelLoadError(f"{path}: expert tensor {info.name} has shape {info.shape}, expected 3-D")
+                n_experts = info.shape[0]
+                per_expert = info.n_bytes // n_experts  # experts are outermost: each one's rows are contiguous
+                for e in range(n_experts):
+                    raw = _read_tensor(f, info.offset + e * per_expert, per_expert)
+                    name = target.name.format(e=e)
+                    yield name, finish(name, raw, info, info.shape[1:])
+                continue
+            raw = _read_tensor(f, info.offset, info.n_bytes)
+            if target.kind in ("k_b", "v_b"):
+                layer = target.name.rsplit(".self_attn.", 1)[0].rsplit(".", 1)[-1]
+                if f"blk.{layer}.attn_kv_b.weight" in names:
+                    continue  # the file has the whole kv_b_proj too
+                parts = halves.setdefault(target.name, {})
+                parts[target.kind] = _as_float(raw, info, info.shape, path)
+                if len(parts) == 2:
+                    try:
+                        merged = merge_kv_b(parts["k_b"], parts["v_b"])
+                    except ValueError as e:
+                        raise ModelLoadError(f"{path}: layer {layer}: {e}") from e
+                    del halves[target.name]
+                    yield target.name, torch.from_numpy(merged)
+                continue
+            yield target.name, finish(target.name, raw, info, info.shape)
+    bar.close()
+    if halves:
+        raise ModelLoadError(f"{path}: only one of attn_k_b / attn_v_b for {sorted(halves)[0]}")
+
+
+def _tensor_infos(reader: GGUFReader) -> list[_TensorInfo]:
+    return [
+        _TensorInfo(
+            t.name,
+            GGMLQuantizationType(t.tensor_type),
+            tuple(int(d) for d in reversed(t.shape.tolist())),
+            int(t.data_offset),
+            int(t.n_bytes),
+        )
         for t in reader.tensors
     ]
-    del reader  # drop the file mapping; tensors are read with pread below
-    total = sum(t[4] for t in tensors)
-    bar = tqdm(total=total, desc=f"loading {os.path.basename(path)}", unit="B", unit_scale=True, disable=not progress)
-    with open(path, "rb") as f:
-        for gguf_name, qtype, shape, offset, n_bytes in tensors:
-            bar.update(n_bytes)
-            name = hf_tensor_name(gguf_name)
-            if name is None:
-                if gguf_name not in _IGNORED:
-                    logger.warning("%s: skipping GGUF tensor %s, which has no HF counterpart", path, gguf_name)
-                continue
-            hf_shape = tuple(int(d) for d in reversed(shape))
-            proj = name.split(".")[-2]
-            raw = _read_tensor(f, offset, n_bytes)
-            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-                w = dequantize(raw.numpy(), qtype).reshape(hf_shape)
-                if proj in n_heads:
-                    w = unpermute_rotary(w, n_heads[proj])
-                yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-                continue
-            data = raw.view(hf_shape[0], -1)
-            if proj in n_heads:
-                data = torch.from_numpy(np.ascontiguousarray(unpermute_rotary(data.numpy(), n_heads[proj])))
-            yield name, GGUFWeight(data, qtype, hf_shape[-1])
-    bar.close()
 
 
-def convert_tensors(
-    reader: GGUFReader, config: PretrainedConfig, arch: str, path: str, progress: bool
-) -> dict[str, torch.Tensor]:
+def iterate_gguf_weights(path: str, progress: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) for every weight in the file, Q/K rows in HF order, 3-D expert tensors as
+    one tensor per expert. Quantized tensors come as `GGUFWeight` (blocks, not dequantized; each
+    expert's over its own rows); F32/F16/BF16 ones, and those the runtime keeps dense (routers,
+    gates, kv_b_proj), as float32 torch tensors."""
+    reader, meta = open_gguf(path)
+    config = build_config(meta, tensor_shapes(reader), path)
+    infos = _tensor_infos(reader)
+    del reader  # drop the file mapping; tensors are read with pread
+    yield from _hf_weights(path, infos, config, False, progress, f"loading {os.path.basename(path)}")
+
+
+def convert_tensors(reader: GGUFReader, config: PretrainedConfig, path: str, progress: bool) -> dict[str, torch.Tensor]:
     """Dequantized float32 tensors under HF names, with Q/K rows back in HF order."""
-    n_heads = _rotary_heads(config, arch)
-    out: dict[str, torch.Tensor] = {}
-    bar = tqdm(reader.tensors, desc=f"converting {os.path.basename(path)}", unit="tensor", disable=not progress)
-    for tensor in bar:
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            if tensor.name not in _IGNORED:
-                logger.warning("%s: skipping GGUF tensor %s, which has no HF counterpart", path, tensor.name)
-            continue
-        try:
-            w = dequantize(tensor.data, tensor.tensor_type)
-        except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(
-                f"{path}: cannot dequantize tensor {tensor.name} of type {tensor.tensor_type.name}: {e}"
-            ) from e
-        hf_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tuple(w.shape) != hf_shape:
-            raise ModelLoadError(f"{path}: tensor {tensor.name} dequantized to {w.shape}, expected {hf_shape}")
-        proj = name.split(".")[-2]
-        if proj in n_heads:
-            w = unpermute_rotary(w, n_heads[proj])
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-    return out
+    weights = _hf_weights(path, _tensor_infos(reader), config, True, progress, f"converting {os.path.basename(path)}")
+    return dict(weights)
 
 
 def _write_folder(
     reader: GGUFReader, meta: dict[str, Any], path: str, folder: str, progress: bool, weights: bool
 ) -> None:
-    tensor_names = {t.name for t in reader.tensors}
-    config = build_config(meta, tensor_names, path)
+    config = build_config(meta, tensor_shapes(reader), path)
     write_tokenizer_files(meta, folder, path, config.max_position_embeddings)
     if weights:
-        tensors = convert_tensors(reader, config, str(meta["general.architecture"]), path, progress)
+        tensors = convert_tensors(reader, config, path, progress)
         save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
         del tensors
     config.save_pretrained(folder)
@@ -293,8 +579,8 @@ def write_weights(folder: str, progress: bool = True) -> None:
         raise ModelLoadError(f"{folder} has no {WEIGHTS_FILE} and no GGUF source to convert it from")
     start = time.monotonic()
     reader, meta = open_gguf(source)
-    config = build_config(meta, {t.name for t in reader.tensors}, source)
-    tensors = convert_tensors(reader, config, str(meta["general.architecture"]), source, progress)
+    config = build_config(meta, tensor_shapes(reader), source)
+    tensors = convert_tensors(reader, config, source, progress)
     fd, tmp = tempfile.mkstemp(prefix=f".{WEIGHTS_FILE}.tmp-", dir=folder)
     os.close(fd)
     try:
