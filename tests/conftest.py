@@ -109,6 +109,21 @@ def build_tiny_model(
     return path
 
 
+def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuations (float32, no EOS) of each prompt: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = hf.generate(
+                torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     made: dict[tuple, str] = {}

@@ -3,9 +3,9 @@ equal HF transformers' with any batching, chunk size and page size, on every att
 the MLA cache holds one latent row per token; flags not built for these models are clear errors.
 (Logits vs HF per architecture: tests/models/test_tiny_models.py; kernels: tests/kernels.)"""
 
+import conftest
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from srt.configs.model_config import ModelConfig
 from srt.layers.moe import FusedMoE
@@ -21,13 +21,7 @@ PARAMS = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
 
 
 def hf_greedy(path: str) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return conftest.hf_greedy(path, PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])

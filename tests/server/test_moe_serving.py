@@ -10,9 +10,9 @@ import json
 import os
 import shutil
 
+import conftest
 import pytest
 import requests
-import torch
 from conftest import ServerStartError, build_tiny_model
 
 NEW = 12
@@ -46,15 +46,7 @@ def qwen_moe(tmp_path_factory, default_model_path) -> str:
 
 
 def hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return conftest.hf_greedy(path, prompts, NEW)
 
 
 def generate(server, prompts, **extra) -> list[dict]:
