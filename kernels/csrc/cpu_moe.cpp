@@ -5,25 +5,41 @@
 // dtype), contiguous. topk_weights [T, topk] float32 and topk_ids [T, topk] (int32 or int64) route
 // token t to experts topk_ids[t, j] with weights topk_weights[t, j]; ids outside [0, E) belong to
 // other ranks (expert parallelism) and are skipped. out [T, K] in x's dtype:
-//   out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t),  e = topk_ids[t, j],
-// everything after the inputs' conversion computed and summed in float32.
+//   out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t),  e = topk_ids[t, j].
 //
 // Method, per chunk of tokens (bounding the buffers):
 //  1. The (token, slot) pairs are grouped by expert with a counting sort (stable: by pair index
 //     within an expert); pair p = t * topk + j lands at sorted row pos[p].
-//  2. Gate/up: act [P, N] float32 (sorted rows) = silu(x_rows @ gate_e.T) * (x_rows @ up_e.T).
-//  3. Down: y [P, K] float32 (sorted rows) = act_rows @ w2[e].T.
+//  2. Gate/up: act = silu(x_rows @ gate_e.T) * (x_rows @ up_e.T), per expert.
+//  3. Down: y [P, K] (float32, sorted rows) = act_rows @ w2[e].T.
 //  4. out[t] = sum over t's valid slots j, in slot order, of topk_weights[t, j] * y[pos[t * topk + j]].
-// Every element is written by exactly one task and the sum of step 4 runs in a fixed order, so the
-// result is deterministic and (but for torch's GEMMs, below) independent of the thread count.
+// Steps 2 and 3 run in one parallel region each, over tasks of (expert, block of output features)
+// that the threads take from a shared counter, largest experts first (a thread that is descheduled,
+// e.g. on a shared machine, holds up no other). Every element is written by exactly one task and
+// the sum of step 4 runs in a fixed order, so the result is deterministic and (but for torch's
+// GEMMs, below) independent of the thread count.
 //
-// Steps 2 and 3 run in one parallel_for each over (expert, block of output features), so decode
-// (a few tokens per expert: a memory-bound GEMV over the expert's weights) uses every thread. Each
-// task takes its expert's rows 1-4 at a time against several weight rows at once (register-blocked
-// dot products: each loaded vector of x and of weights feeds several products; 16-bit weights are
-// widened to float in registers). The sums of one output element run over the same lanes in the
-// same order whatever the blocking, so results do not depend on how rows were grouped. Experts with
-// many rows and float32 weights (prefill) go to torch's GEMMs instead, outside the parallel region.
+// Each expert is computed one of three ways, by its number of rows n:
+//  - vec (decode: a GEMV bound by the weights' memory traffic): register-blocked dot products of
+//    float32 activation rows, 1-8 at a time, against several weight rows at once (each loaded
+//    vector of activations and of weights feeds several products; 16-bit weights are widened in
+//    registers), in tasks of 32 output features, i.e. 32 (down; 64 for rows under 2 KiB) or
+//    2 x 32 (gate/up) contiguous weight rows, each block of rows prefetching the next (a row of
+//    2-4 KiB is about a page, where the hardware prefetchers stop). The sums of one output element
+//    run over the same lanes in the same order whatever the blocking. (AVX512-BF16's vdpbf16ps ran
+//    at a quarter of the FMA rate on the Sapphire Rapids machine this was tuned on: slower than
+//    widening.)
+//  - amx (bfloat16 x and weights, n >= 4, CPUs with AMX, K and N multiples of 32): AMX tiles of 16
+//    weight rows (loaded straight from the weights) by 16 of the expert's rows (packed once), float32
+//    sums, in tasks of 64 output features; many times the FMAs' throughput (batched decode, prefill).
+//  - gemm (n >= 32 with float32 weights; n >= 16 in 16-bit without AMX): torch's GEMMs in x's dtype,
+//    one single-threaded GEMM per task (inside the parallel region).
+//
+// Precision. In float32 (x or the weights float32, or their dtypes differ) everything after the
+// inputs' conversion is float32. With x and the weights in one 16-bit dtype, vec experts compute as
+// in float32 (x widened exactly), amx experts round the SiLU-times-up product to bfloat16 (the down
+// projection's input) and gemm experts round the gate/up outputs, that product and the down outputs
+// to 16 bits (as HF transformers does in bfloat16). The weighted sum of a token's slots is float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,7 +51,16 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__linux__)
+#define RADIXSERVE_MOE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -50,7 +75,10 @@ using radixserve_cpu::to_float;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr int kW = 16;
-constexpr int kMaxAcc = 16;  // accumulators a block may keep in registers (32 zmm)
+constexpr int kMaxRows = 8;  // activation rows per dot block
+// weight rows per block for R activation rows: R x C accumulators, C weight vectors and one activation
+// vector in the 32 zmm registers; at most 8
+constexpr int cols_for(int R) { return std::min(8, 31 / (R + 1)); }
 struct Vec {
   __m512 v;
   static Vec zero() { return {_mm512_setzero_ps()}; }
@@ -67,7 +95,8 @@ struct Vec {
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kW = 8;
-constexpr int kMaxAcc = 8;  // 16 ymm
+constexpr int kMaxRows = 4;
+constexpr int cols_for(int R) { return std::max(1, 8 / R); }  // R x C <= 8 accumulators (16 ymm)
 struct Vec {
   __m256 v;
   static Vec zero() { return {_mm256_setzero_ps()}; }
@@ -89,7 +118,8 @@ struct Vec {
 };
 #else
 constexpr int kW = 8;
-constexpr int kMaxAcc = 8;
+constexpr int kMaxRows = 4;
+constexpr int cols_for(int R) { return std::max(1, 8 / R); }
 struct Vec {
   float v[kW];
   static Vec zero() { return Vec{}; }
@@ -117,22 +147,41 @@ struct Vec {
 };
 #endif
 
+template <typename T>
+constexpr bool is16 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// One step of kW weights of dot_block (inlined: the accumulators stay in registers).
+template <int R, int C, typename W>
+inline void dot_step(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t i, Vec (&acc)[R][C]) {
+  Vec bv[C];
+  for (int c = 0; c < C; ++c) bv[c] = Vec::load(b + c * ldb + i);
+  for (int r = 0; r < R; ++r) {
+    const Vec av = Vec::load(a + r * lda + i);
+    for (int c = 0; c < C; ++c) acc[r][c] = Vec::fma(av, bv[c], acc[r][c]);
+  }
+}
+
 // out[r * C + c] = sum_i a[r][i] * b[c][i], i < k: R float rows a (at a + r * lda) against C rows of
 // b (type W, at b + c * ldb), R x C vector accumulators, each loaded vector used R or C times.
+// pf (if not null): C rows at pf + c * ldb (the next block of weight rows) to prefetch, a cache
+// line of each as b's lines are reached.
 template <int R, int C, typename W>
-inline void dot_block(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t k, float* out) {
+inline void dot_block(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t k, float* out, const W* pf) {
+  constexpr int kLine = static_cast<int>(64 / sizeof(W));  // weights per cache line
+  constexpr int kSub = kLine > kW ? kLine / kW : 1;        // vector steps per line
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
   int64_t i = 0;
-  for (; i + kW <= k; i += kW) {
-    Vec bv[C];
-    for (int c = 0; c < C; ++c) bv[c] = Vec::load(b + c * ldb + i);
-    for (int r = 0; r < R; ++r) {
-      const Vec av = Vec::load(a + r * lda + i);
-      for (int c = 0; c < C; ++c) acc[r][c] = Vec::fma(av, bv[c], acc[r][c]);
+  if (pf) {
+    for (; i + kSub * kW <= k; i += kSub * kW) {
+      for (int c = 0; c < C; ++c) prefetch(pf + c * ldb + i);
+      for (int u = 0; u < kSub; ++u) dot_step<R, C>(a, lda, b, ldb, i + u * kW, acc);
     }
   }
+  for (; i + kW <= k; i += kW) dot_step<R, C>(a, lda, b, ldb, i, acc);
   if (i < k) {
     const int n = static_cast<int>(k - i);
     Vec bv[C];
@@ -146,36 +195,41 @@ inline void dot_block(const float* a, int64_t lda, const W* b, int64_t ldb, int6
     for (int c = 0; c < C; ++c) out[r * C + c] = Vec::sum(acc[r][c]);
 }
 
-// Weight rows per block for R activation rows: as many accumulators as the registers hold, at most 8.
-constexpr int cols_for(int R) { return std::min(8, std::max(1, kMaxAcc / R)); }
-
-// out[r * ldo + c] = a[r] . b[c] for r < R (1..4), c < ncols: blocks of cols_for(R) weight rows, then
-// the remainder one at a time.
+// out[r * ldo + c] = a[r] . b[c] for r < R (1..kMaxRows), c < ncols: blocks of cols_for(R) weight rows, then
+// the remainder one at a time; each block prefetches the next, the last one `next` (if not null).
 template <int R, typename W>
 void dot_rows_r(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t ncols, int64_t k, float* out,
-                int64_t ldo) {
+                int64_t ldo, const W* next) {
   constexpr int C = cols_for(R);
   float tmp[R * C];
   int64_t c0 = 0;
   for (; c0 + C <= ncols; c0 += C) {
-    dot_block<R, C>(a, lda, b + c0 * ldb, ldb, k, tmp);
+    dot_block<R, C>(a, lda, b + c0 * ldb, ldb, k, tmp, c0 + C < ncols ? b + (c0 + C) * ldb : next);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) out[r * ldo + c0 + c] = tmp[r * C + c];
   }
   for (; c0 < ncols; ++c0) {
-    dot_block<R, 1>(a, lda, b + c0 * ldb, ldb, k, tmp);
+    dot_block<R, 1>(a, lda, b + c0 * ldb, ldb, k, tmp, c0 + 1 < ncols ? b + (c0 + 1) * ldb : next);
     for (int r = 0; r < R; ++r) out[r * ldo + c0] = tmp[r];
   }
 }
 
 template <typename W>
 void dot_rows(int rows, const float* a, int64_t lda, const W* b, int64_t ldb, int64_t ncols, int64_t k, float* out,
-              int64_t ldo) {
+              int64_t ldo, const W* next) {
   switch (rows) {
-    case 1: return dot_rows_r<1>(a, lda, b, ldb, ncols, k, out, ldo);
-    case 2: return dot_rows_r<2>(a, lda, b, ldb, ncols, k, out, ldo);
-    case 3: return dot_rows_r<3>(a, lda, b, ldb, ncols, k, out, ldo);
-    default: return dot_rows_r<4>(a, lda, b, ldb, ncols, k, out, ldo);
+    case 1: return dot_rows_r<1>(a, lda, b, ldb, ncols, k, out, ldo, next);
+    case 2: return dot_rows_r<2>(a, lda, b, ldb, ncols, k, out, ldo, next);
+    case 3: return dot_rows_r<3>(a, lda, b, ldb, ncols, k, out, ldo, next);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    case 4: return dot_rows_r<4>(a, lda, b, ldb, ncols, k, out, ldo, next);
+    case 5: return dot_rows_r<5>(a, lda, b, ldb, ncols, k, out, ldo, next);
+    case 6: return dot_rows_r<6>(a, lda, b, ldb, ncols, k, out, ldo, next);
+    case 7: return dot_rows_r<7>(a, lda, b, ldb, ncols, k, out, ldo, next);
+    default: return dot_rows_r<8>(a, lda, b, ldb, ncols, k, out, ldo, next);
+#else
+    default: return dot_rows_r<4>(a, lda, b, ldb, ncols, k, out, ldo, next);
+#endif
   }
 }
 
@@ -190,12 +244,156 @@ void dispatch_float16(at::ScalarType t, const char* what, Fn&& fn) {
   }
 }
 
-constexpr int64_t kRowBlock = 4;       // activation rows per dot block
+// fn(i) for i < n on all threads, each taking the next i from a shared counter (what a task writes
+// must not depend on the thread that runs it). Nested in a parallel region: runs serially.
+template <typename Fn>
+void parallel_tasks(int64_t n, const Fn& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      fn(i);
+  });
+}
+
 constexpr int64_t kFeatBlock = 32;     // output features per task (gate/up: N; down: K)
-constexpr int64_t kGemmRows = 32;      // an expert with this many rows (and float32 weights) uses at::mm
+constexpr int64_t kGemmRows = 32;      // an expert with this many rows (float32) uses torch's GEMMs
+constexpr int64_t kGemmRows16 = 16;    // the same in 16-bit (without AMX)
+constexpr int64_t kAmxRows = 4;        // an expert with this many rows (bfloat16) uses AMX tiles
+constexpr int64_t kAmxFeat = 64;       // output features per AMX task (a multiple of 32)
 constexpr int64_t kBufferFloats = 16 << 20;  // y buffer budget per chunk of tokens (64 MiB)
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+inline float silu(float g) { return g / (1.f + radixserve_cpu::vexp(-g)); }
+
+// dst[c] = silu(g[c]) * u[c] for c < n, computed in float32 and stored in dst's type (rounded to
+// nearest even for 16 bits).
+template <typename G, typename D>
+inline void silu_mul(const G* g, const G* u, D* dst, int64_t n) {
+  constexpr int64_t kB = 64;
+  for (int64_t c0 = 0; c0 < n; c0 += kB) {
+    const int64_t m = std::min(kB, n - c0);
+    float tmp[kB];
+    for (int64_t c = 0; c < m; ++c) tmp[c] = silu(to_float(g[c0 + c])) * to_float(u[c0 + c]);
+    if constexpr (std::is_same_v<D, float>) {
+      std::memcpy(dst + c0, tmp, m * sizeof(float));
+    } else {
+      int64_t c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      if constexpr (std::is_same_v<D, c10::Half>) {
+        for (; c + 16 <= m; c += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c0 + c),
+                              _mm512_cvtps_ph(_mm512_loadu_ps(tmp + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      }
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<D, c10::BFloat16>) {
+        for (; c + 16 <= m; c += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c0 + c),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(tmp + c))));
+      }
+#endif
+#endif
+      for (; c < m; ++c) dst[c0 + c] = D(tmp[c]);
+    }
+  }
+}
+
+// ---- AMX (bfloat16 tiles), for bfloat16 activations and weights ----
+//
+// Tiles multiply weights (A: 16 weight rows x 32 bfloat16, loaded straight from the [rows, k]
+// weights) by packed activations (B: for 16 tokens, 16 pairs of consecutive k, "VNNI" order) into
+// C: 16 weight rows x 16 tokens, float32. An expert's activations are packed once, in blocks of 16
+// tokens (the last one zero-padded): block tb, k-block kb (32 values of k) is the 1 KiB tile at
+// (tb * nkb + kb) * 512 elements, pair k2 of token m at 32 * k2 + 2 * m.
+#if defined(RADIXSERVE_MOE_AMX)
+constexpr int64_t kTile = 512;   // bfloat16 per packed tile
+constexpr int64_t kAmxPf = 2;    // k-blocks (64 bytes of each weight row) to prefetch ahead, into L2
+
+// Linux enables AMX's tile data only for processes that ask (once, for all their threads).
+bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. Loaded per task (other code, e.g. oneDNN's, may configure the tiles
+// of the same thread in between) and released after it.
+inline void amx_begin() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// c[r * ldc + 16 * j + m] = a[r] . token m of packed block j, for weight rows r < 32 (two tiles:
+// rows at a + r * lda), token blocks j < NJ (at b + j * bstride), over nkb k-blocks. Tiles 0-3: C,
+// 4-5: A, 6-7: B.
+template <int NJ>
+inline void amx_rows32(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t bstride, int64_t nkb,
+                       float* c, int64_t ldc, bool pf) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NJ == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const c10::BFloat16* a1 = a + 16 * lda;
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    if (pf && kb + kAmxPf < nkb) {
+      for (int r = 0; r < 32; ++r) __builtin_prefetch(a + r * lda + (kb + kAmxPf) * 32, 0, 2);
+    }
+    _tile_loadd(4, a + kb * 32, lda * 2);
+    _tile_loadd(5, a1 + kb * 32, lda * 2);
+    _tile_loadd(6, b + kb * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (NJ == 2) {
+      _tile_loadd(7, b + bstride + kb * kTile, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16 * ldc, ldc * 4);
+  if constexpr (NJ == 2) {
+    _tile_stored(2, c + 16, ldc * 4);
+    _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+  }
+}
+
+// amx_rows32 over all ntb token blocks of one expert's packed activations b: c [32, 16 * ntb].
+inline void amx_rows32_all(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ntb, int64_t nkb,
+                           float* c, int64_t ldc) {
+  for (int64_t j = 0; j < ntb; j += 2) {
+    const c10::BFloat16* bj = b + j * nkb * kTile;
+    if (j + 1 < ntb) {
+      amx_rows32<2>(a, lda, bj, nkb * kTile, nkb, c + 16 * j, ldc, j == 0);
+    } else {
+      amx_rows32<1>(a, lda, bj, 0, nkb, c + 16 * j, ldc, j == 0);
+    }
+  }
+}
+
+// Token m's row of k values (k % 32 == 0) into its place in the packed blocks at p.
+inline void amx_pack_row(const c10::BFloat16* row, int64_t k, int64_t m, c10::BFloat16* p) {
+  const int64_t nkb = k / 32;
+  c10::BFloat16* dst = p + (m / 16) * nkb * kTile + 2 * (m % 16);
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    for (int k2 = 0; k2 < 16; ++k2) {
+      dst[kb * kTile + 32 * k2] = row[32 * kb + 2 * k2];
+      dst[kb * kTile + 32 * k2 + 1] = row[32 * kb + 2 * k2 + 1];
+    }
+  }
+}
+#endif
 
 struct Routing {
   std::vector<int64_t> offset;  // [E + 1]: expert e's sorted rows are offset[e] .. offset[e + 1) - 1
@@ -226,88 +424,204 @@ Routing route(const int64_t* ids, int64_t t0, int64_t t1, int64_t topk, int64_t 
   return r;
 }
 
-template <typename W>
-void moe_chunk(const float* xf, const W* w13, const W* w2, const at::Tensor& xf_t, const at::Tensor& w13_t,
-               const at::Tensor& w2_t, const float* tw, const int64_t* ids, int64_t t0, int64_t t1, int64_t topk,
-               int64_t E, int64_t N, int64_t K, float* outf) {
+// One chunk of tokens [t0, t1). X: x's element type, float or (16-bit mode) W.
+//
+// Each expert with rows is of one kind: kVec (the register-blocked dot products, float32
+// activations), kGemm (torch's GEMMs in x's dtype, for many rows) or kAmx (AMX tiles, bfloat16
+// mode on CPUs with AMX; it replaces kGemm there). Each expert's rows are contiguous in its
+// kind's buffers from row base[e]: float32 xs [., K] and act [., N] (kVec, and kGemm in float32);
+// 16-bit xs16 and act16 (kGemm in 16-bit mode); packed xpk [., K] and apk [., N] (kAmx, rows padded
+// to blocks of 16). y [P, K] (float32, sorted rows) holds every expert's down outputs.
+template <typename X, typename W>
+void moe_chunk(const X* x, const W* w13, const W* w2, const at::Tensor& w13_t, const at::Tensor& w2_t,
+               const float* tw, const int64_t* ids, int64_t t0, int64_t t1, int64_t topk, int64_t E, int64_t N,
+               int64_t K, float* outf) {
+  static_assert(std::is_same_v<X, float> || std::is_same_v<X, W>, "x: float32 or the weights' dtype");
+  constexpr bool low = is16<X>;  // 16-bit mode
   const Routing rt = route(ids, t0, t1, topk, E);
   const int64_t P = rt.offset[E];
   if (P == 0) {
     for (int64_t t = t0; t < t1; ++t) std::fill(outf + t * K, outf + (t + 1) * K, 0.f);
     return;
   }
-  // xs [P, K]: the token rows in sorted order, so that an expert's rows are contiguous
-  at::Tensor xs_t = at::empty({P, K}, xf_t.options());
-  at::Tensor act_t = at::empty({P, N}, xf_t.options());
-  at::Tensor y_t = at::empty({P, K}, xf_t.options());
+  enum Kind : char { kNone, kVec, kGemm, kAmx };
+  bool amx = false;
+#if defined(RADIXSERVE_MOE_AMX)
+  if constexpr (std::is_same_v<X, c10::BFloat16>) amx = K % 32 == 0 && N % 32 == 0 && amx_ready();
+#endif
+  std::vector<Kind> kind(E, kNone);
+  std::vector<int64_t> base(E, 0);
+  int64_t Pf = 0, P16 = 0, Pa = 0, ngemm = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = rt.offset[e + 1] - rt.offset[e];
+    if (n == 0) continue;
+    kind[e] = kVec;
+    if (amx && n >= kAmxRows) {
+      kind[e] = kAmx;
+    } else if (!amx && std::is_same_v<X, W> && n >= (low ? kGemmRows16 : kGemmRows)) {
+      kind[e] = kGemm;
+      ++ngemm;
+    }
+    int64_t& count = kind[e] == kAmx ? Pa : low && kind[e] == kGemm ? P16 : Pf;
+    base[e] = count;
+    count += kind[e] == kAmx ? (n + 15) / 16 * 16 : n;
+  }
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor xs_t = at::empty({Pf, K}, f32), act_t = at::empty({Pf, N}, f32), y_t = at::empty({P, K}, f32);
+  at::Tensor xs16_t, act16_t;
+  if (P16 + Pa > 0) {
+    xs16_t = (Pa > 0 ? at::zeros({P16 + Pa, K}, w13_t.options()) : at::empty({P16, K}, w13_t.options()));
+    act16_t = at::empty({P16 + Pa, N}, w13_t.options());
+  }
   float* xs = xs_t.data_ptr<float>();
   float* act = act_t.data_ptr<float>();
   float* y = y_t.data_ptr<float>();
-  const int64_t* token = rt.token.data();
+  // 16-bit rows: kGemm experts' first, then the packed kAmx ones
+  X* xs16 = P16 + Pa > 0 ? xs16_t.data_ptr<X>() : nullptr;
+  X* act16 = P16 + Pa > 0 ? act16_t.data_ptr<X>() : nullptr;
   at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) std::memcpy(xs + s * K, xf + token[s] * K, K * sizeof(float));
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t e = std::upper_bound(rt.offset.begin(), rt.offset.end(), s) - rt.offset.begin() - 1;
+      const int64_t m = s - rt.offset[e];  // the row within the expert
+      const X* src = x + rt.token[s] * K;
+      if (kind[e] == kVec || (!low && kind[e] == kGemm)) {
+        float* dst = xs + (base[e] + m) * K;
+        for (int64_t k = 0; k < K; ++k) dst[k] = to_float(src[k]);
+      } else if (kind[e] == kGemm) {
+        std::memcpy(xs16 + (base[e] + m) * K, src, K * sizeof(X));
+      } else {
+#if defined(RADIXSERVE_MOE_AMX)
+        if constexpr (std::is_same_v<X, c10::BFloat16>) amx_pack_row(src, K, m, xs16 + (P16 + base[e]) * K);
+#endif
+      }
+    }
   });
 
-  // experts with many rows and float32 weights: torch's (multi-threaded) GEMMs, one expert at a time
-  std::vector<char> big(E, 0);
-  if (std::is_same_v<W, float>) {
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t off = rt.offset[e], n = rt.offset[e + 1] - off;
-      if (n < kGemmRows) continue;
-      big[e] = 1;
-      at::Tensor h = at::mm(xs_t.narrow(0, off, n), w13_t[e].t());
-      at::Tensor a = act_t.narrow(0, off, n);
-      at::mul_out(a, at::silu(h.narrow(1, 0, N)), h.narrow(1, N, N));
-      at::Tensor yo = y_t.narrow(0, off, n);
-      at::mm_out(yo, a, w2_t[e].t());
-    }
-  }
-
-  // the other experts: tasks of (expert, block of output features)
+  // Tasks: (expert, block of output features), the largest first (tasks are taken in order).
   struct Task {
     int64_t e, f0, nf;
   };
-  std::vector<Task> up_tasks, down_tasks;
-  for (int64_t e = 0; e < E; ++e) {
-    if (big[e] || rt.offset[e + 1] == rt.offset[e]) continue;
-    for (int64_t f = 0; f < N; f += kFeatBlock) up_tasks.push_back({e, f, std::min(kFeatBlock, N - f)});
-    for (int64_t f = 0; f < K; f += kFeatBlock) down_tasks.push_back({e, f, std::min(kFeatBlock, K - f)});
+  std::vector<int64_t> order;
+  for (int64_t e = 0; e < E; ++e)
+    if (kind[e] != kNone) order.push_back(e);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return rt.offset[a + 1] - rt.offset[a] > rt.offset[b + 1] - rt.offset[b];
+  });
+  // kGemm experts: one single-threaded GEMM per task (threads need not wait on each other within an
+  // expert); an expert is split into more than one block only where there are too few of them
+  const int64_t splits = std::max<int64_t>(1, (4 * at::get_num_threads() + ngemm - 1) / std::max<int64_t>(1, ngemm));
+  auto gemm_block = [&](int64_t n) { return std::min(n, ((n + splits - 1) / splits + 63) / 64 * 64); };
+  std::vector<Task> up, down;
+  for (int64_t e : order) {
+    int64_t fu = kFeatBlock, fd = kFeatBlock;
+    if (kind[e] == kGemm) {
+      fu = gemm_block(N), fd = gemm_block(K);
+    } else if (kind[e] == kAmx) {
+      fu = fd = kAmxFeat;
+    } else if (N * static_cast<int64_t>(sizeof(W)) < 2048) {
+      fd = 2 * kFeatBlock;  // short down rows: tasks of >= 64 KiB of weights
+    }
+    for (int64_t f = 0; f < N; f += fu) up.push_back({e, f, std::min(fu, N - f)});
+    for (int64_t f = 0; f < K; f += fd) down.push_back({e, f, std::min(fd, K - f)});
   }
-  at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    float g[kRowBlock * kFeatBlock], u[kRowBlock * kFeatBlock];
-    for (int64_t i = begin; i < end; ++i) {
-      const Task& task = up_tasks[i];
-      const int64_t off = rt.offset[task.e], n = rt.offset[task.e + 1] - off;
-      const W* gate = w13 + (task.e * 2 * N + task.f0) * K;
-      const W* upw = gate + N * K;
-      for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
-        const int rows = static_cast<int>(std::min(kRowBlock, n - r0));
-        const float* xr = xs + (off + r0) * K;
-        dot_rows(rows, xr, K, gate, K, task.nf, K, g, kFeatBlock);
-        dot_rows(rows, xr, K, upw, K, task.nf, K, u, kFeatBlock);
-        for (int r = 0; r < rows; ++r) {
-          float* dst = act + (off + r0 + r) * N + task.f0;
-          for (int64_t c = 0; c < task.nf; ++c) dst[c] = silu(g[r * kFeatBlock + c]) * u[r * kFeatBlock + c];
-        }
+
+  // gate/up and SiLU-and-mul
+  parallel_tasks(static_cast<int64_t>(up.size()), [&](int64_t i) {
+    const Task& task = up[i];
+    const int64_t e = task.e, n = rt.offset[e + 1] - rt.offset[e];
+    const W* gate = w13 + (e * 2 * N + task.f0) * K;
+    const W* upw = gate + N * K;
+    if (kind[e] == kVec) {
+      float g[kMaxRows * kFeatBlock], u[kMaxRows * kFeatBlock];
+      for (int64_t r0 = 0; r0 < n; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, n - r0));
+        const float* xr = xs + (base[e] + r0) * K;
+        dot_rows(rows, xr, K, gate, K, task.nf, K, g, kFeatBlock, upw);
+        dot_rows(rows, xr, K, upw, K, task.nf, K, u, kFeatBlock, static_cast<const W*>(nullptr));
+        for (int r = 0; r < rows; ++r)
+          silu_mul(g + r * kFeatBlock, u + r * kFeatBlock, act + (base[e] + r0 + r) * N + task.f0, task.nf);
       }
+    } else if (kind[e] == kGemm) {
+      using G = std::conditional_t<low, X, float>;  // the GEMMs' dtype
+      const at::Tensor xe = (low ? xs16_t : xs_t).narrow(0, base[e], n);
+      const at::Tensor w = w13_t[e];
+      const at::Tensor hg = at::mm(xe, w.narrow(0, task.f0, task.nf).t());
+      const at::Tensor hu = at::mm(xe, w.narrow(0, N + task.f0, task.nf).t());
+      G* dst;
+      if constexpr (low) {
+        dst = act16 + base[e] * N + task.f0;
+      } else {
+        dst = act + base[e] * N + task.f0;
+      }
+      for (int64_t r = 0; r < n; ++r)
+        silu_mul(hg.data_ptr<G>() + r * task.nf, hu.data_ptr<G>() + r * task.nf, dst + r * N, task.nf);
+    } else {
+#if defined(RADIXSERVE_MOE_AMX)
+      if constexpr (std::is_same_v<X, c10::BFloat16>) {
+        // per 32 features: g and u [32, npad] (weight rows x tokens); act into the packed k-block
+        // (f0 + f) / 32 of apk
+        const int64_t ntb = (n + 15) / 16, npad = 16 * ntb;
+        thread_local std::vector<float> buf;
+        buf.resize(2 * 32 * npad);
+        float* g = buf.data();
+        float* u = g + 32 * npad;
+        amx_begin();
+        for (int64_t f0 = 0; f0 < task.nf; f0 += 32) {
+          amx_rows32_all(gate + f0 * K, K, xs16 + (P16 + base[e]) * K, ntb, K / 32, g, npad);
+          amx_rows32_all(upw + f0 * K, K, xs16 + (P16 + base[e]) * K, ntb, K / 32, u, npad);
+          for (int64_t f = 0; f < 32; ++f) silu_mul(g + f * npad, u + f * npad, g + f * npad, npad);
+          X* apk = act16 + (P16 + base[e]) * N + ((task.f0 + f0) / 32) * kTile;
+          for (int64_t m = 0; m < npad; ++m) {
+            X* dst = apk + (m / 16) * (N / 32) * kTile + 2 * (m % 16);
+            for (int64_t f = 0; f < 32; ++f) dst[(f / 2) * 32 + f % 2] = X(g[f * npad + m]);
+          }
+        }
+        _tile_release();
+      }
+#endif
     }
   });
-  at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Task& task = down_tasks[i];
-      const int64_t off = rt.offset[task.e], n = rt.offset[task.e + 1] - off;
-      const W* w = w2 + (task.e * K + task.f0) * N;
-      for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
-        const int rows = static_cast<int>(std::min(kRowBlock, n - r0));
-        dot_rows(rows, act + (off + r0) * N, N, w, N, task.nf, N, y + (off + r0) * K + task.f0, K);
+  // down
+  parallel_tasks(static_cast<int64_t>(down.size()), [&](int64_t i) {
+    const Task& task = down[i];
+    const int64_t e = task.e, n = rt.offset[e + 1] - rt.offset[e];
+    const W* w = w2 + (e * K + task.f0) * N;
+    float* ye = y + rt.offset[e] * K + task.f0;
+    if (kind[e] == kVec) {
+      for (int64_t r0 = 0; r0 < n; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, n - r0));
+        dot_rows(rows, act + (base[e] + r0) * N, N, w, N, task.nf, N, ye + r0 * K, K, static_cast<const W*>(nullptr));
       }
+    } else if (kind[e] == kGemm) {
+      using G = std::conditional_t<low, X, float>;
+      const at::Tensor a = (low ? act16_t : act_t).narrow(0, base[e], n);
+      const at::Tensor o = at::mm(a, w2_t[e].narrow(0, task.f0, task.nf).t());
+      const G* src = o.data_ptr<G>();
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < task.nf; ++c) ye[r * K + c] = to_float(src[r * task.nf + c]);
+    } else {
+#if defined(RADIXSERVE_MOE_AMX)
+      if constexpr (std::is_same_v<X, c10::BFloat16>) {
+        const int64_t ntb = (n + 15) / 16, npad = 16 * ntb;
+        thread_local std::vector<float> buf;
+        buf.resize(32 * npad);
+        amx_begin();
+        for (int64_t f0 = 0; f0 < task.nf; f0 += 32) {
+          amx_rows32_all(w + f0 * N, N, act16 + (P16 + base[e]) * N, ntb, N / 32, buf.data(), npad);
+          for (int64_t m = 0; m < n; ++m)
+            for (int64_t c = 0; c < 32; ++c) ye[m * K + f0 + c] = buf[c * npad + m];
+        }
+        _tile_release();
+      }
+#endif
     }
   });
 
   // out[t] = sum of the weighted rows of t's valid slots, in slot order
   const int64_t T = t1 - t0;
   const int64_t kb = std::min<int64_t>(K, 512), nkb = (K + kb - 1) / kb;
-  at::parallel_for(0, T * nkb, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kb * topk));  // a few tokens (decode): serially
+  at::parallel_for(0, T * nkb, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / nkb, k0 = (i % nkb) * kb, k1 = std::min(K, k0 + kb);
       float* dst = outf + (t0 + t) * K;
@@ -353,22 +667,30 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
               "fused_moe: topk_ids must be int32 or int64; got ", topk_ids.scalar_type());
   const int64_t topk = topk_ids.size(1);
 
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor outf = xt == at::kFloat ? at::empty({T, K}, x.options()) : at::empty({T, K}, xf.options());
+  // 16-bit activations where x and the weights share a 16-bit dtype, else float32
+  const bool low = xt == wt && wt != at::kFloat;
+  at::Tensor xa = low ? x.contiguous() : x.to(at::kFloat).contiguous();
+  at::Tensor outf = at::empty({T, K}, x.options().dtype(at::kFloat));
   if (T == 0 || K == 0) return outf.to(xt);
   if (topk == 0 || E == 0 || N == 0) return outf.zero_().to(xt);
   at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   at::Tensor tw = topk_weights.contiguous();
-  const float* xp = xf.data_ptr<float>();
   float* op = outf.data_ptr<float>();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const float* twp = tw.data_ptr<float>();
   const int64_t chunk = std::max<int64_t>(1, kBufferFloats / std::max<int64_t>(1, topk * K));
   dispatch_float16(wt, "fused_moe: weights", [&](auto tag) {
     using W = decltype(tag);
-    for (int64_t t0 = 0; t0 < T; t0 += chunk)
-      moe_chunk<W>(xp, w13.data_ptr<W>(), w2.data_ptr<W>(), xf, w13, w2, twp, idp, t0, std::min(T, t0 + chunk), topk,
-                   E, N, K, op);
+    auto run = [&](auto xtag) {
+      using X = decltype(xtag);
+      for (int64_t t0 = 0; t0 < T; t0 += chunk)
+        moe_chunk<X, W>(xa.data_ptr<X>(), w13.data_ptr<W>(), w2.data_ptr<W>(), w13, w2, twp, idp, t0,
+                        std::min(T, t0 + chunk), topk, E, N, K, op);
+    };
+    if constexpr (is16<W>) {
+      if (low) return run(W{});
+    }
+    run(float{});
   });
   return xt == at::kFloat ? outf : outf.to(xt);
 }

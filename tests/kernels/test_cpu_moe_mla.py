@@ -39,6 +39,36 @@ def test_fused_moe_matches_reference(ops, tokens, experts, topk, n, k, x_dtype, 
     assert torch.equal(out, ops.fused_moe(x, w13, w2, weights, ids)), "not deterministic"
 
 
+# 16-bit x and weights with many rows per expert (prefill, batched decode): AMX tiles (bfloat16, on
+# CPUs with AMX; K and N multiples of 32) or torch's GEMMs (float16; bfloat16 without AMX) from a
+# few rows per expert on, next to the float32 dot products of experts with 1-3 rows. Their 16-bit
+# intermediates (the SiLU-times-up product; for torch's GEMMs also the gate/up and down outputs)
+# add errors of ~2^-9 relative to each term. "skew": every token also goes to expert 0.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "tokens,experts,topk,n,k,skew",
+    [
+        (70, 4, 2, 96, 128, False),
+        (40, 8, 3, 64, 64, False),
+        (200, 8, 2, 32, 96, False),
+        (9, 2, 1, 32, 32, False),
+        (64, 16, 2, 64, 160, True),
+        (50, 6, 2, 40, 72, True),
+    ],
+)
+def test_fused_moe_16bit_many_rows(ops, dtype, tokens, experts, topk, n, k, skew):
+    x, w13, w2, weights, ids = moe_inputs(tokens, experts, topk, n, k, dtype, dtype, seed=tokens + n + k)
+    if skew:
+        ids[:, 0] = 0
+    out = ops.fused_moe(x, w13, w2, weights, ids)
+    ref = reference.fused_moe(x, w13, w2, weights, ids).float()
+    assert out.dtype == dtype and out.shape == x.shape
+    err = out.float() - ref
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
+    assert err.norm() <= 1e-2 * ref.norm(), "16-bit intermediates: ~2^-9 relative errors expected"
+    assert torch.equal(out, ops.fused_moe(x, w13, w2, weights, ids)), "not deterministic"
+
+
 def test_fused_moe_skips_foreign_experts(ops):
     """Tokens routed only to other ranks' experts get zeros; int32 and int64 ids agree."""
     x, w13, w2, weights, ids = moe_inputs(9, 4, 2, 24, 16, torch.float32, torch.float32, seed=1)
