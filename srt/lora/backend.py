@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,7 @@ class LoRABatchInfo:
         return start, length, slot
 
 
-class LoRABackend:
+class LoRABackend(ABC):
     """Adds a batch's LoRA deltas to a projection's output: `shrink` (x @ A.T per segment, zero
     elsewhere) and `expand` (out += xa @ Bt per segment), or both at once with `apply`. `parts`: the
     output features of each fused part (their ranks are K / len(parts) each)."""
@@ -79,13 +80,13 @@ class LoRABackend:
     name = ""
     pool_dtype: torch.dtype | None = None  # None: the model's
 
-    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor: ...
 
+    @abstractmethod
     def expand(
         self, xa: torch.Tensor, Bt: torch.Tensor, info: LoRABatchInfo, out: torch.Tensor, parts: list[int]
-    ) -> None:
-        raise NotImplementedError
+    ) -> None: ...
 
     def apply(
         self,
