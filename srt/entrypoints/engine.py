@@ -11,7 +11,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import uvloop
 
@@ -23,7 +23,40 @@ from srt.server_args import ServerArgs
 from srt.utils import configure_logger
 from srt.version import __version__
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 _END = object()
+
+
+class GenerateArgs(TypedDict, total=False):
+    """The keywords of `generate` and `async_generate` after `prompt` and `sampling_params`: the
+    GenerateReqInput fields of the same names (see POST /generate)."""
+
+    input_ids: list[int] | list[list[int]] | None
+    return_logprob: bool | list[bool]
+    logprob_start_len: int | list[int]
+    top_logprobs_num: int | list[int]
+    token_ids_logprob: list[int] | list[list[int]] | None
+    return_text_in_logprobs: bool
+    stream: bool
+    rid: str | list[str] | None
+    priority: int | list[int] | None
+    bootstrap_host: str | list[str] | None
+    bootstrap_port: int | list[int] | None
+    bootstrap_room: int | list[int] | None
+    lora_path: str | list[str | None] | None
+
+
+def generate_request(
+    method: str, prompt: str | list[str] | None, sampling_params: dict | list[dict] | None, kwargs: GenerateArgs
+) -> GenerateReqInput:
+    """The one builder of both methods' request; a keyword outside GenerateArgs is a TypeError, as
+    for any other Python call (GenerateReqInput has more fields than the Engine takes)."""
+    unknown = sorted(kwargs.keys() - GenerateArgs.__optional_keys__)
+    if unknown:
+        raise TypeError(f"Engine.{method}() got an unexpected keyword argument {unknown[0]!r}")
+    return GenerateReqInput(text=prompt, sampling_params=sampling_params, **kwargs)
 
 
 class Engine:
@@ -54,39 +87,11 @@ class Engine:
         self,
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool | list[bool] = False,
-        logprob_start_len: int | list[int] = -1,
-        top_logprobs_num: int | list[int] = 0,
-        token_ids_logprob: list[int] | list[list[int]] | None = None,
-        return_text_in_logprobs: bool = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-        priority: int | list[int] | None = None,
-        bootstrap_host: str | list[str] | None = None,
-        bootstrap_port: int | list[int] | None = None,
-        bootstrap_room: int | list[int] | None = None,
-        lora_path: str | list[str | None] | None = None,
+        **kwargs: Unpack[GenerateArgs],
     ) -> dict | list[dict] | Iterator[dict]:
         """Same arguments and outputs as POST /generate. With stream=True, an iterator of chunks."""
-        obj = GenerateReqInput(
-            text=prompt,
-            sampling_params=sampling_params,
-            input_ids=input_ids,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob,
-            return_text_in_logprobs=return_text_in_logprobs,
-            stream=stream,
-            rid=rid,
-            priority=priority,
-            bootstrap_host=bootstrap_host,
-            bootstrap_port=bootstrap_port,
-            bootstrap_room=bootstrap_room,
-            lora_path=lora_path,
-        )
-        if not stream:
+        obj = generate_request("generate", prompt, sampling_params, kwargs)
+        if not obj.stream:
             return self._run(self._first(obj))
         return self._iterate(obj)
 
@@ -119,41 +124,13 @@ class Engine:
 
     async def async_generate(
         self,
-        prompt=None,
-        sampling_params=None,
-        input_ids=None,
-        return_logprob=False,
-        logprob_start_len=-1,
-        top_logprobs_num=0,
-        token_ids_logprob=None,
-        return_text_in_logprobs=False,
-        stream=False,
-        rid=None,
-        priority=None,
-        bootstrap_host=None,
-        bootstrap_port=None,
-        bootstrap_room=None,
-        lora_path=None,
-    ):
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        **kwargs: Unpack[GenerateArgs],
+    ) -> dict | list[dict] | AsyncIterator[dict]:
         """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
-        obj = GenerateReqInput(
-            text=prompt,
-            sampling_params=sampling_params,
-            input_ids=input_ids,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob,
-            return_text_in_logprobs=return_text_in_logprobs,
-            stream=stream,
-            rid=rid,
-            priority=priority,
-            bootstrap_host=bootstrap_host,
-            bootstrap_port=bootstrap_port,
-            bootstrap_room=bootstrap_room,
-            lora_path=lora_path,
-        )
-        if not stream:
+        obj = generate_request("async_generate", prompt, sampling_params, kwargs)
+        if not obj.stream:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._first(obj), self._loop))
         return self._aiterate(obj)
 

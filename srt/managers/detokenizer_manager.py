@@ -8,6 +8,7 @@ text unless `no_stop_trim`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import traceback
@@ -127,25 +128,8 @@ class DetokenizerManager:
             deltas.append(dec.step(new_ids, reason))
             if reason is not None:
                 del self.decoders[rid]
-        return BatchStrOutput(
-            rids=batch.rids,
-            finished_reasons=batch.finished_reasons,
-            text_deltas=deltas,
-            new_output_ids=batch.new_output_ids,
-            prompt_tokens=batch.prompt_tokens,
-            completion_tokens=batch.completion_tokens,
-            cached_tokens=batch.cached_tokens,
-            cached_tokens_details=batch.cached_tokens_details,
-            retractions=batch.retractions,
-            input_token_logprobs=batch.input_token_logprobs,
-            input_top_logprobs=batch.input_top_logprobs,
-            output_token_logprobs=batch.output_token_logprobs,
-            output_top_logprobs=batch.output_top_logprobs,
-            input_token_ids_logprobs=batch.input_token_ids_logprobs,
-            output_token_ids_logprobs=batch.output_token_ids_logprobs,
-            dp_rank=batch.dp_rank,
-            spec=batch.spec,
-        )
+        # the tokenizer manager has no use for the decode settings: they stay here
+        return BatchStrOutput(token_output=dataclasses.replace(batch, decode_settings=[]), text_deltas=deltas)
 
     def event_loop(self) -> None:
         while True:

@@ -394,22 +394,8 @@ class BatchTokenIDOutput:
 
 @dataclass(kw_only=True)
 class BatchStrOutput:
-    rids: list[str]
-    finished_reasons: list[BaseFinishReason | None]
+    """A BatchTokenIDOutput passed on with its text: the detokenizer adds each request's text delta
+    and forwards the token output itself, so a new output field is declared only there."""
+
+    token_output: BatchTokenIDOutput
     text_deltas: list[str]
-    new_output_ids: list[list[int]]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    retractions: list[int]
-    cached_tokens_details: list[tuple[int, int, int]] = field(default_factory=list)  # (device, host, storage)
-    input_token_logprobs: list[list] = field(default_factory=list)
-    input_top_logprobs: list[list] = field(default_factory=list)
-    output_token_logprobs: list[list] = field(default_factory=list)
-    output_top_logprobs: list[list] = field(default_factory=list)
-    # token_ids_logprob: per position (logprobs, ids) of the asked ids, or None (first prompt token)
-    input_token_ids_logprobs: list[list] = field(default_factory=list)
-    output_token_ids_logprobs: list[list] = field(default_factory=list)
-    dp_rank: int = 0  # the data-parallel replica whose scheduler sent it
-    # speculative servers: per request (drafts proposed, steps by accepted drafts: Req.spec_histogram)
-    spec: list[tuple[int, list[int]]] = field(default_factory=list)

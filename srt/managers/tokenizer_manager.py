@@ -544,27 +544,28 @@ class TokenizerManager:
             fut.set_result(replies)
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
-        for i, rid in enumerate(out.rids):
+        tok = out.token_output
+        for i, rid in enumerate(tok.rids):
             s = self.rid_to_state.get(rid)
             if s is None:
                 continue  # the client went away and the request was aborted
             s.text += out.text_deltas[i]
-            s.output_ids.extend(out.new_output_ids[i])
-            s.prompt_tokens, s.completion_tokens = out.prompt_tokens[i], out.completion_tokens[i]
-            s.cached_tokens, s.retractions = out.cached_tokens[i], out.retractions[i]
-            if out.cached_tokens_details:
-                s.cached_tokens_details = out.cached_tokens_details[i]
-            s.input_token_logprobs.extend(out.input_token_logprobs[i])
-            s.input_top_logprobs.extend(out.input_top_logprobs[i])
-            s.output_token_logprobs.extend(out.output_token_logprobs[i])
-            s.output_top_logprobs.extend(out.output_top_logprobs[i])
-            s.input_token_ids_logprobs.extend(out.input_token_ids_logprobs[i])
-            s.output_token_ids_logprobs.extend(out.output_token_ids_logprobs[i])
-            s.dp_rank = out.dp_rank
-            if out.spec:
-                s.spec = out.spec[i]
-            if out.finished_reasons[i] is not None:
-                s.finish_reason, s.finished = out.finished_reasons[i], True
+            s.output_ids.extend(tok.new_output_ids[i])
+            s.prompt_tokens, s.completion_tokens = tok.prompt_tokens[i], tok.completion_tokens[i]
+            s.cached_tokens, s.retractions = tok.cached_tokens[i], tok.retractions[i]
+            if tok.cached_tokens_details:
+                s.cached_tokens_details = tok.cached_tokens_details[i]
+            s.input_token_logprobs.extend(tok.input_token_logprobs[i])
+            s.input_top_logprobs.extend(tok.input_top_logprobs[i])
+            s.output_token_logprobs.extend(tok.output_token_logprobs[i])
+            s.output_top_logprobs.extend(tok.output_top_logprobs[i])
+            s.input_token_ids_logprobs.extend(tok.input_token_ids_logprobs[i])
+            s.output_token_ids_logprobs.extend(tok.output_token_ids_logprobs[i])
+            s.dp_rank = tok.dp_rank
+            if tok.spec:
+                s.spec = tok.spec[i]
+            if tok.finished_reasons[i] is not None:
+                s.finish_reason, s.finished = tok.finished_reasons[i], True
             s.event.set()
 
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> None:
