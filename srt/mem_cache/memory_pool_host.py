@@ -4,7 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from srt.mem_cache.storage.hicache_storage import pack_tensors, unpack_tensors
+
+def pack_tensors(tensors: list[torch.Tensor]) -> bytes:
+    """The raw bytes of the tensors, back to back (their shapes and dtypes are the reader's)."""
+    return b"".join(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def unpack_tensors(data, like: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+    """Tensors of the given shapes and dtypes from pack_tensors' bytes (views of data when it is
+    writable, else of a copy); None when the sizes disagree."""
+    sizes = [int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in like]
+    if sum(sizes) != len(data):
+        return None
+    view = memoryview(data)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    out, offset = [], 0
+    for (shape, dtype), n in zip(like, sizes):
+        out.append(torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset).view(dtype).view(shape))
+        offset += n
+    return out
 
 
 def pool_payload(pool, slots: torch.Tensor) -> bytes:

@@ -9,15 +9,9 @@ import time
 import pytest
 import torch
 
-from srt.mem_cache.storage.hicache_storage import (
-    FileStorage,
-    Namespace,
-    default_storage_dir,
-    pack_tensors,
-    page_key,
-    page_keys,
-    unpack_tensors,
-)
+from srt.mem_cache.memory_pool_host import pack_tensors, unpack_tensors
+from srt.mem_cache.storage.file_storage import FileStorage, default_storage_dir
+from srt.mem_cache.storage.hicache_storage import Namespace, page_key, page_keys
 
 NS = Namespace(model="/models/smollm2", tp_rank=0, tp_size=1, kv_dtype="bfloat16")
 
@@ -54,7 +48,7 @@ def test_pages_round_trip_and_namespaces_never_mix(tmp_path):
     keys = page_keys(list(range(12)), 4)
     for k_ in keys[:2]:
         store.set(NS, k_, b"page")
-    assert store.prefix_hits(NS, keys) == 2
+    assert store.batch_exists(NS, keys) == 2
     assert store.stats.hits == 1 and store.stats.writes == 3
     with pytest.raises(ValueError, match="64 hex digits"):
         store.get(NS, "../../etc/passwd")
@@ -65,7 +59,7 @@ def test_a_corrupt_or_truncated_file_is_a_deleted_miss(tmp_path):
     a, b = page_key([1]), page_key([2])
     store.set(NS, a, b"x" * 1000)
     store.set(NS, b, b"y" * 1000)
-    path_a, path_b = store._path(NS, a), store._path(NS, b)
+    path_a, path_b = store.page_path(NS, a), store.page_path(NS, b)
     with open(path_a, "r+b") as f:  # flip a payload byte
         f.seek(-10, os.SEEK_END)
         f.write(b"Z")

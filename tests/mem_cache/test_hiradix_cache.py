@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
-from srt.mem_cache.hiradix_cache import EXTRA_CONFIG_DEFAULTS, HiCacheConfig, HiRadixCache
+from srt.mem_cache.hicache_config import EXTRA_CONFIG_DEFAULTS, HiCacheConfig
+from srt.mem_cache.hiradix_cache import HiRadixCache
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from srt.mem_cache.storage.hicache_storage import FileStorage
+from srt.mem_cache.storage.file_storage import FileStorage
 
 MOD = (1 << 22) - 3
 
@@ -179,7 +180,7 @@ def test_restart_warm_from_storage_and_corrupt_page_is_a_miss(tmp_path):
     from srt.mem_cache.storage.hicache_storage import page_keys
 
     key = page_keys(d[:40], 4)[4]
-    path = third.storage._path(third.cache.namespace(None), key)
+    path = third.storage.page_path(third.cache.namespace(None), key)
     with open(path, "r+b") as f:
         f.seek(-3, 2)
         f.write(b"xyz")
