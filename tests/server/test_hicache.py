@@ -73,7 +73,9 @@ def expected(tiny_server, docs):
 @pytest.fixture(scope="module")
 def hicache_server(server_factory, tiny_chat_model, storage_dir):
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": storage_dir}
-    return server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "1024", *HICACHE, env=env)
+    return server_factory(
+        "--model-path", tiny_chat_model, "--max-total-tokens", "1024", "--enable-metrics", *HICACHE, env=env
+    )
 
 
 def test_tiers_serve_identical_outputs(hicache_server, docs, expected):
@@ -102,9 +104,15 @@ def test_tiers_serve_identical_outputs(hicache_server, docs, expected):
     assert all(details(o)["device"] + details(o)["host"] == 0 for o in third)
     st = assert_whole(server)
     assert st["hicache"]["storage"]["pages_read"] >= 12
+    # /metrics reports the same tier counters as /server_info
     metrics = requests.get(server.url + "/metrics", timeout=30)
-    if metrics.status_code == 200:  # only with --enable-metrics
-        assert "sglang:hicache_host_hit_tokens" in metrics.text
+    assert metrics.status_code == 200, metrics.text
+    host_hits = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.text.splitlines()
+        if line.startswith("sglang:hicache_host_hit_tokens_total{")
+    ]
+    assert host_hits == [st["hicache"]["host"]["hit_tokens"]] and host_hits[0] >= 5 * 300, host_hits
 
 
 def test_restart_is_warm_from_storage_and_tenants_are_separate(
