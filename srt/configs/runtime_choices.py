@@ -10,7 +10,21 @@ from __future__ import annotations
 import importlib.util
 import os
 
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+LOAD_FORMATS = ("auto", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+# The names of srt/disaggregation's DisaggregationMode and TRANSFER_BACKENDS and of srt/lora's backends
+# (tests/test_server_args.py checks that they agree)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_TRANSFER_BACKENDS = ("mooncake", "fake")
+LORA_BACKENDS = ("auto", "cpu", "torch_native", "triton")
+LORA_EVICTION_POLICIES = ("lru", "fifo")
 # Registered in srt/layers/attention (each implementation registers itself under one of these).
 ATTENTION_BACKEND_NAMES = ("cpu", "torch_native", "triton")
 MOE_RUNNER_BACKENDS = ("auto", "cpu", "torch_native", "triton")
@@ -21,8 +35,8 @@ def resolve_device(device: str) -> str:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be one of auto, cpu, cuda; got {device!r}")
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {device!r}")
     if device == "cuda":
         import torch
 
