@@ -1,0 +1,105 @@
+"""The server process's life: uvicorn, shutdown when a worker dies, SIGTERM / SIGINT drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from srt.entrypoints.processes import Subprocesses
+from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def serve(app: FastAPI, tm: TokenizerManager, subs: Subprocesses, server_args: ServerArgs) -> None:
+    """Serve until drained or a worker dies; exits the process (0 after a drain, 1 on a death)."""
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        loop="uvloop",
+        log_level="warning",
+        timeout_keep_alive=5,
+        access_log=False,
+    )
+    server = _Server(config)
+
+    def on_child_death(reason: str) -> None:
+        # Runs on the watcher thread: fail every request on the event loop, give the responses a
+        # moment to go out, then exit non-zero.
+        if tm.loop is not None:
+            tm.loop.call_soon_threadsafe(tm.fail_all, reason)
+            deadline = time.monotonic() + 3
+            while tm.rid_to_state and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)
+        logger.error("exiting: %s", tm.dead_reason or reason)
+        os._exit(1)
+
+    subs.watch(on_child_death, settled=lambda: tm.dead_reason is not None)
+    _install_drain_handlers(server, tm, subs)
+    url = f"http://{server_args.host}:{server_args.port}"
+    logger.info("The server is fired up and ready to roll! %s", url)
+    print(
+        f"\nradixserve is serving {server_args.model_path} at {url}\n  curl {url}/generate -H 'Content-Type: "
+        f'application/json\' -d \'{{"text": "The capital of France is", "sampling_params": '
+        f'{{"max_new_tokens": 16, "temperature": 0}}}}\'\n',
+        flush=True,
+    )
+    try:
+        server.run()
+    finally:
+        subs.stop()
+    sys.exit(0)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: ours drains first (see _install_drain_handlers)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _install_drain_handlers(server: uvicorn.Server, tm: TokenizerManager, subs: Subprocesses) -> None:
+    """SIGTERM / SIGINT: new requests get 503, in-flight ones finish, then the server exits 0.
+    A second signal exits at once."""
+    state = {"signals": 0}
+
+    async def drain() -> None:
+        tm.draining = True
+        timeout = tm.server_args.shutdown_timeout
+        logger.info("draining: %d request(s) in flight, up to %g s (--shutdown-timeout)", len(tm.rid_to_state), timeout)
+        deadline = time.monotonic() + timeout
+        while tm.rid_to_state and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if tm.rid_to_state:
+            logger.warning("shutdown timeout: aborting %d request(s) still in flight", len(tm.rid_to_state))
+            tm.abort_request(abort_all=True, message="the server is shutting down (--shutdown-timeout passed)")
+            deadline = time.monotonic() + 5
+            while tm.rid_to_state and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        server.should_exit = True
+
+    def handler(signum, frame) -> None:
+        state["signals"] += 1
+        if state["signals"] > 1:
+            subs.stop(timeout=1)
+            os._exit(1)
+        loop = tm.loop
+        if loop is None:  # not serving yet: nothing to drain
+            subs.stop(timeout=1)
+            os._exit(0)
+        loop.call_soon_threadsafe(lambda: loop.create_task(drain()))
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
