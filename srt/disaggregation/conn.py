@@ -19,21 +19,26 @@ import orjson
 import zmq
 
 from srt.disaggregation.transfer import KVEndpoint
-from srt.managers.io_struct import FINISH_ABORT
+from srt.managers.scheduler_component import SchedulerComponent
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
-    from srt.managers.scheduler import Scheduler
+    from srt.managers.scheduler_component import SchedulerPort
 
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 256  # cached PUSH sockets
+POLL_MS = 5  # while requests wait on a peer: timeouts and lookups need a tick
 
 
-class DisaggChannel:
-    """What both sides share: the PULL socket, PUSH sockets to peers, the KV endpoint, stats."""
+class DisaggChannel(SchedulerComponent):
+    """What both sides share: the PULL socket, PUSH sockets to peers, the KV endpoint, stats; and
+    the scheduler hooks both sides take part in (a request with a bootstrap room goes to this
+    side's queues instead of the waiting queue)."""
 
-    def __init__(self, scheduler: Scheduler, ip: str, endpoint: KVEndpoint):
+    name = "disaggregation"
+
+    def __init__(self, scheduler: SchedulerPort, ip: str, endpoint: KVEndpoint):
         self.scheduler = scheduler
         self.kv = endpoint
         self.ctx = zmq.Context(1)
@@ -99,11 +104,13 @@ class DisaggChannel:
 
     def end(self, req: Req, message: str, status_code: int | None = None) -> None:
         """Answer a request that leaves a disaggregation queue without running."""
-        req.finished_reason = FINISH_ABORT(message=message, status_code=status_code)
-        self.scheduler.stream_output([req])
+        self.scheduler.fail_request(req, message, status_code)
 
-    def on_output(self, reqs: list[Req]) -> None:
-        """Outputs about to be streamed (the prefill side watches for requests ending early)."""
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.recv_socket]
+
+    def wait_ms(self) -> int | None:
+        return POLL_MS if self.pending() else None
 
     def transfer_state(self) -> dict:
         return {

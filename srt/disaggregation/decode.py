@@ -24,10 +24,12 @@ from srt.disaggregation.bootstrap_server import query_prefill
 from srt.disaggregation.conn import DisaggChannel, now, room_of
 from srt.disaggregation.transfer import KVEndpoint, RankKV
 from srt.disaggregation.utils import bootstrap_timeout, waiting_timeout
+from srt.managers.schedule_policy import reserve_prompt_kv
+from srt.managers.tp_worker import BatchResult
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
-    from srt.managers.scheduler import Scheduler
+    from srt.managers.scheduler_component import SchedulerPort
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class Draining:
 
 class DecodeDisagg(DisaggChannel):
     def __init__(
-        self, scheduler: Scheduler, ip: str, endpoint: KVEndpoint, layout: dict, ranks: list[RankKV], reserved: int
+        self, scheduler: SchedulerPort, ip: str, endpoint: KVEndpoint, layout: dict, ranks: list[RankKV], reserved: int
     ):
         super().__init__(scheduler, ip, endpoint)
         self.layout = layout
@@ -63,7 +65,7 @@ class DecodeDisagg(DisaggChannel):
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def admit(self, req: Req) -> bool:
+    def on_ready(self, req: Req) -> bool:
         if req.bootstrap_room is None or req.max_new_tokens == 0:
             return False
         room = room_of(req)
@@ -85,10 +87,10 @@ class DecodeDisagg(DisaggChannel):
             self.lookups[key] = fut
         return fut
 
-    def queued(self) -> list[Req]:
+    def queued_reqs(self) -> list[Req]:
         return [r for r, _, _ in self.prealloc_queue] + [t.req for t in self.transfers.values()]
 
-    def held_reqs(self) -> int:
+    def num_holding_kv(self) -> int:
         return len(self.transfers)
 
     def pending(self) -> bool:
@@ -111,7 +113,7 @@ class DecodeDisagg(DisaggChannel):
                 continue
             if kind == "done" and _well_formed(msg):
                 self.note_transfer(int(msg.get("bytes", 0)), float(msg.get("seconds", 0.0)))
-                self.scheduler.join_decoding(t.req, msg)
+                self.scheduler.join_decoding(t.req, first_token(t.req, msg))
             else:
                 if kind == "done":
                     msg = {"message": "a malformed done message"}
@@ -186,32 +188,14 @@ class DecodeDisagg(DisaggChannel):
         self.prealloc_queue = still
 
     def reserve(self, req: Req) -> bool:
-        """Request and KV slots for req's prompt, if the budget allows (else False, nothing taken)."""
+        """Request and KV slots for req's prompt, if the admission budget allows (else False, nothing taken)."""
         sched = self.scheduler
         held = len(sched.running_batch.reqs) + len(self.transfers)
         if held >= sched.max_running_requests:
             return False
-        pool = sched.runner.req_to_token_pool
-        if pool.available_size() == 0:
-            return False
-        n = len(req.origin_input_ids)
-        allocator = sched.allocator
-        page = allocator.page_size
-        need = -(-n // page) * page
-        spare = allocator.available_size() + sched.tree_cache.evictable_size() - self.reserved * (held + 1)
-        if spare < need:
-            return False
-        if allocator.available_size() < need:
-            sched.tree_cache.evict(need - allocator.available_size())
-        loc = allocator.alloc_extend([0], [n], [0])
-        if loc is None:
-            return False
-        slot = pool.alloc(1)
-        assert slot is not None, "checked available_size"
-        req.req_pool_idx = slot[0]
-        pool.write(req.req_pool_idx, 0, loc)
-        req.kv_len, req.extend_input_len = n, 0
-        return True
+        return reserve_prompt_kv(
+            req, sched.runner.req_to_token_pool, sched.allocator, sched.tree_cache, self.reserved * (held + 1)
+        )
 
     def release_slots(self, req: Req) -> None:
         """Free req's reserved slots: nothing was (or will be) written to them."""
@@ -235,12 +219,26 @@ class DecodeDisagg(DisaggChannel):
 
     def state(self) -> dict:
         return {
-            "mode": "decode",
-            "num_decode_prealloc_queue_reqs": len(self.prealloc_queue),
-            "num_decode_transfer_queue_reqs": len(self.transfers),
-            "draining_rooms": len(self.draining),
-            **self.transfer_state(),
+            "disagg": {
+                "mode": "decode",
+                "num_decode_prealloc_queue_reqs": len(self.prealloc_queue),
+                "num_decode_transfer_queue_reqs": len(self.transfers),
+                "draining_rooms": len(self.draining),
+                **self.transfer_state(),
+            }
         }
+
+
+def first_token(req: Req, done: dict) -> BatchResult:
+    """The first token of req from the prefill side's `done` message (and its logprobs: the prefill
+    side got the same request body, so it sent them when req asked)."""
+    first = BatchResult([int(done["token"])])
+    if req.return_logprob:
+        vals, ids = done.get("top_logprobs") or ([], [])
+        first.next_token_logprobs = [float(done.get("logprob", float("nan")))]
+        first.next_top_logprobs = [(list(vals), list(ids))]
+        first.next_token_ids_logprobs = [done.get("token_ids_logprobs")]
+    return first
 
 
 def _well_formed(done: dict) -> bool:

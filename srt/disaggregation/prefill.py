@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from srt.disaggregation.bootstrap_server import register_prefill_rank
 from srt.disaggregation.conn import DisaggChannel, now, room_of
-from srt.disaggregation.transfer import KVEndpoint, RankKV, TransferError
-from srt.disaggregation.utils import bootstrap_timeout
+from srt.disaggregation.transfer import KVEndpoint, RankKV, RankWrite, TransferError
+from srt.disaggregation.utils import FOLLOWER_KIND, bootstrap_timeout
 from srt.managers.io_struct import FINISH_ABORT, FINISH_LENGTH
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
-    from srt.managers.scheduler import Scheduler
+    from srt.managers.scheduler_component import SchedulerPort
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DecodeTarget:
 class PrefillDisagg(DisaggChannel):
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: SchedulerPort,
         ip: str,
         endpoint: KVEndpoint,
         layout: dict,
@@ -88,12 +88,12 @@ class PrefillDisagg(DisaggChannel):
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def admit(self, req: Req) -> bool:
+    def on_ready(self, req: Req) -> bool:
         """Take a new request with a bootstrap room (False: it runs as a local request)."""
         if req.bootstrap_room is None or req.max_new_tokens == 0:
             return False
         if room_of(req) in self.targets:
-            self.scheduler.waiting_queue.append(req)
+            self.scheduler.add_waiting(req)
         else:
             self.bootstrap_queue.append((req, now()))
         return True
@@ -101,17 +101,20 @@ class PrefillDisagg(DisaggChannel):
     def joins_decode(self, req: Req) -> bool:
         return req.bootstrap_room is None or req.max_new_tokens == 0
 
-    def queued(self) -> list[Req]:
+    def leaves_after_prefill(self, req: Req) -> bool:
+        return not self.joins_decode(req)
+
+    def queued_reqs(self) -> list[Req]:
         return [r for r, _ in self.bootstrap_queue]
 
-    def held_reqs(self) -> int:
+    def num_holding_kv(self) -> int:
         """Requests holding KV or about to (they count against --max-running-requests)."""
         return len(self.inflight)
 
     def pending(self) -> bool:
         return bool(self.bootstrap_queue or self.inflight or self.targets or self.failed_rooms)
 
-    def start_transfer(self, req: Req) -> None:
+    def take_after_prefill(self, req: Req) -> None:
         """req's prompt is prefilled and its first token sampled: write its KV to the decode side."""
         if not req.finished:  # this server's part ends with the first token
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
@@ -125,10 +128,10 @@ class PrefillDisagg(DisaggChannel):
         n = len(req.origin_input_ids)
         src = table[req.req_pool_idx, :n].tolist()
         if self.broadcaster is not None:
-            ranks = [r.to_json() for r in target.ranks]
             self.rank_results[room_of(req)] = {"left": self.tp_size - 1, "bytes": 0, "seconds": 0.0, "error": None}
-            self.broadcaster.post_disagg(
-                room=room_of(req), src=src, ranks=ranks, slots=target.slots, reply_to=self.address
+            self.broadcaster.post(
+                FOLLOWER_KIND,
+                RankWrite(room=room_of(req), src=src, ranks=target.ranks, slots=target.slots, reply_to=self.address),
             )
         self.inflight.append((req, self.executor.submit(self._write, src, target)))
 
@@ -158,7 +161,7 @@ class PrefillDisagg(DisaggChannel):
             if req.to_abort is not None:
                 self.fail(req, req.to_abort)
             elif room in self.targets:
-                self.scheduler.waiting_queue.append(req)
+                self.scheduler.add_waiting(req)
             elif t - since > self.timeout:
                 self.fail(
                     req,
@@ -169,7 +172,7 @@ class PrefillDisagg(DisaggChannel):
                 still.append((req, since))
         self.bootstrap_queue = still
         self.finish_transfers()
-        live = {r.bootstrap_room for r in self.scheduler.all_live_reqs()}
+        live = {r.bootstrap_room for r in self.scheduler.live_reqs()}
         for room, target in list(self.targets.items()):  # a decode side whose request never came here
             if t - target.arrived > self.timeout and room not in live:
                 del self.targets[room]
@@ -217,7 +220,7 @@ class PrefillDisagg(DisaggChannel):
 
     def on_decode_abort(self, room: int) -> None:
         self.targets.pop(room, None)
-        for req in self.scheduler.all_live_reqs():
+        for req in self.scheduler.live_reqs():
             if req.bootstrap_room == room and not req.finished:
                 req.to_abort = "aborted by the decode side"
 
@@ -290,11 +293,13 @@ class PrefillDisagg(DisaggChannel):
 
     def state(self) -> dict:
         return {
-            "mode": "prefill",
-            "num_prefill_prealloc_queue_reqs": len(self.bootstrap_queue),
-            "num_prefill_inflight_queue_reqs": len(self.inflight),
-            "reserved_rooms": len(self.targets),
-            **self.transfer_state(),
+            "disagg": {
+                "mode": "prefill",
+                "num_prefill_prealloc_queue_reqs": len(self.bootstrap_queue),
+                "num_prefill_inflight_queue_reqs": len(self.inflight),
+                "reserved_rooms": len(self.targets),
+                **self.transfer_state(),
+            }
         }
 
 

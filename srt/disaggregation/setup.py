@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 import orjson
 import zmq
 
-from srt.disaggregation.transfer import KVEndpoint, RankKV
-from srt.disaggregation.utils import SETUP_DONE, DisaggregationMode, host_ip
+from srt.disaggregation.transfer import KVEndpoint, RankKV, RankWrite
+from srt.disaggregation.utils import FOLLOWER_KIND, SETUP_DONE, DisaggregationMode, host_ip
 from srt.layers.linear import head_shard
 
 if TYPE_CHECKING:
     from srt.disaggregation.decode import DecodeDisagg
     from srt.disaggregation.prefill import PrefillDisagg
-    from srt.managers.scheduler import Scheduler
+    from srt.managers.scheduler_component import FollowerContext, FollowerHandler, SchedulerPort
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
 
@@ -103,18 +103,18 @@ class FollowerDisagg:
             gather_ranks(server_args, endpoint)
         return cls(endpoint, tp_rank)
 
-    def handle(self, fields: dict) -> None:
-        """A `write` from rank 0: {"room", "src", "ranks", "slots", "reply_to"}."""
+    def handle(self, write: RankWrite) -> None:
+        """A write rank 0 posted: this rank's heads of a room's KV into the decode ranks' slots."""
         start = time.perf_counter()
-        reply = {"type": "rank_done", "room": fields["room"], "rank": self.tp_rank}
+        reply = {"type": "rank_done", "room": write.room, "rank": self.tp_rank}
         try:
             nbytes = 0
-            for rank in fields["ranks"]:
-                nbytes += self.endpoint.write(fields["src"], RankKV.from_json(rank), fields["slots"])
+            for rank in write.ranks:
+                nbytes += self.endpoint.write(write.src, rank, write.slots)
             reply |= {"ok": True, "bytes": nbytes, "seconds": time.perf_counter() - start}
         except Exception as e:  # TransferError, or a bug: rank 0 fails the request
             reply |= {"ok": False, "message": f"tensor-parallel rank {self.tp_rank}: {e}"}
-        address = fields["reply_to"]
+        address = write.reply_to
         sock = self.sockets.get(address)
         if sock is None:
             sock = self.sockets[address] = self.ctx.socket(zmq.PUSH)
@@ -122,8 +122,15 @@ class FollowerDisagg:
         sock.send(orjson.dumps(reply))
 
 
-def build_disaggregation(scheduler: Scheduler, tp_rank: int) -> PrefillDisagg | DecodeDisagg | None:
-    args = scheduler.server_args
+def build_follower(ctx: FollowerContext) -> dict[str, FollowerHandler]:
+    """Followers of a prefill server write their heads when rank 0 posts; decode followers only
+    describe their pools (once, here)."""
+    disagg = FollowerDisagg.build(ctx.server_args, ctx.runner, ctx.tp_rank)
+    return {FOLLOWER_KIND: disagg.handle} if disagg is not None else {}
+
+
+def build_disaggregation(scheduler: SchedulerPort) -> PrefillDisagg | DecodeDisagg | None:
+    args, tp_rank = scheduler.server_args, scheduler.tp_rank
     mode = args.disaggregation_mode
     if mode == DisaggregationMode.NULL.value:
         return None

@@ -60,6 +60,18 @@ class RankKV:
         )
 
 
+@dataclass(frozen=True)
+class RankWrite:
+    """A prefill server's rank 0 to its tensor-parallel followers: write your heads of a room's KV
+    (slots `src` here) into the decode ranks' slots, then report to `reply_to`."""
+
+    room: int
+    src: list[int]
+    ranks: list[RankKV]
+    slots: list[int]
+    reply_to: str
+
+
 def mooncake_engine_class():
     try:
         from mooncake.engine import TransferEngine

@@ -14,6 +14,7 @@ class DisaggregationMode(str, Enum):
 
 
 TRANSFER_BACKENDS = ("mooncake", "fake")
+FOLLOWER_KIND = "disagg"  # what a prefill server's rank 0 posts to its followers (a RankWrite)
 
 
 def env_seconds(name: str, default: float) -> float:

@@ -27,7 +27,7 @@ from srt.disaggregation.bootstrap_server import BootstrapServer
 from srt.disaggregation.setup import bootstrap_bind_host
 from srt.managers.data_parallel_controller import run_data_parallel_controller_process
 from srt.managers.detokenizer_manager import run_detokenizer_process
-from srt.managers.scheduler import run_scheduler_process
+from srt.managers.scheduler_process import run_scheduler_process
 from srt.managers.tp_follower import run_tp_follower_process
 from srt.model_loader.default_model import default_served_model_name, resolve_model_path
 from srt.server_args import PortArgs, ServerArgs

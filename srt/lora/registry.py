@@ -16,11 +16,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from srt.lora.adapter import LoRAAdapter, LoRAError, LoRARef, not_loaded
 from srt.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoRALoad:
+    """Rank 0 to the tensor-parallel followers: load this adapter into this pool slot."""
+
+    slot: int
+    path: str
+    uid: str  # the adapter's content hash: every rank must read the same files
 
 
 @dataclass
@@ -40,7 +50,7 @@ class LoRARegistry:
         manager: LoRAManager,
         max_per_batch: int,
         policy: str,
-        post: Callable[[dict], None] | None = None,
+        post: Callable[[Any], None] | None = None,
         before_overwrite: Callable[[], None] | None = None,
     ):
         self.manager = manager
@@ -122,7 +132,7 @@ class LoRARegistry:
             self.before_overwrite()
         self.manager.load(slot, adapter)
         if self.post is not None:
-            self.post({"op": "load", "slot": slot, "path": entry.ref.path, "uid": entry.uid})
+            self.post(LoRALoad(slot=slot, path=entry.ref.path, uid=entry.uid))
         self.owners[slot] = entry.ref.name
         self.clock += 1
         entry.slot, entry.loaded_at, entry.last_used = slot, self.clock, self.clock
@@ -166,9 +176,9 @@ class LoRARegistry:
         }
 
 
-def follower_load(manager: LoRAManager, msg: dict) -> None:
+def follower_load(manager: LoRAManager, load: LoRALoad) -> None:
     """A tensor-parallel follower's side of a posted load: the same adapter into the same slot."""
-    adapter = manager.read(msg["path"])
-    if adapter.uid != msg["uid"]:
-        raise RuntimeError(f"LoRA adapter {msg['path']!r} changed on disk while loading: ranks would disagree")
-    manager.load(msg["slot"], adapter)
+    adapter = manager.read(load.path)
+    if adapter.uid != load.uid:
+        raise RuntimeError(f"LoRA adapter {load.path!r} changed on disk while loading: ranks would disagree")
+    manager.load(load.slot, adapter)

@@ -197,3 +197,28 @@ class PrefillAdder:
         self._take(req, n)
         self.rem_total_tokens -= future
         return AddReqResult.ADMITTED
+
+
+def reserve_prompt_kv(req: Req, req_to_token_pool, allocator, tree_cache, reserved_tokens: int) -> bool:
+    """Take a request slot and KV slots for req's whole prompt, to be written from outside (a
+    decode server receiving a prefill server's KV), if the pool holds them beside
+    `reserved_tokens` kept for the held requests' decoding: the same budget PrefillAdder admits
+    by (free + evictable KV, evicting the cache when the free part is short). False: nothing taken."""
+    if req_to_token_pool.available_size() == 0:
+        return False
+    n = len(req.origin_input_ids)
+    page = allocator.page_size
+    need = -(-n // page) * page
+    if allocator.available_size() + tree_cache.evictable_size() - reserved_tokens < need:
+        return False
+    if allocator.available_size() < need:
+        tree_cache.evict(need - allocator.available_size())
+    loc = allocator.alloc_extend([0], [n], [0])
+    if loc is None:
+        return False
+    slot = req_to_token_pool.alloc(1)
+    assert slot is not None, "checked available_size"
+    req.req_pool_idx = slot[0]
+    req_to_token_pool.write(req.req_pool_idx, 0, loc)
+    req.kv_len, req.extend_input_len = n, 0
+    return True

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from srt.managers.io_struct import FINISH_ABORT, FINISH_MATCHED_TOKEN, BatchTokenIDOutput, DecodeSettings
@@ -16,19 +15,14 @@ from srt.managers.tp_worker import BatchResult
 if TYPE_CHECKING:
     import zmq
 
-    from srt.constrained.grammar_backend import XGrammarBackend
-    from srt.disaggregation.decode import DecodeDisagg
-    from srt.disaggregation.prefill import PrefillDisagg
-    from srt.lora.registry import LoRARegistry
     from srt.managers.profiler import ForwardProfiler
     from srt.managers.schedule_batch import ScheduleBatch
+    from srt.managers.scheduler_component import DecodeStrategy, SchedulerComponent
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
-    from srt.mem_cache.hiradix_cache import HiRadixCache
     from srt.metrics.collector import SchedulerMetrics
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
-    from srt.speculative.proposer import Proposer
 
 logger = logging.getLogger("srt.managers.scheduler")
 
@@ -38,19 +32,16 @@ class SchedulerOutputProcessorMixin:
     server_args: ServerArgs
     dp_rank: int
     profiler: ForwardProfiler
-    proposer: Proposer | None
     overlap: bool
     runner: ModelRunner
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache
-    hicache: HiRadixCache | None
-    disagg: PrefillDisagg | DecodeDisagg | None
-    lora: LoRARegistry | None
+    components: list[SchedulerComponent]
+    decoder: DecodeStrategy
+    absent_state: dict
     waiting_queue: list[Req]
     running_batch: ScheduleBatch
     chunked_req: Req | None
-    grammar_queue: list[tuple[Req, Future, float]]
-    grammar_backend: XGrammarBackend | None
     metrics: SchedulerMetrics | None
     send_to_detokenizer: zmq.Socket
 
@@ -58,17 +49,16 @@ class SchedulerOutputProcessorMixin:
 
         def has_work(self) -> bool: ...
 
+        def used_tokens(self) -> int: ...
+
     def init_stats(self) -> None:
         self.total_retractions = 0
         self.forward_passes = 0
-        self.total_jump_forward_tokens = 0
         self.num_generated_tokens = 0
         self.decode_steps = 0
         self.last_decode_log = time.monotonic()
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
-        # decode steps of requests, the tokens they produced, and the drafts they verified / accepted
-        self.spec_req_steps = self.spec_step_tokens = self.spec_proposed = self.spec_accepted = 0
         self.integrity_ok = True
         # Forward worker time: busy computing vs waiting for the scheduler between batches.
         self.forward_busy_s = self.forward_wait_s = 0.0
@@ -165,7 +155,7 @@ class SchedulerOutputProcessorMixin:
             out.output_top_logprobs.append(r.output_top_logprobs[r.sent_output_logprob_len :])
             out.input_token_ids_logprobs.append(r.input_token_ids_logprobs[r.sent_input_logprob_len :])
             out.output_token_ids_logprobs.append(r.output_token_ids_logprobs[r.sent_output_logprob_len :])
-            if self.proposer is not None:
+            if self.decoder.reports_spec_stats:
                 out.spec.append((r.spec_proposed, list(r.spec_histogram)))
             r.sent_output_len = len(r.output_ids)
             r.sent_input_logprob_len = len(r.input_token_logprobs)
@@ -208,7 +198,7 @@ class SchedulerOutputProcessorMixin:
         self.num_generated_tokens, self.last_decode_log = 0, now
         if self.metrics is not None:
             self.metrics.gen_throughput = throughput
-        used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+        used = self.used_tokens()
         idle = self.forward_idle_fraction(self.interval_busy_s, self.interval_wait_s)
         self.interval_busy_s = self.interval_wait_s = 0.0
         logger.info(
@@ -223,7 +213,7 @@ class SchedulerOutputProcessorMixin:
         )
 
     def internal_state(self) -> dict:
-        return {
+        state = {
             "dp_rank": self.dp_rank,
             "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
             "num_queue_reqs": len(self.waiting_queue),
@@ -232,9 +222,6 @@ class SchedulerOutputProcessorMixin:
             "cache_hit_rate": self.cache_hit_rate(),
             "total_retractions": self.total_retractions,
             "forward_passes": self.forward_passes,
-            "jump_forward_tokens": self.total_jump_forward_tokens,
-            "grammar_queue": len(self.grammar_queue),
-            "grammar_compile": self.grammar_backend.stats() if self.grammar_backend else None,
             "kv_available": self.allocator.available_size(),
             "kv_evictable": self.tree_cache.evictable_size(),
             "kv_protected": self.tree_cache.protected_size(),
@@ -245,16 +232,6 @@ class SchedulerOutputProcessorMixin:
             "forward_wait_s": self.forward_wait_s,
             "forward_idle_fraction": self.forward_idle_fraction(self.forward_busy_s, self.forward_wait_s),
             "overlap_schedule": self.overlap,
-            "avg_spec_accept_length": self.spec_step_tokens / self.spec_req_steps if self.spec_req_steps else 0.0,
-            "spec_accept_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
-            "speculative": self.proposer.stats() if self.proposer is not None else None,
-            "hicache": self.hicache.state() if self.hicache is not None else None,
-            "disagg": self.disagg.state() if self.disagg is not None else None,
-            "lora": (
-                self.lora.status({r.lora_name for r in self.running_batch.reqs if r.lora_name is not None})
-                if self.lora is not None
-                else None
-            ),
             "attention_backend": self.runner.attn_backend.name,
             "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
             "cuda_graph": self.runner.cuda_graph_status(),
@@ -262,3 +239,7 @@ class SchedulerOutputProcessorMixin:
             "idle": not self.has_work(),
             "pid": os.getpid(),
         }
+        state.update(self.absent_state)
+        for c in self.components:
+            state.update(c.state())
+        return state

@@ -21,7 +21,7 @@ import dataclasses
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -53,6 +53,37 @@ def _unpack(p: _Packed, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(p.data), dtype=dtype).view(p.shape).to(device)
 
 
+class _Posted(NamedTuple):
+    kind: str
+    payload: Any
+
+
+class _PackedDataclass(NamedTuple):
+    cls: type
+    fields: dict[str, Any]
+
+
+def _pack_field(v):
+    if isinstance(v, torch.Tensor):
+        return _pack(v)
+    if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
+        return [_pack(t) for t in v]
+    return v
+
+
+def _pack_payload(payload: Any) -> Any:
+    if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
+        fields = {f.name: _pack_field(getattr(payload, f.name)) for f in dataclasses.fields(payload)}
+        return _PackedDataclass(type(payload), fields)
+    return _pack_field(payload)
+
+
+def _unpack_payload(packed: Any) -> Any:
+    if isinstance(packed, _PackedDataclass):
+        return packed.cls(**{k: _unpack_field(v, "cpu") for k, v in packed.fields.items()})
+    return _unpack_field(packed, "cpu")
+
+
 def _unpack_field(v, device):
     if isinstance(v, _Packed):
         return _unpack(v, device)
@@ -69,36 +100,13 @@ class ForwardBroadcaster:
         self.posted: list[Any] = []  # control messages for the followers, sent before the next message
         self.lock = threading.Lock()
 
-    def post(self, control) -> None:
-        """Queue a control message (a profiler start or stop) for the followers. Any thread may post;
-        it goes out with the next forward or keep-alive, in order with the forwards."""
+    def post(self, kind: str, payload: Any) -> None:
+        """Queue `payload` for the followers' handler of `kind` (each feature registers its own, see
+        `srt/managers/tp_follower.py`). Any thread may post; it goes out with the next forward or
+        keep-alive, in order with the forwards. Tensors in a dataclass payload's fields (or lists of
+        them) travel as raw bytes and arrive on the follower's CPU."""
         with self.lock:
-            self.posted.append({"kind": "control", "control": control})
-
-    def post_kv_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Queue a KV copy (slots src -> dst, on every rank's shard) for the followers: speculative
-        verification keeps accepted draft rows by moving them; it happens before the next forward."""
-        with self.lock:
-            self.posted.append({"kind": "move_kv", "src": _pack(src), "dst": _pack(dst)})
-
-    def post_hicache(self, op: str, **fields) -> None:
-        """Queue a hierarchical-cache movement (srt/mem_cache/hiradix_cache.py HiCacheFollower) for
-        the followers: each repeats it on its shard, in order with the forwards."""
-        packed = {k: _pack(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-        with self.lock:
-            self.posted.append({"kind": "hicache", "op": op, "fields": packed})
-
-    def post_disagg(self, **fields) -> None:
-        """Queue a KV write to a decode server (srt/disaggregation/prefill.py) for the followers: each
-        writes the heads of its shard, after the forwards before it."""
-        with self.lock:
-            self.posted.append({"kind": "disagg", "fields": fields})
-
-    def post_lora(self, load: dict) -> None:
-        """Queue a LoRA adapter load (srt/lora/registry.py) for the followers: each reads the same
-        adapter into the same pool slot before the next forward."""
-        with self.lock:
-            self.posted.append({"kind": "lora", "load": load})
+            self.posted.append(_Posted(kind, _pack_payload(payload)))
 
     def _flush_posted(self) -> None:
         with self.lock:
@@ -106,7 +114,7 @@ class ForwardBroadcaster:
         for msg in posted:
             self._send(msg)
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: _Posted | dict) -> None:
         broadcast_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         self.last_sent = time.monotonic()
 
@@ -140,32 +148,18 @@ class ReceivedForward(NamedTuple):
     rows: torch.Tensor  # the page-table rows of the batch's requests, concatenated in batch order
 
 
-def receive_forward(
-    device,
-    on_control: Callable[[Any], object] | None = None,
-    on_move_kv: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
-    on_hicache: Callable[[str, dict], object] | None = None,
-    on_disagg: Callable[[dict], object] | None = None,
-    on_lora: Callable[[dict], object] | None = None,
-) -> ReceivedForward | None:
-    """A follower's side: block until rank 0's next forward (keep-alives are skipped, control
-    messages go to `on_control`, KV moves to `on_move_kv`, hierarchical-cache movements to
-    `on_hicache` with their tensors on the CPU, KV writes to a decode server to `on_disagg`, LoRA
-    adapter loads to `on_lora`); None when rank 0 says stop."""
+def receive_forward(device, handlers: Mapping[str, Callable[[Any], object]]) -> ReceivedForward | None:
+    """A follower's side: block until rank 0's next forward (keep-alives are skipped, posted
+    payloads go to the handler registered for their kind, in order); None when rank 0 says stop."""
     while True:
         msg = pickle.loads(broadcast_bytes(None))
-        if msg["kind"] == "stop":
+        if isinstance(msg, _Posted):
+            handler = handlers.get(msg.kind)
+            if handler is None:
+                raise RuntimeError(f"rank 0 posted {msg.kind!r}, which this rank has no handler for")
+            handler(_unpack_payload(msg.payload))
+        elif msg["kind"] == "stop":
             return None
-        if msg["kind"] == "control" and on_control is not None:
-            on_control(msg["control"])
-        if msg["kind"] == "move_kv" and on_move_kv is not None:
-            on_move_kv(_unpack(msg["src"], device), _unpack(msg["dst"], device))
-        if msg["kind"] == "hicache" and on_hicache is not None:
-            on_hicache(msg["op"], {k: _unpack_field(v, "cpu") for k, v in msg["fields"].items()})
-        if msg["kind"] == "disagg" and on_disagg is not None:
-            on_disagg(msg["fields"])
-        if msg["kind"] == "lora" and on_lora is not None:
-            on_lora(msg["load"])
-        if msg["kind"] == "forward":
+        elif msg["kind"] == "forward":
             fields: dict[str, Any] = {k: _unpack_field(v, device) for k, v in msg["fields"].items()}
             return ReceivedForward(ForwardBatch(**fields), _unpack(msg["rows"], device))
