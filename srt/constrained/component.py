@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 from srt.constrained.grammar_backend import GrammarError, XGrammarBackend
 from srt.managers.io_struct import FINISH_ABORT
 from srt.managers.scheduler_component import NewRequest, RequestRejected, SchedulerComponent
+from srt.managers.scheduler_state import GrammarState
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import SchedulerPort
+    from srt.managers.scheduler_state import SchedulerState
 
 GRAMMAR_POLL_MS = 5
 # A jump-forward costs the request an extend pass of its own (outside the decode batch), so it pays
@@ -140,9 +142,6 @@ class GrammarComponent(SchedulerComponent):
         self.jump_forward_tokens += len(extra)
         return extra
 
-    def state(self) -> dict[str, Any]:
-        return {
-            "grammar_queue": len(self.queue),
-            "grammar_compile": self.backend.stats() if self.backend is not None else None,
-            "jump_forward_tokens": self.jump_forward_tokens,
-        }
+    def fill_state(self, state: SchedulerState) -> None:
+        stats = self.backend.stats() if self.backend is not None else None
+        state.grammar = GrammarState(queue=len(self.queue), compile=stats, jump_forward_tokens=self.jump_forward_tokens)

@@ -14,6 +14,7 @@ from srt.managers.scheduler_component import ADMIT, WAIT, Admit, RequestRejected
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import FollowerContext, FollowerHandler, SchedulerPort
+    from srt.managers.scheduler_state import SchedulerState
 
 FOLLOWER_KIND = "lora"
 
@@ -105,9 +106,9 @@ class LoRAComponent(SchedulerComponent):
             )
             self.port.reply(out)
 
-    def state(self) -> dict[str, Any]:
+    def fill_state(self, state: SchedulerState) -> None:
         running = {r.lora_name for r in self.port.running_batch.reqs if r.lora_name is not None}
-        return {"lora": self.registry.status(running)}
+        state.lora = self.registry.status(running)
 
 
 def build_follower(ctx: FollowerContext) -> dict[str, FollowerHandler]:

@@ -1,13 +1,12 @@
 """The features a scheduler is composed of, one line each: how its scheduler component is built
-(None when its options leave it off), how its tensor-parallel follower handlers are built, and the
-state keys it reports when absent. Rank 0 and the followers build from the same list, in order;
-the order is also the order in which the scheduler calls the components' hooks."""
+(None when its options leave it off) and how its tensor-parallel follower handlers are built.
+Rank 0 and the followers build from the same list, in order; the order is also the order in which
+the scheduler calls the components' hooks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from srt.constrained.component import GrammarComponent
 from srt.disaggregation.setup import build_disaggregation
@@ -17,7 +16,6 @@ from srt.lora.component import build_follower as lora_follower
 from srt.managers.scheduler_component import FollowerContext, FollowerHandler, SchedulerComponent, SchedulerPort
 from srt.mem_cache.hicache_component import HiCacheComponent
 from srt.mem_cache.hicache_component import build_follower as hicache_follower
-from srt.speculative.component import ABSENT_STATE as SPECULATIVE_ABSENT_STATE
 from srt.speculative.component import SpeculativeDecoding
 from srt.speculative.component import build_follower as speculative_follower
 
@@ -27,31 +25,23 @@ class Feature:
     name: str
     build: Callable[[SchedulerPort], SchedulerComponent | None]
     follower: Callable[[FollowerContext], dict[str, FollowerHandler]] | None = None
-    absent_state: dict[str, Any] = field(default_factory=dict)
 
 
 # The hierarchical cache decides admission before LoRA loads an adapter for it; LoRA sets a
 # request's cache namespace before the hierarchical cache prefetches under it; a request waiting
 # for its grammar is held before disaggregation queues it.
 FEATURES: tuple[Feature, ...] = (
-    Feature("hicache", HiCacheComponent.build, hicache_follower, {"hicache": None}),
-    Feature("lora", LoRAComponent.build, lora_follower, {"lora": None}),
+    Feature("hicache", HiCacheComponent.build, hicache_follower),
+    Feature("lora", LoRAComponent.build, lora_follower),
     Feature("grammar", GrammarComponent.build),
-    Feature("disaggregation", build_disaggregation, disaggregation_follower, {"disagg": None}),
-    Feature("speculative", SpeculativeDecoding.build, speculative_follower, SPECULATIVE_ABSENT_STATE),
+    Feature("disaggregation", build_disaggregation, disaggregation_follower),
+    Feature("speculative", SpeculativeDecoding.build, speculative_follower),
 )
 
 
-def build_components(port: SchedulerPort) -> tuple[list[SchedulerComponent], dict[str, Any]]:
-    """The components this server's options turn on, and the state keys of those they leave off."""
-    components, absent = [], {}
-    for feature in FEATURES:
-        component = feature.build(port)
-        if component is None:
-            absent.update(feature.absent_state)
-        else:
-            components.append(component)
-    return components, absent
+def build_components(port: SchedulerPort) -> list[SchedulerComponent]:
+    """The components this server's options turn on, in hook order."""
+    return [c for feature in FEATURES if (c := feature.build(port)) is not None]
 
 
 def build_follower_handlers(ctx: FollowerContext) -> dict[str, FollowerHandler]:

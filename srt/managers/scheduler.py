@@ -114,7 +114,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         # set by the composition root before the loop starts
         self.components: list[SchedulerComponent] = []
         self.decoder = DecodeStrategy()
-        self.absent_state: dict = {}  # the state keys of features this server was built without
         broadcaster = self.tp_worker.broadcaster
         self.profiler = ForwardProfiler(
             tp_rank,
@@ -126,10 +125,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.num_received = 0
         self.last_load: tuple | None = None
 
-    def add_components(self, components: list[SchedulerComponent], decoder: DecodeStrategy, absent_state: dict) -> None:
+    def add_components(self, components: list[SchedulerComponent], decoder: DecodeStrategy) -> None:
         self.components = components
         self.decoder = decoder
-        self.absent_state = absent_state
 
     def open_sockets(self) -> None:
         """After warm-up: the tokenizer manager sends requests once the scheduler reports ready."""
@@ -265,7 +263,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, GetInternalStateReq):
-                self.reply(GetInternalStateReqOutput(rid=msg.rid, state=self.internal_state()))
+                self.reply(GetInternalStateReqOutput(rid=msg.rid, state=self.internal_state().to_json()))
             elif isinstance(msg, ProfileReq):
                 self.reply(self.profiler.handle(msg, self.forward_passes))
             elif any(c.handle_message(msg) for c in self.components):

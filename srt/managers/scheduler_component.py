@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import zmq
 
     from srt.managers.schedule_batch import BatchBuilder, Req
+    from srt.managers.scheduler_state import SchedulerState
     from srt.managers.tp_worker import BatchResult, TpModelWorker
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
     from srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -206,9 +207,8 @@ class SchedulerComponent:
         """Leaks seen while idle (checked with the KV accounting)."""
         return []
 
-    def state(self) -> dict[str, Any]:
-        """This component's part of the scheduler's state (/server_info), as top-level keys."""
-        return {}
+    def fill_state(self, state: SchedulerState) -> None:
+        """Set this component's part of the scheduler's state (/server_info, loads, metrics)."""
 
 
 class DecodeStrategy:

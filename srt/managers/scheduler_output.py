@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from srt.managers.io_struct import FINISH_ABORT, FINISH_MATCHED_TOKEN, BatchTokenIDOutput, DecodeSettings
 from srt.managers.schedule_batch import Req
+from srt.managers.scheduler_state import SchedulerState
 from srt.managers.tp_worker import BatchResult
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ class SchedulerOutputProcessorMixin:
     tree_cache: BasePrefixCache
     components: list[SchedulerComponent]
     decoder: DecodeStrategy
-    absent_state: dict
     waiting_queue: list[Req]
     running_batch: ScheduleBatch
     chunked_req: Req | None
@@ -212,34 +212,33 @@ class SchedulerOutputProcessorMixin:
             100 * idle,
         )
 
-    def internal_state(self) -> dict:
-        state = {
-            "dp_rank": self.dp_rank,
-            "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
-            "num_queue_reqs": len(self.waiting_queue),
-            "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.waiting_queue),
-            "token_usage": self.token_usage(),
-            "cache_hit_rate": self.cache_hit_rate(),
-            "total_retractions": self.total_retractions,
-            "forward_passes": self.forward_passes,
-            "kv_available": self.allocator.available_size(),
-            "kv_evictable": self.tree_cache.evictable_size(),
-            "kv_protected": self.tree_cache.protected_size(),
-            "kv_capacity": self.allocator.size,
-            "req_slots_free": self.runner.req_to_token_pool.available_size(),
-            "integrity_ok": self.integrity_ok,
-            "forward_busy_s": self.forward_busy_s,
-            "forward_wait_s": self.forward_wait_s,
-            "forward_idle_fraction": self.forward_idle_fraction(self.forward_busy_s, self.forward_wait_s),
-            "overlap_schedule": self.overlap,
-            "attention_backend": self.runner.attn_backend.name,
-            "torch_compile": self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
-            "cuda_graph": self.runner.cuda_graph_status(),
-            "metrics": self.metrics.state() if self.metrics is not None else None,
-            "idle": not self.has_work(),
-            "pid": os.getpid(),
-        }
-        state.update(self.absent_state)
+    def internal_state(self) -> SchedulerState:
+        state = SchedulerState(
+            dp_rank=self.dp_rank,
+            num_running_reqs=len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
+            num_queue_reqs=len(self.waiting_queue),
+            num_waiting_tokens=sum(len(r.origin_input_ids) for r in self.waiting_queue),
+            token_usage=self.token_usage(),
+            cache_hit_rate=self.cache_hit_rate(),
+            total_retractions=self.total_retractions,
+            forward_passes=self.forward_passes,
+            kv_available=self.allocator.available_size(),
+            kv_evictable=self.tree_cache.evictable_size(),
+            kv_protected=self.tree_cache.protected_size(),
+            kv_capacity=self.allocator.size,
+            req_slots_free=self.runner.req_to_token_pool.available_size(),
+            integrity_ok=self.integrity_ok,
+            forward_busy_s=self.forward_busy_s,
+            forward_wait_s=self.forward_wait_s,
+            forward_idle_fraction=self.forward_idle_fraction(self.forward_busy_s, self.forward_wait_s),
+            overlap_schedule=self.overlap,
+            attention_backend=self.runner.attn_backend.name,
+            torch_compile=self.runner.compiled_decode.status() if self.runner.compiled_decode else None,
+            cuda_graph=self.runner.cuda_graph_status(),
+            metrics=self.metrics.state() if self.metrics is not None else None,
+            idle=not self.has_work(),
+            pid=os.getpid(),
+        )
         for c in self.components:
-            state.update(c.state())
+            c.fill_state(state)
         return state

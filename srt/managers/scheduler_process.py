@@ -43,10 +43,10 @@ def build_scheduler(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, 
     worker = TpModelWorker(model_config, server_args, tp_rank, dp_rank)
     tree_cache = build_tree_cache(server_args, worker, tp_rank)
     scheduler = Scheduler(server_args, port_args, worker, tree_cache, tp_rank, dp_rank)
-    components, absent_state = build_components(scheduler)
+    components = build_components(scheduler)
     decoders = [c for c in components if isinstance(c, DecodeStrategy)]
     assert len(decoders) <= 1, "one decode strategy per server"
-    scheduler.add_components(components, decoders[0] if decoders else DecodeStrategy(), absent_state)
+    scheduler.add_components(components, decoders[0] if decoders else DecodeStrategy())
     scheduler.warmup()
     scheduler.open_sockets()
     return scheduler

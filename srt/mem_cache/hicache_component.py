@@ -14,6 +14,7 @@ from srt.mem_cache.hiradix_cache import HiRadixCache
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import FollowerContext, FollowerHandler, SchedulerPort
+    from srt.managers.scheduler_state import SchedulerState
 
 IO_POLL_S = 0.002
 FOLLOWER_KIND = "hicache"
@@ -70,8 +71,8 @@ class HiCacheComponent(SchedulerComponent):
         if self.cache.pending_io():
             self.cache.wait_io(IO_POLL_S)  # requests wait for pages from storage: let the reader run
 
-    def state(self) -> dict[str, Any]:
-        return {"hicache": self.cache.state()}
+    def fill_state(self, state: SchedulerState) -> None:
+        state.hicache = self.cache.state()
 
 
 def build_follower(ctx: FollowerContext) -> dict[str, FollowerHandler]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from srt.managers.schedule_batch import ScheduleBatch
 from srt.managers.scheduler_component import DecodeStrategy, SchedulerComponent
+from srt.managers.scheduler_state import SpeculativeState
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.speculative.draft_worker import DraftModelProposer
 from srt.speculative.ngram_worker import NgramProposer
@@ -19,10 +20,10 @@ from srt.speculative.ngram_worker import NgramProposer
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import FollowerContext, FollowerHandler, SchedulerPort
+    from srt.managers.scheduler_state import SchedulerState
     from srt.speculative.proposer import Proposer
 
 FOLLOWER_KIND = "kv_move"
-ABSENT_STATE = {"avg_spec_accept_length": 0.0, "spec_accept_rate": 0.0, "speculative": None}
 
 
 @dataclass
@@ -140,12 +141,12 @@ class SpeculativeDecoding(SchedulerComponent, DecodeStrategy):
         held = self.proposer.stats().get("draft_kv_used")
         return [f"draft model KV: {held} slots still held while idle"] if held else []
 
-    def state(self) -> dict[str, Any]:
-        return {
-            "avg_spec_accept_length": self.step_tokens / self.req_steps if self.req_steps else 0.0,
-            "spec_accept_rate": self.accepted_drafts / self.proposed if self.proposed else 0.0,
-            "speculative": self.proposer.stats(),
-        }
+    def fill_state(self, state: SchedulerState) -> None:
+        state.speculative = SpeculativeState(
+            avg_accept_length=self.step_tokens / self.req_steps if self.req_steps else 0.0,
+            accept_rate=self.accepted_drafts / self.proposed if self.proposed else 0.0,
+            proposer=self.proposer.stats(),
+        )
 
 
 def build_follower(ctx: FollowerContext) -> dict[str, FollowerHandler]:
