@@ -78,8 +78,6 @@ __all__ = [
     "HiCacheConfig",
     "HiCacheFollower",
     "HiRadixCache",
-    "PrefetchOp",
-    "TierStats",
     "build_hierarchical_cache",
     "parse_extra_config",
 ]
