@@ -43,18 +43,14 @@ import time
 import torch
 
 from srt.mem_cache.hicache_config import (
-    EXTRA_CONFIG_DEFAULTS,
     PREFETCH_POLICIES,
-    STORAGE_BACKENDS,
     WRITE_POLICIES,
     HiCacheConfig,
     host_pool_tokens,
-    parse_extra_config,
     storage_namespace,
     storage_page_tokens,
     storage_setup,
 )
-from srt.mem_cache.hicache_follower import HiCacheFollower
 from srt.mem_cache.hicache_io import HiCacheController, PrefetchOp, remove_links
 from srt.mem_cache.hicache_payloads import (
     HiCacheBackup,
@@ -68,19 +64,6 @@ from srt.mem_cache.hicache_stats import TierStats, host_state, storage_state
 from srt.mem_cache.memory_pool_host import HostKVPool
 from srt.mem_cache.radix_cache import RadixCache, TreeNode
 from srt.mem_cache.storage.hicache_storage import Namespace, page_keys
-
-# the scheduler, the TP follower and ServerArgs import these from here
-__all__ = [
-    "EXTRA_CONFIG_DEFAULTS",
-    "PREFETCH_POLICIES",
-    "STORAGE_BACKENDS",
-    "WRITE_POLICIES",
-    "HiCacheConfig",
-    "HiCacheFollower",
-    "HiRadixCache",
-    "build_hierarchical_cache",
-    "parse_extra_config",
-]
 
 SELECTIVE_WRITE_HITS = 2  # write_through_selective backs up a node once this many requests used it
 
