@@ -7,6 +7,7 @@ after every step."""
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
 
@@ -18,6 +19,8 @@ from srt.mem_cache.hicache_config import EXTRA_CONFIG_DEFAULTS, HiCacheConfig
 from srt.mem_cache.hiradix_cache import HiRadixCache
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from srt.mem_cache.storage.file_storage import FileStorage
+from srt.mem_cache.storage.hicache_storage import HiCacheStorage, Namespace, StorageUsage
+from srt.mem_cache.storage.registry import HICACHE_STORAGE_BACKENDS, create_storage
 
 MOD = (1 << 22) - 3
 
@@ -54,14 +57,22 @@ class Req:
 
 class Sim:
     def __init__(
-        self, tmp_path, size=64, host=128, page=1, policy="write_through", storage=True, prefetch="wait_complete"
+        self,
+        tmp_path,
+        size=64,
+        host=128,
+        page=1,
+        policy="write_through",
+        storage=True,
+        prefetch="wait_complete",
+        backend: HiCacheStorage | None = None,
     ):
         self.page = page
         self.req_pool = ReqToTokenPool(8, 1024, "cpu")
         self.alloc = TokenToKVPoolAllocator(size, page)
         self.pool = MHATokenToKVPool(size, page, torch.float32, 1, 1, 1, "cpu")
         extra = dict(EXTRA_CONFIG_DEFAULTS, prefetch_threshold=0, page_tokens=4)
-        self.storage = FileStorage(str(tmp_path), 1 << 30) if storage else None
+        self.storage = (backend or FileStorage(str(tmp_path), 1 << 30)) if storage else None
         cfg = HiCacheConfig(host, policy, self.storage, "test-model", prefetch_policy=prefetch, extra=extra)
         self.cache = HiRadixCache(self.req_pool, self.alloc, page, self.pool, cfg)
         self.running: list[Req] = []
@@ -251,3 +262,72 @@ def test_prefetch_policies(tmp_path, policy):
     sim.cache.check_consistency()
     m = sim.cache.match_prefix(d[:-1])
     assert m.host_hit_len == loaded  # what arrived is in the host tier
+
+
+class MemoryStorage(HiCacheStorage):
+    """A second backend: pages in a dict. The cache must need nothing from a backend but the interface."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        self._root = root
+        self.pages: dict[str, bytes] = {}
+
+    @classmethod
+    def create(cls, extra: dict[str, float]) -> MemoryStorage:
+        return cls("/nonexistent")
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    def page_path(self, ns: Namespace, key: str) -> str:
+        return "/".join([*ns.path_parts(), key])
+
+    def exists(self, ns: Namespace, key: str) -> bool:
+        return self.page_path(ns, key) in self.pages
+
+    def get(self, ns: Namespace, key: str) -> memoryview | None:
+        return self.read_page(self.page_path(ns, key))
+
+    def read_page(self, path: str) -> memoryview | None:
+        data = self.pages.get(path)
+        if data is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        return memoryview(bytearray(data))
+
+    def set(self, ns: Namespace, key: str, payload: bytes) -> None:
+        path = self.page_path(ns, key)
+        if path not in self.pages:
+            self.pages[path] = bytes(payload)
+            self.stats.writes += 1
+
+    def clear(self) -> int:
+        n = len(self.pages)
+        self.pages.clear()
+        return n
+
+    def discard(self, ns: Namespace, key: str, counted: bool = False) -> None:
+        self.pages.pop(self.page_path(ns, key), None)
+        if not counted:
+            self.stats.corrupt += 1
+
+    def usage(self) -> StorageUsage:
+        return StorageUsage("memory", sum(map(len, self.pages.values())), 1 << 30)
+
+
+def test_a_second_backend_is_one_class_and_one_registry_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(HICACHE_STORAGE_BACKENDS, "memory", MemoryStorage)
+    store = create_storage("memory", dict(EXTRA_CONFIG_DEFAULTS))
+    assert isinstance(store, MemoryStorage)
+    d = doc(3, 41)
+    first = Sim(tmp_path, size=64, host=128, backend=store)
+    first.run(d)
+    first.cache.flush_writes()
+    assert store.stats.writes == 10 and not os.listdir(tmp_path)  # 40 computed tokens, 4 per page; no files
+    second = Sim(tmp_path, size=64, host=128, backend=store)  # a restart over the same store
+    assert second.run(d) == 40
+    assert second.cache.stats.prefetch_tokens == 40
+    assert second.cache.state()["storage"]["dir"] == "memory"
+    assert second.cache.clear_storage() == 10 and not store.pages
