@@ -71,6 +71,15 @@ class PrefetchOp:
     def ns(self) -> Namespace:
         return self.namespaces[self.tp_rank]
 
+    def cut_short(self) -> None:
+        """Stop after the page being read (the request goes ahead without the rest); returns once
+        the reader let go of it."""
+        with self.lock:
+            self.cancel = True
+            if not self.started:  # still queued behind another prefetch: it will not start
+                self.done.set()
+        self.done.wait()
+
 
 def write_page(storage: HiCacheStorage, ns: Namespace, key: str, payload: bytes) -> None:
     try:
@@ -230,16 +239,6 @@ class HiCacheController:
                 self.storage.discard(ns, op.keys[i], counted=True)
                 return False
         return True
-
-    @staticmethod
-    def cut_short(op: PrefetchOp) -> None:
-        """Stop op after the page being read (its request goes ahead without the rest); returns
-        once the reader let go of it."""
-        with op.lock:
-            op.cancel = True
-            if not op.started:  # still queued behind another prefetch: it will not start
-                op.done.set()
-        op.done.wait()
 
     def finish(self, op: PrefetchOp) -> None:
         """op ended (op.done): it leaves the in-flight list and this rank's links go."""

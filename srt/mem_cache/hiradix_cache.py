@@ -320,7 +320,7 @@ class HiRadixCache(RadixCache):
                 deadline = req.deadline
                 if waited < op.timeout_s and (deadline is None or time.time() < deadline):
                     return False
-            HiCacheController.cut_short(op)
+            op.cut_short()
         self._finalize(op)
         return True
 
