@@ -2,11 +2,10 @@
 messages over ZeroMQ (each side binds a PULL socket; peers PUSH to it). KV itself moves over the
 transfer engine (`transfer.py`), never over this channel.
 
-decode -> prefill: `{"type": "prealloc", "room", "endpoint", "layout", "ranks", "slots"}` (the
-slots reserved for the room's prompt on every decode rank, and where to answer) and
-`{"type": "abort", "room"}`. prefill -> decode: `{"type": "done", "room", "token", "logprob",
-"top_logprobs", "token_ids_logprobs", "bytes", "seconds"}` once the KV is written, or
-`{"type": "failed", "room", "message"}`.
+decode -> prefill: `Prealloc` (the slots reserved for the room's prompt on every decode rank, and
+where to answer) and `Abort`. prefill -> decode: `Done` (the first token and its logprobs) once
+the KV is written, or `Failed`. A prefill server's follower ranks report their writes to its rank
+0 over the same socket (`RankDone`). The messages and their JSON are in `messages.py`.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 import orjson
 import zmq
 
+from srt.disaggregation.messages import Malformed, MalformedMessage, Message, parse_message
 from srt.disaggregation.transfer import KVEndpoint
 from srt.managers.scheduler_component import SchedulerComponent
 
@@ -55,7 +55,7 @@ class DisaggChannel(SchedulerComponent):
         self.bytes_transferred = 0
         self.transfer_seconds = 0.0
 
-    def send(self, address: str, msg: dict) -> None:
+    def send(self, address: str, msg: Message) -> None:
         """Best effort: a peer that is gone (or a bad address from a peer) is logged, never raised."""
         try:
             sock = self.peers.get(address)
@@ -73,23 +73,22 @@ class DisaggChannel(SchedulerComponent):
                     sock.close(linger=0)
                     raise
                 self.peers[address] = sock
-            sock.send(orjson.dumps(msg), zmq.NOBLOCK)
+            sock.send(orjson.dumps(msg.to_json()), zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            logger.warning("disaggregation: cannot send %s to %s: %s", msg.get("type"), address, e)
+            logger.warning("disaggregation: cannot send %s to %s: %s", msg.kind, address, e)
 
-    def receive(self) -> list[dict]:
-        msgs = []
+    def receive(self) -> list[Message | Malformed]:
+        """The messages that arrived; one without a known type and a room is dropped here."""
+        msgs: list[Message | Malformed] = []
         while True:
             try:
                 raw = self.recv_socket.recv(zmq.NOBLOCK)
             except zmq.ZMQError:
                 return msgs
             try:
-                msg = orjson.loads(raw)
-                int(msg["room"])
-                msgs.append(msg)
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                logger.warning("disaggregation: dropped a malformed control message (%d bytes)", len(raw))
+                msgs.append(parse_message(orjson.loads(raw)))
+            except (orjson.JSONDecodeError, MalformedMessage) as e:
+                logger.warning("disaggregation: dropped a malformed control message (%d bytes): %s", len(raw), e)
 
     def note_transfer(self, nbytes: int, seconds: float) -> None:
         self.num_transfers += 1

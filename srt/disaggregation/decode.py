@@ -22,7 +22,8 @@ import torch
 
 from srt.disaggregation.bootstrap_server import query_prefill
 from srt.disaggregation.conn import DisaggChannel, now, room_of
-from srt.disaggregation.transfer import KVEndpoint, RankKV
+from srt.disaggregation.messages import Abort, Done, Failed, KVLayout, Malformed, Prealloc, RankKV
+from srt.disaggregation.transfer import KVEndpoint
 from srt.disaggregation.utils import bootstrap_timeout, waiting_timeout
 from srt.managers.schedule_policy import reserve_prompt_kv
 from srt.managers.tp_worker import BatchResult
@@ -30,6 +31,7 @@ from srt.managers.tp_worker import BatchResult
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import SchedulerPort
+    from srt.managers.scheduler_state import SchedulerState
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,13 @@ class Draining:
 
 class DecodeDisagg(DisaggChannel):
     def __init__(
-        self, scheduler: SchedulerPort, ip: str, endpoint: KVEndpoint, layout: dict, ranks: list[RankKV], reserved: int
+        self,
+        scheduler: SchedulerPort,
+        ip: str,
+        endpoint: KVEndpoint,
+        layout: KVLayout,
+        ranks: list[RankKV],
+        reserved: int,
     ):
         super().__init__(scheduler, ip, endpoint)
         self.layout = layout
@@ -100,25 +108,8 @@ class DecodeDisagg(DisaggChannel):
 
     def poll(self) -> None:
         for msg in self.receive():
-            room = int(msg["room"])
-            kind = msg.get("type")
-            if kind not in ("done", "failed"):
-                continue
-            drained = self.draining.pop(room, None)
-            if drained is not None:
-                self.free(drained.pool_idx, drained.slots)
-                continue
-            t = self.transfers.pop(room, None)
-            if t is None:
-                continue
-            if kind == "done" and _well_formed(msg):
-                self.note_transfer(int(msg.get("bytes", 0)), float(msg.get("seconds", 0.0)))
-                self.scheduler.join_decoding(t.req, first_token(t.req, msg))
-            else:
-                if kind == "done":
-                    msg = {"message": "a malformed done message"}
-                self.release_slots(t.req)
-                self.end(t.req, f"prefill side: {msg.get('message', 'failed')}")
+            if isinstance(msg, (Done, Failed)) or (isinstance(msg, Malformed) and msg.kind in (Done.kind, Failed.kind)):
+                self.on_answer(msg)
         if not self.due():
             return
         self.preallocate()
@@ -134,13 +125,29 @@ class DecodeDisagg(DisaggChannel):
                 del self.transfers[room]
                 if t.req.to_abort is None:  # timed out: the prefill server may have moved; ask again next time
                     self.lookups.pop((t.req.bootstrap_host or "", t.req.bootstrap_port or 0), None)
-                self.send(t.address, {"type": "abort", "room": room})
+                self.send(t.address, Abort(room))
                 self.drain(room, t.req)
                 self.end(t.req, reason)
         for room, d in list(self.draining.items()):
             if t0 - d.since > self.timeout:
                 del self.draining[room]
                 self.free(d.pool_idx, d.slots)
+
+    def on_answer(self, msg: Done | Failed | Malformed) -> None:
+        """The prefill side's answer for a room: its KV is written (done), or will not be."""
+        drained = self.draining.pop(msg.room, None)
+        if drained is not None:
+            self.free(drained.pool_idx, drained.slots)
+            return
+        t = self.transfers.pop(msg.room, None)
+        if t is None:
+            return
+        if isinstance(msg, Done):
+            self.note_transfer(msg.bytes, msg.seconds)
+            self.scheduler.join_decoding(t.req, first_token(t.req, msg))
+            return
+        self.release_slots(t.req)
+        self.end(t.req, f"prefill side: {msg.message if isinstance(msg, Failed) else msg.reason}")
 
     def preallocate(self) -> None:
         sched = self.scheduler
@@ -158,11 +165,11 @@ class DecodeDisagg(DisaggChannel):
                 self.end(req, f"cannot reach the prefill server of bootstrap_room {room_of(req)}: {err}")
                 continue
             layout, ranks = fut.result()
-            if layout.get("kv_cache_dtype") != self.layout["kv_format"]:
+            if layout.get("kv_cache_dtype") != self.layout.kv_format:
                 self.end(
                     req,
                     f"the prefill server's KV cache is {layout.get('kv_cache_dtype')}, this decode server's is "
-                    f"{self.layout['kv_format']} (--kv-cache-dtype must match)",
+                    f"{self.layout.kv_format} (--kv-cache-dtype must match)",
                 )
                 continue
             if not self.reserve(req):
@@ -173,17 +180,7 @@ class DecodeDisagg(DisaggChannel):
             address = f"tcp://{ranks[0]['rank_ip']}:{ranks[0]['rank_port']}"
             table = sched.runner.req_to_token_pool.req_to_token
             slots = table[req.req_pool_idx, : req.kv_len].tolist()
-            self.send(
-                address,
-                {
-                    "type": "prealloc",
-                    "room": room_of(req),
-                    "endpoint": self.address,
-                    "layout": self.layout,
-                    "ranks": [r.to_json() for r in self.ranks],
-                    "slots": slots,
-                },
-            )
+            self.send(address, Prealloc(room_of(req), self.address, self.layout, self.ranks, slots))
             self.transfers[room_of(req)] = Transfer(req, address, now())
         self.prealloc_queue = still
 
@@ -217,43 +214,23 @@ class DecodeDisagg(DisaggChannel):
         self.scheduler.allocator.free(slots)
         self.scheduler.runner.req_to_token_pool.free(pool_idx)
 
-    def state(self) -> dict:
-        return {
-            "disagg": {
-                "mode": "decode",
-                "num_decode_prealloc_queue_reqs": len(self.prealloc_queue),
-                "num_decode_transfer_queue_reqs": len(self.transfers),
-                "draining_rooms": len(self.draining),
-                **self.transfer_state(),
-            }
+    def fill_state(self, state: SchedulerState) -> None:
+        state.disagg = {
+            "mode": "decode",
+            "num_decode_prealloc_queue_reqs": len(self.prealloc_queue),
+            "num_decode_transfer_queue_reqs": len(self.transfers),
+            "draining_rooms": len(self.draining),
+            **self.transfer_state(),
         }
 
 
-def first_token(req: Req, done: dict) -> BatchResult:
+def first_token(req: Req, done: Done) -> BatchResult:
     """The first token of req from the prefill side's `done` message (and its logprobs: the prefill
     side got the same request body, so it sent them when req asked)."""
-    first = BatchResult([int(done["token"])])
+    first = BatchResult([done.token])
     if req.return_logprob:
-        vals, ids = done.get("top_logprobs") or ([], [])
-        first.next_token_logprobs = [float(done.get("logprob", float("nan")))]
+        vals, ids = done.top_logprobs or ([], [])
+        first.next_token_logprobs = [done.logprob if done.logprob is not None else float("nan")]
         first.next_top_logprobs = [(list(vals), list(ids))]
-        first.next_token_ids_logprobs = [done.get("token_ids_logprobs")]
+        first.next_token_ids_logprobs = [done.token_ids_logprobs]
     return first
-
-
-def _well_formed(done: dict) -> bool:
-    """A `done` message's fields have the types join_decoding reads."""
-    try:
-        int(done["token"])
-        int(done.get("bytes", 0))
-        float(done.get("seconds", 0.0))
-        if "logprob" in done:
-            float(done["logprob"])
-        top = done.get("top_logprobs")
-        if top is not None:
-            vals, ids = top
-            if not all(isinstance(v, (int, float)) for v in vals) or not all(isinstance(i, int) for i in ids):
-                return False
-    except (KeyError, TypeError, ValueError):
-        return False
-    return True

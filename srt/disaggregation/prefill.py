@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 
 from srt.disaggregation.bootstrap_server import register_prefill_rank
 from srt.disaggregation.conn import DisaggChannel, now, room_of
-from srt.disaggregation.transfer import KVEndpoint, RankKV, RankWrite, TransferError
+from srt.disaggregation.messages import Abort, Done, Failed, KVLayout, Malformed, Prealloc, RankDone, RankKV
+from srt.disaggregation.transfer import KVEndpoint, RankWrite, TransferError
 from srt.disaggregation.utils import FOLLOWER_KIND, bootstrap_timeout
 from srt.managers.io_struct import FINISH_ABORT, FINISH_LENGTH
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import SchedulerPort
+    from srt.managers.scheduler_state import SchedulerState
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +41,33 @@ class DecodeTarget:
     arrived: float
 
 
+@dataclass
+class RankResults:
+    """A room's writes by the other tensor-parallel ranks, as their reports arrive."""
+
+    left: int  # reports still to come
+    bytes: int = 0
+    seconds: float = 0.0  # the slowest rank's
+    error: str | None = None
+
+    def add(self, report: RankDone | Malformed) -> None:
+        self.left -= 1
+        if isinstance(report, Malformed):
+            self.error = report.reason
+        elif report.error is not None:
+            self.error = report.error
+        else:
+            self.bytes += report.bytes
+            self.seconds = max(self.seconds, report.seconds)
+
+
 class PrefillDisagg(DisaggChannel):
     def __init__(
         self,
         scheduler: SchedulerPort,
         ip: str,
         endpoint: KVEndpoint,
-        layout: dict,
+        layout: KVLayout,
         bootstrap_host: str,
         bootstrap_port: int,
     ):
@@ -59,11 +81,11 @@ class PrefillDisagg(DisaggChannel):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
         self.tp_size = scheduler.server_args.tp_size
         self.broadcaster = scheduler.tp_worker.broadcaster  # ranks 1..N-1 write their heads when told
-        self.rank_results: dict[int, dict] = {}  # room -> the other ranks' writes: {"left", "bytes", "error"}
+        self.rank_results: dict[int, RankResults] = {}
         host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
         # Every rank is reached through rank 0's control socket: rank 0 relays a room's write to them.
         for tp_rank in range(self.tp_size):
-            self.register(bootstrap_host, bootstrap_port, host, int(port), tp_rank, layout["kv_format"])
+            self.register(bootstrap_host, bootstrap_port, host, int(port), tp_rank, layout.kv_format)
 
     def register(self, bootstrap_host: str, bootstrap_port: int, ip: str, port: int, tp_rank: int, kv: str) -> None:
         register_prefill_rank(
@@ -128,7 +150,7 @@ class PrefillDisagg(DisaggChannel):
         n = len(req.origin_input_ids)
         src = table[req.req_pool_idx, :n].tolist()
         if self.broadcaster is not None:
-            self.rank_results[room_of(req)] = {"left": self.tp_size - 1, "bytes": 0, "seconds": 0.0, "error": None}
+            self.rank_results[room_of(req)] = RankResults(left=self.tp_size - 1)
             self.broadcaster.post(
                 FOLLOWER_KIND,
                 RankWrite(room=room_of(req), src=src, ranks=target.ranks, slots=target.slots, reply_to=self.address),
@@ -146,12 +168,17 @@ class PrefillDisagg(DisaggChannel):
 
     def poll(self) -> None:
         for msg in self.receive():
-            if msg.get("type") == "prealloc":
-                self.on_prealloc(msg)
-            elif msg.get("type") == "rank_done":
-                self.on_rank_done(msg)
-            elif msg.get("type") == "abort":
-                self.on_decode_abort(int(msg["room"]))
+            match msg:
+                case Prealloc():
+                    self.on_prealloc(msg)
+                case Malformed(kind=Prealloc.kind):
+                    self.on_malformed_prealloc(msg)
+                case RankDone() | Malformed(kind=RankDone.kind):
+                    res = self.rank_results.get(msg.room)
+                    if res is not None:
+                        res.add(msg)
+                case Abort():
+                    self.on_decode_abort(msg.room)
         if not self.due():
             return
         t = now()
@@ -177,46 +204,33 @@ class PrefillDisagg(DisaggChannel):
             if t - target.arrived > self.timeout and room not in live:
                 del self.targets[room]
                 msg = f"the prefill server got no request for bootstrap_room {room} within {self.timeout:g} s"
-                self.send(target.address, {"type": "failed", "room": room, "message": msg})
+                self.send(target.address, Failed(room, msg))
         self.failed_rooms = {r: s for r, s in self.failed_rooms.items() if t - s < self.timeout}
 
-    def on_prealloc(self, msg: dict) -> None:
-        room = int(msg["room"])
-        address = str(msg.get("endpoint", ""))
-        if room in self.failed_rooms:
-            del self.failed_rooms[room]
-            self.send(address, {"type": "failed", "room": room, "message": "the prefill side already failed"})
+    def on_prealloc(self, msg: Prealloc) -> None:
+        if self.answered_failed(msg.room, msg.endpoint):
             return
-        layout = msg.get("layout") or {}
-        if layout != self.layout:
+        if msg.layout != self.layout:
             message = (
-                f"KV layouts differ: prefill {self.layout}, decode {layout} (same model and --kv-cache-dtype needed)"
+                f"KV layouts differ: prefill {self.layout.to_json()}, decode {msg.layout.to_json()} "
+                "(same model and --kv-cache-dtype needed)"
             )
-            self.send(address, {"type": "failed", "room": room, "message": message})
+            self.send(msg.endpoint, Failed(msg.room, message))
             return
-        try:
-            ranks = [RankKV.from_json(r) for r in msg["ranks"]]
-            slots = [int(s) for s in msg["slots"]]
-        except (KeyError, TypeError, ValueError) as e:
-            self.send(address, {"type": "failed", "room": room, "message": f"malformed prealloc message: {e}"})
-            return
-        self.targets[room] = DecodeTarget(address, ranks, slots, now())
+        self.targets[msg.room] = DecodeTarget(msg.endpoint, msg.ranks, msg.slots, now())
 
-    def on_rank_done(self, msg: dict) -> None:
-        res = self.rank_results.get(int(msg["room"]))
-        if res is None:
-            return
-        res["left"] -= 1
-        try:
-            nbytes, seconds = int(msg.get("bytes", 0)), float(msg.get("seconds", 0.0))
-        except (TypeError, ValueError):
-            msg = {"ok": False, "message": "a malformed rank_done message"}
-            nbytes, seconds = 0, 0.0
-        if msg.get("ok"):
-            res["bytes"] += nbytes
-            res["seconds"] = max(res["seconds"], seconds)
-        else:
-            res["error"] = str(msg.get("message", "a tensor-parallel rank failed"))
+    def on_malformed_prealloc(self, msg: Malformed) -> None:
+        if msg.reply_to is None:
+            logger.warning("disaggregation: dropped a prealloc without an endpoint: %s", msg.reason)
+        elif not self.answered_failed(msg.room, msg.reply_to):
+            self.send(msg.reply_to, Failed(msg.room, msg.reason))
+
+    def answered_failed(self, room: int, address: str) -> bool:
+        """The request of room already ended here: tell its decode side (True), which reserved KV for it."""
+        if self.failed_rooms.pop(room, None) is None:
+            return False
+        self.send(address, Failed(room, "the prefill side already failed"))
+        return True
 
     def on_decode_abort(self, room: int) -> None:
         self.targets.pop(room, None)
@@ -229,21 +243,21 @@ class PrefillDisagg(DisaggChannel):
         for req, fut in self.inflight:
             room = room_of(req)
             others = self.rank_results.get(room)
-            if not fut.done() or (others is not None and others["left"] > 0):
+            if not fut.done() or (others is not None and others.left > 0):
                 still.append((req, fut))
                 continue
             self.rank_results.pop(room, None)
             try:
                 nbytes, seconds = fut.result()
                 if others is not None:
-                    if others["error"] is not None:
-                        raise TransferError(others["error"])
-                    nbytes, seconds = nbytes + others["bytes"], max(seconds, others["seconds"])
+                    if others.error is not None:
+                        raise TransferError(others.error)
+                    nbytes, seconds = nbytes + others.bytes, max(seconds, others.seconds)
             except Exception as e:  # TransferError, or a bug: this request fails, the server goes on
                 message = f"KV transfer to the decode side failed: {e}"
                 logger.warning("bootstrap_room %d: %s", room, message)
                 if req.disagg_target is not None:
-                    self.send(req.disagg_target, {"type": "failed", "room": room, "message": message})
+                    self.send(req.disagg_target, Failed(room, message))
                 else:
                     self.failed_rooms[room] = now()
                 if not isinstance(req.finished_reason, FINISH_ABORT):
@@ -257,15 +271,17 @@ class PrefillDisagg(DisaggChannel):
         self.inflight = still
 
     @staticmethod
-    def done_message(req: Req, nbytes: int, seconds: float) -> dict:
-        msg = {"type": "done", "room": room_of(req), "token": req.output_ids[0], "bytes": nbytes, "seconds": seconds}
-        if req.return_logprob and req.output_token_logprobs:
-            msg["logprob"] = req.output_token_logprobs[0][0]
-            if req.output_top_logprobs:
-                msg["top_logprobs"] = req.output_top_logprobs[0]
-            if req.output_token_ids_logprobs:
-                msg["token_ids_logprobs"] = req.output_token_ids_logprobs[0][0]
-        return msg
+    def done_message(req: Req, nbytes: int, seconds: float) -> Done:
+        lp = bool(req.return_logprob and req.output_token_logprobs)
+        return Done(
+            room=room_of(req),
+            token=req.output_ids[0],
+            bytes=nbytes,
+            seconds=seconds,
+            logprob=req.output_token_logprobs[0][0] if lp else None,
+            top_logprobs=req.output_top_logprobs[0] if lp and req.output_top_logprobs else None,
+            token_ids_logprobs=req.output_token_ids_logprobs[0][0] if lp and req.output_token_ids_logprobs else None,
+        )
 
     def fail(self, req: Req, message: str) -> None:
         req.disagg_done = True
@@ -281,7 +297,7 @@ class PrefillDisagg(DisaggChannel):
         if isinstance(req.finished_reason, FINISH_ABORT):
             message += f": {req.finished_reason.message}"
         if target is not None:
-            self.send(target.address, {"type": "failed", "room": room, "message": message})
+            self.send(target.address, Failed(room, message))
         else:
             self.failed_rooms[room] = now()
 
@@ -291,15 +307,13 @@ class PrefillDisagg(DisaggChannel):
                 r.disagg_done = True
                 self.on_ended(r)
 
-    def state(self) -> dict:
-        return {
-            "disagg": {
-                "mode": "prefill",
-                "num_prefill_prealloc_queue_reqs": len(self.bootstrap_queue),
-                "num_prefill_inflight_queue_reqs": len(self.inflight),
-                "reserved_rooms": len(self.targets),
-                **self.transfer_state(),
-            }
+    def fill_state(self, state: SchedulerState) -> None:
+        state.disagg = {
+            "mode": "prefill",
+            "num_prefill_prealloc_queue_reqs": len(self.bootstrap_queue),
+            "num_prefill_inflight_queue_reqs": len(self.inflight),
+            "reserved_rooms": len(self.targets),
+            **self.transfer_state(),
         }
 
 

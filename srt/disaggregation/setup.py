@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import orjson
 import zmq
 
-from srt.disaggregation.transfer import KVEndpoint, RankKV, RankWrite
+from srt.disaggregation.messages import KVLayout, RankDone, RankKV
+from srt.disaggregation.transfer import KVEndpoint, RankWrite
 from srt.disaggregation.utils import FOLLOWER_KIND, SETUP_DONE, DisaggregationMode, host_ip
 from srt.layers.linear import head_shard
 
@@ -31,15 +32,14 @@ def bootstrap_bind_host(host: str) -> str:
     return "127.0.0.1" if host in ("localhost", "") else host
 
 
-def kv_layout(runner: ModelRunner) -> dict:
-    """What the two sides' pools must agree on (per-rank head counts may differ)."""
+def kv_layout(runner: ModelRunner) -> KVLayout:
     cfg = runner.model_config
-    return {
-        "kv_format": runner.kv_format,
-        "layers": cfg.num_hidden_layers,
-        "head_dim": cfg.head_dim,
-        "kv_heads": cfg.num_key_value_heads,
-    }
+    return KVLayout(
+        kv_format=runner.kv_format,
+        layers=cfg.num_hidden_layers,
+        head_dim=cfg.head_dim,
+        kv_heads=cfg.num_key_value_heads,
+    )
 
 
 def owned_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -106,20 +106,19 @@ class FollowerDisagg:
     def handle(self, write: RankWrite) -> None:
         """A write rank 0 posted: this rank's heads of a room's KV into the decode ranks' slots."""
         start = time.perf_counter()
-        reply = {"type": "rank_done", "room": write.room, "rank": self.tp_rank}
         try:
             nbytes = 0
             for rank in write.ranks:
                 nbytes += self.endpoint.write(write.src, rank, write.slots)
-            reply |= {"ok": True, "bytes": nbytes, "seconds": time.perf_counter() - start}
+            reply = RankDone(write.room, self.tp_rank, bytes=nbytes, seconds=time.perf_counter() - start)
         except Exception as e:  # TransferError, or a bug: rank 0 fails the request
-            reply |= {"ok": False, "message": f"tensor-parallel rank {self.tp_rank}: {e}"}
+            reply = RankDone(write.room, self.tp_rank, error=f"tensor-parallel rank {self.tp_rank}: {e}")
         address = write.reply_to
         sock = self.sockets.get(address)
         if sock is None:
             sock = self.sockets[address] = self.ctx.socket(zmq.PUSH)
             sock.connect(address)
-        sock.send(orjson.dumps(reply))
+        sock.send(orjson.dumps(reply.to_json()))
 
 
 def build_follower(ctx: FollowerContext) -> dict[str, FollowerHandler]:

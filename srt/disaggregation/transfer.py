@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 import torch
+
+from srt.disaggregation.messages import RankKV
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,30 +36,6 @@ START_TIMEOUT_S = 60.0  # the engine's start-up and memory registration: past it
 
 class TransferError(RuntimeError):
     pass
-
-
-@dataclass
-class RankKV:
-    """One decode rank's KV pool as a prefill rank sees it (JSON-able)."""
-
-    session: str  # the transfer engine's address of this rank ("ip:port")
-    kv_start: int  # first KV head this rank holds
-    kv_count: int
-    buffers: list[list[int]]  # [kind][layer] base address; kinds: K, V (, K scales, V scales)
-    head_bytes: list[int]  # per kind: bytes of one head of one slot
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> RankKV:
-        return cls(
-            session=str(d["session"]),
-            kv_start=int(d["kv_start"]),
-            kv_count=int(d["kv_count"]),
-            buffers=[[int(a) for a in kind] for kind in d["buffers"]],
-            head_bytes=[int(b) for b in d["head_bytes"]],
-        )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.disaggregation.transfer import KVEndpoint, RankKV, TransferError, _clip_runs, _runs
+from srt.disaggregation.messages import RankKV
+from srt.disaggregation.transfer import KVEndpoint, TransferError, _clip_runs, _runs
 from srt.mem_cache.memory_pool import MHATokenToKVPool
 
 try:
