@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
 from srt.sampling.sampling_params import SamplingParams
@@ -33,6 +33,24 @@ class InvalidRequest(ValueError):
 def _item(value, i: int, batch: bool):
     """Per-item value of a field that may be given once for the whole batch or as a list."""
     return value[i] if batch and isinstance(value, list) else value
+
+
+# GenerateReqInput fields given once for the whole batch or as a list with one value per prompt
+# (token_ids_logprob is a list either way: see GenerateReqInput._token_ids_per_prompt).
+PER_PROMPT_FIELDS = (
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "priority",
+    "extra_key",
+    "timeout",
+    "lora_path",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+)
 
 
 @dataclass
@@ -104,22 +122,9 @@ class GenerateReqInput:
         n = self.batch_size
         if n > MAX_BATCH_SIZE:
             raise InvalidRequest(f"the batch has {n} prompts, more than the limit of {MAX_BATCH_SIZE}")
-        for name in (
-            "sampling_params",
-            "rid",
-            "return_logprob",
-            "logprob_start_len",
-            "top_logprobs_num",
-            "priority",
-            "extra_key",
-            "timeout",
-            "lora_path",
-            "bootstrap_host",
-            "bootstrap_port",
-            "bootstrap_room",
-        ):
+        for name in PER_PROMPT_FIELDS:
             v = getattr(self, name)
-            if isinstance(v, list) and name != "input_ids" and (not self.is_batch or len(v) != n):
+            if isinstance(v, list) and (not self.is_batch or len(v) != n):
                 raise InvalidRequest(f"`{name}` is a list of {len(v)} but the request has {n} prompt(s)")
         if not isinstance(self.stream, bool):
             raise InvalidRequest(f"`stream` must be a boolean, got {self.stream!r}")
@@ -135,26 +140,8 @@ class GenerateReqInput:
         if b:  # validate() checked that a batch's input_ids is a list of lists
             text = text[i] if text is not None else None
             input_ids = cast("list[list[int]]", input_ids)[i] if input_ids is not None else None
-        return GenerateReqInput(
-            text=text,
-            input_ids=input_ids,
-            sampling_params=_item(self.sampling_params, i, b),
-            rid=_item(self.rid, i, b),
-            return_logprob=_item(self.return_logprob, i, b),
-            logprob_start_len=_item(self.logprob_start_len, i, b),
-            top_logprobs_num=_item(self.top_logprobs_num, i, b),
-            token_ids_logprob=self._token_ids_item(i),
-            return_text_in_logprobs=self.return_text_in_logprobs,
-            stream=self.stream,
-            priority=_item(self.priority, i, b),
-            extra_key=_item(self.extra_key, i, b),
-            timeout=_item(self.timeout, i, b),
-            data_parallel_rank=self.data_parallel_rank,
-            lora_path=_item(self.lora_path, i, b),
-            bootstrap_host=_item(self.bootstrap_host, i, b),
-            bootstrap_port=_item(self.bootstrap_port, i, b),
-            bootstrap_room=_item(self.bootstrap_room, i, b),
-        )
+        per_prompt = {name: _item(getattr(self, name), i, b) for name in PER_PROMPT_FIELDS}
+        return replace(self, text=text, input_ids=input_ids, token_ids_logprob=self._token_ids_item(i), **per_prompt)
 
     @property
     def _token_ids_per_prompt(self) -> bool:

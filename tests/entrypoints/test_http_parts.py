@@ -48,6 +48,16 @@ def test_engine_keywords_are_generate_req_input_fields():
     assert (obj.text, obj.rid, obj.stream, obj.sampling_params) == ("hi", "r", True, {"max_new_tokens": 1})
 
 
+def test_batch_items_take_per_prompt_values_and_share_the_rest():
+    obj = GenerateReqInput(
+        input_ids=[[1, 2], [3]], rid=["a", "b"], priority=5, token_ids_logprob=[[7], [8]], stream=True
+    )
+    obj.validate()
+    second = obj.item(1)
+    assert (second.input_ids, second.rid, second.priority, second.token_ids_logprob) == ([3], "b", 5, [8])
+    assert second.stream and not second.is_batch
+
+
 def test_detokenizer_output_carries_the_token_output():
     from srt.managers.detokenizer_manager import DetokenizerManager
 
