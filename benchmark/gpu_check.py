@@ -58,8 +58,8 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template")
 
 
 def default_model_or_none() -> str | None:
+    from srt.configs.model_config import ModelLoadError
     from srt.model_loader.default_model import resolve_default_model
-    from srt.model_loader.errors import ModelLoadError
 
     try:
         return resolve_default_model(progress=False)

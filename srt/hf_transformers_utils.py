@@ -6,7 +6,7 @@ import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from srt.model_loader.errors import ModelLoadError
+from srt.configs.model_config import ModelLoadError
 
 
 def get_tokenizer(path: str) -> PreTrainedTokenizerBase:

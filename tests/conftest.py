@@ -159,7 +159,7 @@ def ops():
     collection; skipped without a compiler (the runtime then falls back to torch_native attention
     and dequantized weights)."""
     from kernels import cpu as cpu_kernels
-    from srt.model_loader.default_model import cache_root
+    from srt.configs.runtime_choices import cache_root
 
     loaded = cpu_kernels.load(cache_root())
     if loaded is None:

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 
 from transformers import AutoConfig, PretrainedConfig
 
-from srt.model_loader.errors import ModelLoadError
-
 logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """A model path, file or config the runtime cannot load; the message names the path and why."""
 
 
 def rope_parameters(hf_config: PretrainedConfig) -> tuple[float, dict | None]:
@@ -96,9 +98,42 @@ class ModelConfig:
 
     def num_kv_heads_per_rank(self, tp_size: int, tp_rank: int = 0) -> int:
         """KV heads this rank holds (split whole groups at a time, or replicated; see head_shard)."""
-        from srt.layers.linear import head_shard
-
         return head_shard(self.num_attention_heads, self.num_key_value_heads, tp_size, tp_rank).kv_count
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds: query heads [q_start, q_start + q_count) and KV heads
+    [kv_start, kv_start + kv_count)."""
+
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """Split heads across ranks whole KV groups at a time (a query head stays with its KV head).
+
+    With at least as many KV heads as ranks the groups are dealt out as evenly as they go, so 3 KV
+    heads over 2 ranks is 2 + 1 (uneven, but exact). With fewer, each KV head is replicated on
+    tp_size / num_kv_heads ranks, which share its query heads."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp_size:
+        kv_start, kv_end = tp_rank * num_kv_heads // tp_size, (tp_rank + 1) * num_kv_heads // tp_size
+        return HeadShard(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start)
+    if tp_size % num_kv_heads or group < tp_size // num_kv_heads:
+        raise ValueError(
+            f"cannot split {num_heads} attention heads with {num_kv_heads} KV heads over tp_size "
+            f"{tp_size}: use a tp_size that divides the KV heads, or a multiple of them no larger "
+            f"than the attention heads"
+        )
+    replicas = tp_size // num_kv_heads
+    kv, j = divmod(tp_rank, replicas)
+    q_start, q_end = kv * group + j * group // replicas, kv * group + (j + 1) * group // replicas
+    return HeadShard(q_start, q_end - q_start, kv, 1)
 
 
 def derive_context_len(cfg: PretrainedConfig) -> int:

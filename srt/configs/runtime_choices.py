@@ -30,6 +30,11 @@ ATTENTION_BACKEND_NAMES = ("cpu", "torch_native", "triton")
 MOE_RUNNER_BACKENDS = ("auto", "cpu", "torch_native", "triton")
 
 
+def cache_root() -> str:
+    """Where compiled kernels and converted GGUF models are kept: $RADIXSERVE_CACHE_DIR or ~/.cache/radixserve."""
+    return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         import torch

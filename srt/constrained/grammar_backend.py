@@ -18,7 +18,6 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
 import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
@@ -85,14 +84,3 @@ class XGrammarBackend:
             "max_s": round(self.compile_max_s, 4),
             "cache_entries": len(self.cache),
         }
-
-
-def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    return xgr.allocate_token_bitmask(rows, vocab_size)
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
-    """-inf on the tokens each constrained row's grammar forbids; other rows are untouched."""
-    xgr.apply_token_bitmask_inplace(
-        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size, indices=rows
-    )

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from srt.configs.model_config import head_shard
 from srt.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from srt.layers.quantization.base_config import LinearMethodBase, Piece, QuantizationConfig
 from srt.layers.quantization.unquant import UnquantizedLinearMethod
@@ -228,41 +228,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         return [Piece(offset, self.tp_rank * size, size)]
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """The attention heads one rank holds: query heads [q_start, q_start + q_count) and KV heads
-    [kv_start, kv_start + kv_count)."""
-
-    q_start: int
-    q_count: int
-    kv_start: int
-    kv_count: int
-
-
-def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
-    """Split heads across ranks whole KV groups at a time (a query head stays with its KV head).
-
-    With at least as many KV heads as ranks the groups are dealt out as evenly as they go, so 3 KV
-    heads over 2 ranks is 2 + 1 (uneven, but exact). With fewer, each KV head is replicated on
-    tp_size / num_kv_heads ranks, which share its query heads."""
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
-    group = num_heads // num_kv_heads
-    if num_kv_heads >= tp_size:
-        kv_start, kv_end = tp_rank * num_kv_heads // tp_size, (tp_rank + 1) * num_kv_heads // tp_size
-        return HeadShard(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start)
-    if tp_size % num_kv_heads or group < tp_size // num_kv_heads:
-        raise ValueError(
-            f"cannot split {num_heads} attention heads with {num_kv_heads} KV heads over tp_size "
-            f"{tp_size}: use a tp_size that divides the KV heads, or a multiple of them no larger "
-            f"than the attention heads"
-        )
-    replicas = tp_size // num_kv_heads
-    kv, j = divmod(tp_rank, replicas)
-    q_start, q_end = kv * group + j * group // replicas, kv * group + (j + 1) * group // replicas
-    return HeadShard(q_start, q_end - q_start, kv, 1)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

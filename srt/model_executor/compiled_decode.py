@@ -47,7 +47,7 @@ def bucket_sizes(max_bs: int) -> list[int]:
 def configure_inductor() -> None:
     """Settings for this thread: torch's compiler config is thread-local, so the compile thread
     calls this too (without it, that thread would compile without freezing: 1.8x slower graphs)."""
-    from srt.model_loader.default_model import cache_root
+    from srt.configs.runtime_choices import cache_root
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root(), "inductor"))
     import torch._dynamo

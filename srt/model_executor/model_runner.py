@@ -10,8 +10,8 @@ import psutil
 import torch
 
 from kernels import cpu as cpu_kernels
-from srt.configs.model_config import ModelConfig
-from srt.configs.runtime_choices import resolve_device
+from srt.configs.model_config import ModelConfig, ModelLoadError
+from srt.configs.runtime_choices import cache_root, resolve_device
 from srt.distributed.parallel_state import all_reduce_min_int, init_distributed, init_ep_group, init_tp_group
 from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
@@ -34,8 +34,6 @@ from srt.mem_cache.memory_pool import (
 )
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
 from srt.model_executor.forward_batch_info import ForwardBatch
-from srt.model_loader.default_model import cache_root
-from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.gguf_loader import gguf_source
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs

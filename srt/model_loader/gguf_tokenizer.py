@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from srt.model_loader.errors import ModelLoadError
+from srt.configs.model_config import ModelLoadError
 
 logger = logging.getLogger("srt.model_loader")
 

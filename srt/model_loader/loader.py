@@ -13,10 +13,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from srt.configs.model_config import ModelConfig
+from srt.configs.model_config import ModelConfig, ModelLoadError
 from srt.layers.linear import process_weights_after_loading
 from srt.layers.quantization import QuantizationConfig
-from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.gguf_loader import gguf_source, iterate_gguf_weights, write_weights
 from srt.models.registry import get_model_class
 

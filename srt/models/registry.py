@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from srt.model_loader.errors import ModelLoadError
+from srt.configs.model_config import ModelLoadError
 
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2")
 

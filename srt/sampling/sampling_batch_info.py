@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.constrained.grammar_backend import allocate_token_bitmask, apply_token_bitmask
 from srt.sampling.penaltylib import Penalties
-from srt.speculative.draft_tree import fill_tree_bitmask
+from srt.sampling.token_bitmask import allocate_token_bitmask, apply_token_bitmask, fill_tree_bitmask
 
 
 @dataclass

@@ -88,18 +88,3 @@ def prune_by_grammar(tree: DraftTree, matcher: Any) -> DraftTree:
     if len(tree) > 1 and not matcher.is_terminated():
         visit(0)
     return tree if len(keep) == len(tree) else tree.subtree(keep)
-
-
-def fill_tree_bitmask(tree: DraftTree, matcher: Any, bitmask: Any, first_row: int) -> None:
-    """Row first_row + i of `bitmask` = the grammar's allowed tokens after node i's path (the tree
-    was pruned by the same grammar state, so every path is accepted); `matcher` is restored."""
-
-    def visit(node: int) -> None:
-        matcher.fill_next_token_bitmask(bitmask, first_row + node)
-        for c in tree.children(node):
-            assert matcher.accept_token(tree.tokens[c]), "drafts are pruned by the grammar before verifying"
-            if not matcher.is_terminated():  # a stop ends the path: nothing after it is kept
-                visit(c)
-            matcher.rollback(1)
-
-    visit(0)

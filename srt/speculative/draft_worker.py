@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.configs.model_config import ModelConfig
-from srt.constrained.grammar_backend import allocate_token_bitmask, apply_token_bitmask
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.token_bitmask import allocate_token_bitmask, apply_token_bitmask
 from srt.speculative.draft_tree import DraftTree
 from srt.speculative.proposer import Proposer
 

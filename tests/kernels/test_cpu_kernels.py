@@ -8,8 +8,8 @@ from conftest import isa_variants, random_tree_mask
 
 from kernels import cpu as cpu_kernels
 from kernels import reference
+from srt.configs.runtime_choices import cache_root
 from srt.mem_cache.memory_pool import KV_FORMATS as KV_STORE  # format -> (buffer dtype, kernel code)
-from srt.model_loader.default_model import cache_root
 
 D = 32
 KV_FORMATS = ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]

@@ -321,7 +321,7 @@ def test_cpu_isa_cap_env(ops):
     import sys
 
     code = (
-        "from kernels import cpu; from srt.model_loader.default_model import cache_root; "
+        "from kernels import cpu; from srt.configs.runtime_choices import cache_root; "
         "from srt.utils import cpu_has_fast_bf16; "
         "print(cpu.load(cache_root()).quant_isa(''), cpu_has_fast_bf16())"
     )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from srt.layers.linear import head_shard
+from srt.configs.model_config import head_shard
 
 
 def shards(heads, kv, tp):

@@ -130,9 +130,9 @@ QUESTIONS = [
 def gpu_model():
     """(path, prompt token ids): RADIXSERVE_TEST_MODEL (benchmark/gpu_check.py points it at a
     random-weight SmolLM2 when the default model's package is not installed), else the default model."""
+    from srt.configs.model_config import ModelLoadError
     from srt.hf_transformers_utils import get_tokenizer
     from srt.model_loader.default_model import resolve_default_model
-    from srt.model_loader.errors import ModelLoadError
 
     path = os.environ.get("RADIXSERVE_TEST_MODEL")
     if not path:

@@ -5,9 +5,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from srt.configs.model_config import ModelConfig
+from srt.configs.model_config import ModelConfig, ModelLoadError
 from srt.model_executor.static_batch import StaticBatchGenerator
-from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.loader import DUMMY_STD, load_model
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs

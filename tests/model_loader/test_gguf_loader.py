@@ -21,9 +21,9 @@ from safetensors.numpy import load_file
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from srt.configs.model_config import ModelLoadError
 from srt.model_loader import default_model
 from srt.model_loader.default_model import resolve_default_model, resolve_model_path
-from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.gguf_loader import MARKER_FILE, convert_gguf_to_hf, gguf_source, write_weights
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64  # rows of 256: K-quant blocks

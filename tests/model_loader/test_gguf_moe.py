@@ -24,9 +24,9 @@ from safetensors.numpy import load_file
 from test_gguf_loader import TOKENS, add_tokenizer, llama_cpp_permute
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from srt.configs.model_config import ModelLoadError
 from srt.layers.moe import FusedMoE
 from srt.model_executor.static_batch import StaticBatchGenerator
-from srt.model_loader.errors import ModelLoadError
 from srt.model_loader.gguf_loader import convert_gguf_to_hf, write_weights
 from srt.sampling.sampling_params import SamplingParams
 

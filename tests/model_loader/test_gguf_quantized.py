@@ -191,7 +191,7 @@ def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, ar
 
 
 def test_bad_quantization_choices_name_the_flag(tiny_model_factory, runner_factory):
-    from srt.model_loader.errors import ModelLoadError
+    from srt.configs.model_config import ModelLoadError
     from srt.server_args import ServerArgs
 
     with pytest.raises(ModelLoadError, match="--quantization gguf needs a .gguf model file"):

@@ -42,9 +42,9 @@ def test_gguf_on_cuda_is_dequantized_at_load(tmp_path):
     from conftest import make_runner
     from test_gguf_quantized import write_quantized_gguf
 
+    from srt.configs.model_config import ModelLoadError
     from srt.model_executor.static_batch import StaticBatchGenerator
     from srt.model_loader.default_model import resolve_model_path
-    from srt.model_loader.errors import ModelLoadError
 
     path = resolve_model_path(str(write_quantized_gguf(tmp_path / "tiny.gguf", "llama")))
     prompts = [[5, 9, 13, 21, 30], [7, 8]]

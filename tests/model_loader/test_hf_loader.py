@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from srt.configs.model_config import ModelConfig
+from srt.configs.model_config import ModelConfig, ModelLoadError
 from srt.model_executor.static_batch import StaticBatchGenerator
-from srt.model_loader.errors import ModelLoadError
 from srt.sampling.sampling_params import SamplingParams
 
 

@@ -114,7 +114,7 @@ def test_default_model_perplexity(shared_server, default_model_path):
 
 
 def test_bad_quantization_flags_name_the_flag(tiny_model_factory, runner_factory):
-    from srt.model_loader.errors import ModelLoadError
+    from srt.configs.model_config import ModelLoadError
     from srt.server_args import ServerArgs
 
     with pytest.raises(ValueError, match="--quantization-group-size must be one of 32, 64, 128; got 48"):

@@ -7,11 +7,10 @@ import conftest
 import pytest
 import torch
 
-from srt.configs.model_config import ModelConfig
+from srt.configs.model_config import ModelConfig, ModelLoadError
 from srt.layers.moe import FusedMoE
 from srt.model_executor.model_runner import unsupported_with_model
 from srt.model_executor.static_batch import StaticBatchGenerator
-from srt.model_loader.errors import ModelLoadError
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 

@@ -4,8 +4,8 @@ attention backends, and a server whose kernels cannot be built falls back and st
 import pytest
 
 from kernels import cpu as cpu_kernels
+from srt.configs.runtime_choices import cache_root
 from srt.hf_transformers_utils import get_tokenizer
-from srt.model_loader.default_model import cache_root
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -4,6 +4,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from srt.layers.attention.sdpa import extend_reqs_meta, extend_with_sdpa
+
 
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged KV pool.
@@ -56,15 +58,11 @@ class AttentionBackend(ABC):
     def init_target_verify_metadata(self, forward_batch) -> None:
         """Instead of init_forward_metadata for a TARGET_VERIFY batch: every backend verifies
         draft trees through SDPA over each request's gathered K/V, with the tree mask."""
-        from srt.layers.attention.torch_native_backend import extend_reqs_meta
-
         self.verify_reqs = extend_reqs_meta(forward_batch, list(range(forward_batch.batch_size)))
 
     def forward_target_verify(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
         """Each row (a draft tree node) attends to the request's cached positions and to its own
         ancestors in the tree."""
-        from srt.layers.attention.torch_native_backend import extend_with_sdpa
-
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
         out = torch.empty_like(q)

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from srt.layers.attention.base_attn_backend import AttentionBackend
 from srt.layers.attention.registry import register_attention_backend
+from srt.layers.attention.sdpa import ExtendReq, extend_reqs_meta, extend_with_sdpa
 
 
 @dataclass
@@ -26,15 +26,6 @@ class _GatherMeta:
     kv_index: torch.Tensor  # [N * kv_heads * L] rows of the pool viewed as [slots * kv_heads, head_dim]
     bias: torch.Tensor  # [N, 1, 1, L] 0 or -inf (padding)
     max_len: int
-
-
-@dataclass
-class _ExtendReq:
-    q_start: int
-    q_len: int
-    kv_index: torch.Tensor  # [kv_heads * seq_len]
-    mask: torch.Tensor | None  # [1, 1, q_len, seq_len] bool, True = may attend; None = plain causal
-    seq_len: int
 
 
 def _gather_meta(req_to_token, req_pool_indices, seq_lens, max_len, kv_heads, rows) -> _GatherMeta:
@@ -47,47 +38,11 @@ def _gather_meta(req_to_token, req_pool_indices, seq_lens, max_len, kv_heads, ro
     return _GatherMeta(rows, kv_index, bias.view(len(seq_lens), 1, 1, max_len), max_len)
 
 
-def extend_reqs_meta(fb, indices: list[int]) -> list[_ExtendReq]:
-    """Per-request gather index and causal mask for the extends of requests `indices`."""
-    req_to_token = fb.req_to_token_pool.req_to_token
-    kv_heads = fb.token_to_kv_pool.head_num
-    out = []
-    for i in indices:
-        n, seq, prefix = fb.extend_seq_lens_cpu[i], fb.seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
-        slots = req_to_token[fb.req_pool_indices[i], :seq].long()
-        kv_index = slots.unsqueeze(0) * kv_heads + torch.arange(kv_heads, device=slots.device).unsqueeze(1)
-        mask = None
-        if fb.tree_masks is not None:  # target verify: the prefix, then the tree's ancestors
-            mask = torch.ones(n, seq, dtype=torch.bool, device=slots.device)
-            mask[:, prefix:] = fb.tree_masks[i]
-            mask = mask.view(1, 1, n, seq)
-        elif prefix:
-            q_pos = torch.arange(prefix, seq, device=slots.device).unsqueeze(1)
-            mask = (torch.arange(seq, device=slots.device).unsqueeze(0) <= q_pos).view(1, 1, n, seq)
-        out.append(_ExtendReq(fb.extend_start_loc_cpu[i], n, kv_index.reshape(-1), mask, seq))
-    return out
-
-
-def extend_with_sdpa(q, out, layer, fb, reqs: list[_ExtendReq]) -> None:
-    """Each request's extend through SDPA's fused CPU kernel over its gathered K/V; writes out."""
-    hkv, d = layer.tp_k_head_num, layer.head_dim
-    for r in reqs:
-        n = r.q_len
-        # 4-D inputs: only these reach torch's fused (flash) CPU kernel, GQA included.
-        qr = q[r.q_start : r.q_start + n].view(1, n, -1, d).transpose(1, 2)
-        kr, vr = fb.token_to_kv_pool.gather(layer.layer_id, r.kv_index, q.dtype)
-        kr, vr = kr.view(1, hkv, r.seq_len, d), vr.view(1, hkv, r.seq_len, d)
-        o = F.scaled_dot_product_attention(
-            qr, kr, vr, attn_mask=r.mask, is_causal=r.mask is None, scale=layer.scaling, enable_gqa=True
-        )
-        out[r.q_start : r.q_start + n] = o.transpose(1, 2).reshape(n, -1)
-
-
 @register_attention_backend("torch_native")
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
         self.gather: _GatherMeta | None = None
-        self.extend_reqs: list[_ExtendReq] = []
+        self.extend_reqs: list[ExtendReq] = []
 
     def init_forward_metadata(self, fb) -> None:
         req_to_token = fb.req_to_token_pool.req_to_token

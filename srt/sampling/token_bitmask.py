@@ -1,0 +1,39 @@
+"""Grammar token bitmasks: a batch's rows allocated here, filled by each constrained request's
+grammar matcher (one row per draft tree node when verifying drafts), applied to the logits before
+sampling. Structured output and speculative decoding both fill them; sampling applies them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xgrammar as xgr
+
+if TYPE_CHECKING:
+    from srt.speculative.draft_tree import DraftTree
+
+
+def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """-inf on the tokens each constrained row's grammar forbids; other rows are untouched."""
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size, indices=rows
+    )
+
+
+def fill_tree_bitmask(tree: DraftTree, matcher: Any, bitmask: Any, first_row: int) -> None:
+    """Row first_row + i of `bitmask` = the grammar's allowed tokens after node i's path (the tree
+    was pruned by the same grammar state, so every path is accepted); `matcher` is restored."""
+
+    def visit(node: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, first_row + node)
+        for c in tree.children(node):
+            assert matcher.accept_token(tree.tokens[c]), "drafts are pruned by the grammar before verifying"
+            if not matcher.is_terminated():  # a stop ends the path: nothing after it is kept
+                visit(c)
+            matcher.rollback(1)
+
+    visit(0)
