@@ -24,6 +24,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pyright
+	$(VENV)/bin/lint-imports
 
 stress: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,7 +29,9 @@ from srt.distributed import tensor_model_parallel_all_reduce
 from srt.layers.linear import LinearBase, QKVParallelLinear
 from srt.lora.adapter import BaseShape, LoRAAdapter, load_adapter
 from srt.lora.backend import LoRABatchInfo, make_backend
-from srt.model_executor.forward_batch_info import ForwardBatch
+
+if TYPE_CHECKING:
+    from srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

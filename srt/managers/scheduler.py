@@ -12,6 +12,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -48,8 +49,10 @@ from srt.metrics.collector import SchedulerMetrics
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.sampling.sampling_params import SamplingParams
-from srt.server_args import PortArgs, ServerArgs
 from srt.utils import zmq_socket
+
+if TYPE_CHECKING:
+    from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +17,9 @@ from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.tp_sync import ForwardBroadcaster
-from srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from srt.server_args import ServerArgs
 
 
 @dataclass

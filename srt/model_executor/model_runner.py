@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -36,8 +37,10 @@ from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_e
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.gguf_loader import gguf_source
 from srt.model_loader.loader import load_model
-from srt.server_args import ServerArgs
 from srt.utils import available_memory_bytes, cpu_has_fast_bf16, resolve_dtype, set_random_seed, set_torch_threads
+
+if TYPE_CHECKING:
+    from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
