@@ -7,28 +7,33 @@ import math
 import os
 import random
 import sys
+from typing import TYPE_CHECKING
 
-import numpy as np
 import psutil
-import torch
 import zmq
 
-from kernels.cpu import cpu_flags, cpu_isa_cap
+if TYPE_CHECKING:
+    import torch
+
+# torch, numpy and the kernels are imported where they are used: the server's main process imports
+# this module before it starts its workers, and those should not wait for torch to load first.
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 
 
 def cpu_has_fast_bf16() -> bool:
     """AMX or AVX512-BF16: bf16 matmuls run several times faster than fp32 on such CPUs (unless
     RADIXSERVE_CPU_ISA caps the runtime below avx512_bf16)."""
+    from kernels.cpu import cpu_flags, cpu_isa_cap
+
     if cpu_isa_cap() not in (None, "avx512_bf16"):
         return False
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
@@ -36,24 +41,31 @@ def cpu_has_fast_bf16() -> bool:
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """`auto` is bfloat16 where the device multiplies bf16 fast, else float32."""
+    import torch
+
     if dtype == "auto":
         if device == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
+    return getattr(torch, DTYPES[dtype])
 
 
 def available_memory_bytes(device: str) -> int:
     """Free memory a KV pool may draw from: device memory on CUDA, available RAM on CPU."""
     if device == "cuda":
+        import torch
+
         free, _ = torch.cuda.mem_get_info()
         return free
     return psutil.virtual_memory().available
 
 
 def set_random_seed(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -68,6 +80,8 @@ def set_torch_threads(share: int = 1) -> None:
     """Use the cores this process may run on (containers often allow fewer than the host has),
     split evenly among `share` processes computing side by side (tensor-parallel ranks).
     An explicit OMP_NUM_THREADS wins."""
+    import torch
+
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         return
@@ -103,6 +117,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.d
     """`torch.zeros`, except that on CPU the memory comes from calloc: the OS hands out zeroed
     pages on first touch, so a multi-GB KV pool costs neither start-up time nor resident memory
     until it is used (zeroing 8 GiB up front takes ~20 s on a 2-core VM)."""
+    import numpy as np
+    import torch
+
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -10,6 +10,7 @@ calls the owner's `on_child_death`.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import multiprocessing as mp
 import shutil
@@ -20,21 +21,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from srt.disaggregation.bootstrap_server import BootstrapServer
-from srt.disaggregation.setup import bootstrap_bind_host
-from srt.managers.data_parallel_controller import run_data_parallel_controller_process
-from srt.managers.detokenizer_manager import run_detokenizer_process
-from srt.managers.scheduler_process import run_scheduler_process
-from srt.managers.tp_follower import run_tp_follower_process
-from srt.model_loader.default_model import default_served_model_name, resolve_model_path
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900
+
+# Each child's target by name: a spawned child imports the module of its target, so naming it (rather
+# than importing it here) keeps the model stack out of this process and the others' stacks out of each child.
+SCHEDULER = "srt.managers.scheduler_process:run_scheduler_process"
+TP_FOLLOWER = "srt.managers.tp_follower:run_tp_follower_process"
+DETOKENIZER = "srt.managers.detokenizer_manager:run_detokenizer_process"
+DP_CONTROLLER = "srt.managers.data_parallel_controller:run_data_parallel_controller_process"
 
 
 class StartupError(RuntimeError):
@@ -115,6 +117,8 @@ def start_bootstrap_server(server_args: ServerArgs) -> BootstrapServer | None:
     """A prefill server's bootstrap server, in this process (its ranks register with it)."""
     if server_args.disaggregation_mode != "prefill":
         return None
+    from srt.disaggregation.setup import bootstrap_bind_host  # the PD stack (torch) only where PD runs
+
     host, port = bootstrap_bind_host(server_args.host), server_args.disaggregation_bootstrap_port
     try:
         return BootstrapServer(host, port)
@@ -138,13 +142,21 @@ def _replica_args(server_args: ServerArgs, dp_rank: int) -> ServerArgs:
 
 
 def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
-    """Resolve the model (converting the default GGUF once, here, before any child needs it),
-    start the workers and wait until each reports ready.
+    """Start the workers (`start_subprocesses`) and wait until each reports ready."""
+    return start_subprocesses(server_args).wait()
+
+
+def start_subprocesses(server_args: ServerArgs) -> Launch:
+    """Resolve the model (converting the default GGUF once, here, before any child needs it) and
+    start the workers without waiting for them, so the caller's own start-up overlaps theirs.
 
     Node 0 runs, per data-parallel replica, tensor-parallel rank 0 (the scheduler) and the other
-    ranks of this node (followers); then the detokenizer and, with --dp-size > 1, the controller.
-    Other nodes (--node-rank > 0) run only their followers: this call then serves until they exit
-    and ends the process."""
+    ranks of this node (followers); then the detokenizer and, with --dp-size > 1, the controller
+    (once the schedulers are ready: it needs their capacity). Other nodes (--node-rank > 0) run only
+    their followers: this call then serves until they exit and ends the process."""
+    # Model resolution converts GGUF files (gguf, torch): imported only when a server starts.
+    from srt.model_loader.default_model import default_served_model_name, resolve_model_path
+
     if server_args.served_model_name is None:
         server_args.served_model_name = default_served_model_name(server_args.model_path)
     if not server_args.model_path and server_args.tool_call_parser is None:
@@ -161,56 +173,78 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
         prefix = f"dp{d}-" if server_args.dp_size > 1 else ""
         for r in local_ranks:
             if r == 0:
-                specs[f"{prefix}scheduler"] = (run_scheduler_process, (args, port_args, 0), {"dp_rank": d})
+                specs[f"{prefix}scheduler"] = (SCHEDULER, (args, port_args, 0), {"dp_rank": d})
             else:
-                specs[f"{prefix}tp{r}"] = (run_tp_follower_process, (args, r), {"dp_rank": d})
+                specs[f"{prefix}tp{r}"] = (TP_FOLLOWER, (args, r), {"dp_rank": d})
     if server_args.node_rank > 0:
-        subs = _start(specs)
+        subs = _start(specs).wait()
         logger.info("node %d: tensor-parallel ranks %s ready", server_args.node_rank, list(local_ranks))
         sys.exit(subs.serve_until_exit())
-    specs["detokenizer"] = (run_detokenizer_process, (server_args, port_args), {})
+    specs["detokenizer"] = (DETOKENIZER, (server_args, port_args), {})
     bootstrap = start_bootstrap_server(server_args)
     try:
-        subs = _start(specs)
+        launch = _start(specs)
     except BaseException:
         if bootstrap is not None:
             bootstrap.close()
         raise
-    subs.bootstrap = bootstrap
-    if server_args.dp_size > 1:
+    launch.subs.bootstrap = bootstrap
+    launch.server_args, launch.port_args = server_args, port_args
+    return launch
+
+
+@dataclass
+class Launch:
+    """Workers started and not yet known to be ready; `wait()` is the only way on."""
+
+    subs: Subprocesses
+    pipes: dict[str, Connection]
+    server_args: ServerArgs | None = None  # set on node 0: the controller starts after the schedulers
+    port_args: PortArgs | None = None
+
+    def wait(self) -> Subprocesses:
+        """Wait until every worker reports ready (stopping them all if one fails); returns them."""
+        subs = self.subs
         try:
-            capacity = subs.scheduler_info["max_total_num_tokens"]
-            subs.add(
-                _start(
-                    {"dp-controller": (run_data_parallel_controller_process, (server_args, port_args, capacity), {})}
-                )
-            )
+            for name, reader in self.pipes.items():
+                info = _wait_ready(name, subs.procs[name], reader)
+                if name.endswith("scheduler") and not subs.scheduler_info:
+                    subs.scheduler_info = info
+            if self.server_args is not None and self.server_args.dp_size > 1:
+                capacity = subs.scheduler_info["max_total_num_tokens"]
+                controller = {"dp-controller": (DP_CONTROLLER, (self.server_args, self.port_args, capacity), {})}
+                subs.add(_start(controller).wait())
         except BaseException:
             subs.stop()
             raise
-    subs.port_args = port_args
-    subs.scheduler_info["process_pids"] = {name: p.pid for name, p in subs.procs.items()}
-    return subs
+        if self.port_args is not None:
+            subs.port_args = self.port_args
+            subs.scheduler_info["process_pids"] = {name: p.pid for name, p in subs.procs.items()}
+        return subs
 
 
-def _start(specs: dict) -> Subprocesses:
+def _run_entry(entry: str, *args, **kwargs) -> None:
+    """A child's target: import its entry module (only in the child) and run it."""
+    module, _, name = entry.partition(":")
+    getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+def _start(specs: dict) -> Launch:
     ctx = mp.get_context("spawn")
     procs, pipes = {}, {}
     subs = Subprocesses(None, procs, {})
     try:
-        for name, (target, args, kwargs) in specs.items():
+        for name, (entry, args, kwargs) in specs.items():
             reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=target, args=(*args, writer), kwargs=kwargs, name=f"radixserve-{name}", daemon=True)
+            p = ctx.Process(
+                target=_run_entry, args=(entry, *args, writer), kwargs=kwargs, name=f"radixserve-{name}", daemon=True
+            )
             p.start()
             procs[name], pipes[name] = p, reader
-        for name, reader in pipes.items():
-            info = _wait_ready(name, procs[name], reader)
-            if name.endswith("scheduler") and not subs.scheduler_info:
-                subs.scheduler_info = info
     except BaseException:
         subs.stop()
         raise
-    return subs
+    return Launch(subs, pipes)
 
 
 def _wait_ready(name: str, proc: mp.Process, reader) -> dict:
