@@ -40,7 +40,8 @@ def test_killing_the_scheduler_exits_nonzero_without_orphans(server_factory, tin
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(server_factory, tiny_chat_model):
-    server = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192")
+    # a drain long enough for 400 tokens on a loaded 2-core machine (the default 60 s is not)
+    server = server_factory("--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--shutdown-timeout", "600")
     result = {}
 
     def long_request():
@@ -58,7 +59,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(server_factory, tiny_
     )
     assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     assert requests.get(server.url + "/health", timeout=10).status_code == 503
-    t.join(120)
+    t.join(600)
     assert result["out"]["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
     assert server.proc.wait(30) == 0
 

@@ -224,14 +224,17 @@ def chi_square_critical(df: int, z: float = 3.090) -> float:
     return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
-def test_unseeded_sampling_keeps_its_distribution(ngram_paged, tiny_server):
-    """The first three sampled tokens of 1200 unseeded requests with drafts and 1200 without come
-    from one distribution: a two-sample chi-square test at significance 0.001 (outcomes seen fewer
-    than 10 times in all are pooled)."""
+def test_sampling_keeps_its_distribution(ngram_paged, tiny_server):
+    """The first three sampled tokens of 1200 requests with drafts and 1200 without come from one
+    distribution: a two-sample chi-square test at significance 0.001 (outcomes seen fewer than 10
+    times in all are pooled). Each request has its own seed (a different 1200 on each side), so the
+    test's outcome is the same on every run."""
     n, params = 1200, {"temperature": 0.05, "max_new_tokens": 3, "ignore_eos": True}
     prompt = PROMPTS[0]
     ngram_paged.generate(text=prompt, sampling_params=GREEDY)  # the n-gram cache knows the greedy text
-    runs = [server.generate(text=[prompt] * n, sampling_params=params) for server in (ngram_paged, tiny_server)]
+    seeded = [[{**params, "sampling_seed": side * n + i} for i in range(n)] for side in range(2)]
+    servers = (ngram_paged, tiny_server)
+    runs = [server.generate(text=[prompt] * n, sampling_params=p) for server, p in zip(servers, seeded)]
     assert accepted_drafts(runs[0]) > n // 4, "drafts must be accepted for the test to mean anything"
     counts = [Counter(tuple(o["output_ids"]) for o in outs) for outs in runs]
     cells, pooled = [], [0, 0]

@@ -233,6 +233,31 @@ def test_auto_returns_content_or_valid_calls(client):
                     assert content and finish in ("stop", "length")
 
 
+def few_shot_weather(city: str) -> list[dict]:
+    """Two earlier turns answered with a call in the model's own format: the 135M model then calls
+    for `city` too, under `auto` (asked cold, it answers in prose)."""
+    messages = []
+    for c in ("Paris", "Rome"):
+        call = "<tool_call>" + json.dumps([{"name": "get_weather", "arguments": {"city": c}}]) + "</tool_call>"
+        messages += [{"role": "user", "content": f"What's the weather in {c}?"}, {"role": "assistant", "content": call}]
+    return messages + [{"role": "user", "content": f"What's the weather in {city}?"}]
+
+
+def test_auto_on_a_strict_tool_constrains_the_call_it_makes(client):
+    """Under `auto` a strict tool's call follows its schema once the model opens it: here the schema
+    wants the city in capitals, which the model does not write unless the grammar makes it."""
+    loose = [fn("get_weather", "Get the current weather in a city", {"city": S})]
+    caps = {"city": {"type": "string", "enum": ["OSLO", "LIMA"]}}
+    strict = [fn("get_weather", "Get the current weather in a city", caps, strict=True)]
+    for city in ("Oslo", "Lima"):
+        for stream in (False, True):
+            calls, _, finish = ask(client, "", loose, "auto", stream, max_tokens=64, messages=few_shot_weather(city))
+            assert calls == [("get_weather", json.dumps({"city": city}))] and finish == "tool_calls", calls
+            calls, _, finish = ask(client, "", strict, "auto", stream, max_tokens=64, messages=few_shot_weather(city))
+            check_calls(calls, strict, finish)
+            assert calls == [("get_weather", json.dumps({"city": city.upper()}))]
+
+
 @pytest.mark.parametrize(
     "extra,param",
     [
