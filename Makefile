@@ -11,14 +11,20 @@ ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test lint stress soak install bench bench-runtime llama-cpp clean
+.PHONY: serve test test-all lint stress soak install bench bench-runtime llama-cpp clean
 
 serve: $(STAMP)
 	$(PY) -m srt.launch_server --host $(HOST) --port $(PORT) $(ARGS)
 
-# Lint first: a style or type error fails fast, before the 15-minute suite.
+# Lint first: a style or type error fails fast, before the suite. `make test` is the quick tier (at most
+# 15 minutes on 2 cores: every feature keeps a live-server test in it); `make test-all` adds the `full`
+# tier (the same checks over more configurations) and the stress tier, and is what CI runs (under 60
+# minutes). docs/testing.md says which test goes where.
 test: lint
-	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=15 -m "not slow and not soak and not full" $(PYTEST_ARGS)
+
+test-all: lint
+	$(PY) -m pytest -q -rs --durations=15 -m "not soak" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
