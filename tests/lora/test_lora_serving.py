@@ -314,6 +314,7 @@ def stream_outputs(server, body: dict) -> dict[int, list[int]]:
     return final
 
 
+@pytest.mark.full
 def test_default_model_equals_peft(server_factory, default_model_path, tmp_path):
     """SmolLM2-135M (dense float32 from its converted folder) with three adapters of ranks 4 / 8 / 16
     (q+v, the MLP, every projection) and the base model in one batch, streamed and not."""

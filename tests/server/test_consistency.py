@@ -30,6 +30,7 @@ CONFIGS = {
     # SmolLM2's 9 heads / 3 KV heads split unevenly over 2 ranks (6 + 3 heads)
     "tp-2-chunk-64": ["--tp-size", "2", "--chunked-prefill-size", "64"],
 }
+QUICK_CONFIGS = ("radix-off-chunk-64", "chunk-512-page-16")  # the others run in make test-all
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,9 @@ def test_mixed_batches_with_running_decodes(baseline, prompts, hf_reference):
     assert outs == hf_reference
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+    "name", [n if n in QUICK_CONFIGS else pytest.param(n, marks=pytest.mark.full) for n in CONFIGS]
+)
 def test_configs_match_reference(name, shared_server, prompts, hf_reference):
     server = shared_server("--max-total-tokens", "16384", *CONFIGS[name])
     server.flush_cache()  # the first pass computes every prompt

@@ -214,6 +214,7 @@ def test_constrained_output_crosses_over(router, colocated, prefill, decode):
 # -- direct: the same body to both servers, as the router sends it ------------------------------------------
 
 
+@pytest.mark.full
 def test_decode_with_tp2_regroups_heads(server_factory, tiny_chat_model, prefill, colocated, bootstrap_port):
     decode2 = pd_server(server_factory, tiny_chat_model, "decode", "--tp-size", "2", "--page-size", "8")
     try:

@@ -143,6 +143,7 @@ def test_restart_is_warm_from_storage_and_tenants_are_separate(
     assert_whole(fresh)
 
 
+@pytest.mark.full
 def test_data_parallel_replicas_share_storage(server_factory, tiny_chat_model, tmp_path, docs, expected):
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}
     server = server_factory(
@@ -228,6 +229,7 @@ def test_int8_pages_chunks_aborts_keep_every_tier_whole(shared_server, server_fa
     assert h["host"]["backup_tokens"] > 0 and h["storage"]["pages_written"] > 0
 
 
+@pytest.mark.full
 def test_overlap_schedule_loads_back_while_batches_are_in_flight(
     server_factory, tiny_chat_model, tmp_path, tiny_server
 ):

@@ -45,7 +45,11 @@ def forced(default_server, chat_prompts) -> list[tuple[list[int], dict]]:
 
 @pytest.mark.parametrize(
     "flags,bound",
-    [(INT8_FLAGS, 0.97), (FP8_FLAGS, 0.95), (E5M2_FLAGS, 0.88)],
+    [
+        (INT8_FLAGS, 0.97),
+        pytest.param(FP8_FLAGS, 0.95, marks=pytest.mark.full),
+        pytest.param(E5M2_FLAGS, 0.88, marks=pytest.mark.full),
+    ],
     ids=["int8", "fp8_e4m3", "fp8_e5m2"],
 )
 def test_teacher_forcing_tracks_the_float32_cache(shared_server, default_server, chat_prompts, forced, flags, bound):
@@ -128,6 +132,7 @@ def test_bad_kv_cache_flags_are_start_up_errors(tmp_path):
         ServerArgs(kv_cache_dtype="fp8_e4m3", quantization_param_path="/nonexistent.json")
 
 
+@pytest.mark.full
 def test_int8_cache_under_tp2_retraction_and_chunking(shared_server, tiny_chat_model):
     """Tree-shaped prompts through a tensor-parallel server whose tiny int8 pool forces retractions
     and chunked prefills: every output equals a roomy single-rank int8 server's, and the pool is

@@ -85,9 +85,9 @@ def test_deepseek_v3_over_http_with_radix_hits(shared_server, deepseek):
 @pytest.mark.parametrize(
     "model,flags",
     [
-        ("deepseek", ("--tp-size", "2")),
+        pytest.param("deepseek", ("--tp-size", "2"), marks=pytest.mark.full),
         ("deepseek", ("--tp-size", "2", "--ep-size", "2")),
-        ("qwen_moe", ("--tp-size", "2", "--ep-size", "2")),
+        pytest.param("qwen_moe", ("--tp-size", "2", "--ep-size", "2"), marks=pytest.mark.full),
     ],
     ids=["deepseek-tp2", "deepseek-tp2-ep2", "qwen2moe-tp2-ep2"],
 )
@@ -107,6 +107,7 @@ def test_flags_not_built_for_these_models_stop_the_server(server_factory, deepse
     )
 
 
+@pytest.mark.full
 def test_mla_latent_rows_move_through_the_hierarchical_cache(server_factory, deepseek, tmp_path):
     """Evicted prefixes' latent rows go to the host tier and come back: outputs stay HF's."""
     docs = [[1] + [(i * 37 + d * 101) % 40000 + 100 for i in range(300)] for d in range(6)]
@@ -123,6 +124,7 @@ def test_mla_latent_rows_move_through_the_hierarchical_cache(server_factory, dee
     assert state["integrity_ok"] and state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
 
 
+@pytest.mark.full
 def test_mla_with_ngram_speculative_decoding(server_factory, deepseek):
     """Draft trees verified over the latent cache (tree masks, absorbed): HF's greedy tokens, drafts accepted."""
     prompts = [[1] + [300 + i % 5 for i in range(40)], [1] + [700 + i % 3 for i in range(25)], PROMPTS[1]]

@@ -224,6 +224,7 @@ def chi_square_critical(df: int, z: float = 3.090) -> float:
     return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
+@pytest.mark.full
 def test_sampling_keeps_its_distribution(ngram_paged, tiny_server):
     """The first three sampled tokens of 1200 requests with drafts and 1200 without come from one
     distribution: a two-sample chi-square test at significance 0.001 (outcomes seen fewer than 10
@@ -260,6 +261,7 @@ def test_n_samples_per_prompt(ngram, reference):
     at_baseline(ngram)
 
 
+@pytest.mark.full
 def test_tensor_parallel_retraction_and_chunking(shared_server, tiny_chat_model):
     """Two tensor-parallel ranks verify drafts; a tiny pool forces retractions (drafts get only what
     one decode step of every request leaves free) and chunked prefills: outputs equal a roomy plain
@@ -355,7 +357,7 @@ def standalone_noisy(shared_server, tiny_chat_model, noisy_draft):
     )
 
 
-@pytest.mark.parametrize("name", ["standalone_self", "standalone_noisy"])
+@pytest.mark.parametrize("name", ["standalone_self", pytest.param("standalone_noisy", marks=pytest.mark.full)])
 def test_draft_model_outputs_equal_the_plain_server(request, name, reference, tiny_server):
     server = request.getfixturevalue(name)
     seeded = [{"text": p, "sampling_params": {**SAMPLED, "sampling_seed": 11}} for p in PROMPTS]

@@ -357,7 +357,9 @@ BOUNDED = [  # arguments a random model cannot run on with: enums, booleans, sma
 ]
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3", "pythonic"])
+@pytest.mark.parametrize(
+    "parser", ["hermes", *(pytest.param(p, marks=pytest.mark.full) for p in ("llama3", "pythonic"))]
+)
 def test_other_formats_under_the_grammar_on_a_random_model(shared_server, tiny_chat_model, parser):
     """hermes and llama3 calls come in their own format under a structural tag, pythonic ones as
     SGLang's JSON list under a JSON schema; even a random model's calls then parse and validate."""
