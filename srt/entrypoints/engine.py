@@ -177,7 +177,7 @@ class Engine:
             **self._subs.scheduler_info,
             "max_req_input_len": self.tokenizer_manager.max_req_input_len,
             "version": __version__,
-            "internal_states": states,
+            "internal_states": [st.to_json() for st in states],
         }
 
     def shutdown(self) -> None:

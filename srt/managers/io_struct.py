@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
+from srt.managers.scheduler_state import SchedulerState
 from srt.sampling.sampling_params import SamplingParams
 
 MAX_BATCH_SIZE = 2048  # prompts in one /generate call
@@ -285,7 +286,7 @@ class GetInternalStateReq:
 @dataclass(kw_only=True)
 class GetInternalStateReqOutput:
     rid: str
-    state: dict
+    state: SchedulerState
 
 
 @dataclass(kw_only=True)

@@ -266,7 +266,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, GetInternalStateReq):
-                self.reply(GetInternalStateReqOutput(rid=msg.rid, state=self.internal_state().to_json()))
+                self.reply(GetInternalStateReqOutput(rid=msg.rid, state=self.internal_state()))
             elif isinstance(msg, ProfileReq):
                 self.reply(self.profiler.handle(msg, self.forward_passes))
             elif any(c.handle_message(msg) for c in self.components):

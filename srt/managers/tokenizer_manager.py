@@ -42,6 +42,7 @@ from srt.managers.io_struct import (
     UnloadLoRAAdapterReq,
     new_rid,
 )
+from srt.managers.scheduler_state import SchedulerState
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import zmq_socket
@@ -626,12 +627,12 @@ class TokenizerManager:
         out.loaded_adapters = dict(self.lora_adapters)
         return out
 
-    async def get_internal_states(self, timeout: float = 10.0) -> list[dict]:
+    async def get_internal_states(self, timeout: float = 10.0) -> list[SchedulerState]:
         """One state per data-parallel replica, ordered by `dp_rank`."""
         replies: list[GetInternalStateReqOutput] = await self._control(GetInternalStateReq(), timeout)
-        return sorted((r.state for r in replies), key=lambda st: st.get("dp_rank", 0))
+        return sorted((r.state for r in replies), key=lambda st: st.dp_rank)
 
-    async def get_internal_state(self) -> dict:
+    async def get_internal_state(self) -> SchedulerState:
         """The first replica's state (the only one without --dp-size)."""
         return (await self.get_internal_states())[0]
 

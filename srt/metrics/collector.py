@@ -13,6 +13,7 @@ import bisect
 import time
 
 from srt.managers.io_struct import FINISH_ABORT
+from srt.managers.scheduler_state import SchedulerState
 
 PREFIX = "sglang:"
 
@@ -155,7 +156,7 @@ class _StateCollector:
     """A prometheus_client collector over one scrape of the schedulers' states: one series per
     metric, or one per data-parallel replica (a `dp_rank` label) when there are several."""
 
-    def __init__(self, model_name: str, scheduler_states: list[dict]):
+    def __init__(self, model_name: str, scheduler_states: list[SchedulerState]):
         self.model_name = model_name
         self.states = scheduler_states
 
@@ -171,30 +172,32 @@ class _StateCollector:
             families[name] = CounterMetricFamily(PREFIX + name, doc, labels=names)
         for name, (doc, _) in HISTOGRAMS.items():
             families[name] = HistogramMetricFamily(PREFIX + name, doc, labels=names)
-        hicache = any(st.get("hicache") for st in self.states)
+        hicache = any(st.hicache for st in self.states)
         if hicache:
             for name, (doc, _) in HICACHE_GAUGES.items():
                 families[name] = GaugeMetricFamily(PREFIX + name, doc, labels=names)
             for name, (doc, _) in HICACHE_COUNTERS.items():
                 families[name] = CounterMetricFamily(PREFIX + name, doc, labels=names)
-        disagg = any(st.get("disagg") for st in self.states)
+        disagg = any(st.disagg for st in self.states)
         if disagg:
             for name, doc in DISAGG_GAUGES.items():
                 families[name] = GaugeMetricFamily(PREFIX + name, doc, labels=names)
         for st in self.states:
-            labels = [self.model_name] + ([str(st.get("dp_rank", 0))] if per_replica else [])
-            metrics = st["metrics"]
+            labels = [self.model_name] + ([str(st.dp_rank)] if per_replica else [])
+            metrics = st.metrics
+            assert metrics is not None, "/metrics is served only with --enable-metrics"
+            spec = st.speculative
             gauges = {
-                "num_running_reqs": st["num_running_reqs"],
-                "num_queue_reqs": st["num_queue_reqs"],
-                "num_grammar_queue_reqs": st["grammar_queue"],
-                "num_used_tokens": st["kv_capacity"] - st["kv_available"] - st["kv_evictable"],
-                "token_usage": st["token_usage"],
-                "cache_hit_rate": st["cache_hit_rate"],
-                "gen_throughput": metrics["gen_throughput"],
-                "num_retractions": st["total_retractions"],
-                "spec_accept_length": st["avg_spec_accept_length"],
-                "spec_accept_rate": st["spec_accept_rate"],
+                "num_running_reqs": st.num_running_reqs,
+                "num_queue_reqs": st.num_queue_reqs,
+                "num_grammar_queue_reqs": st.num_grammar_queue_reqs,
+                "num_used_tokens": st.used_tokens,
+                "token_usage": st.token_usage,
+                "cache_hit_rate": st.cache_hit_rate,
+                "gen_throughput": st.gen_throughput,
+                "num_retractions": st.total_retractions,
+                "spec_accept_length": spec.avg_accept_length if spec is not None else 0.0,
+                "spec_accept_rate": spec.accept_rate if spec is not None else 0.0,
             }
             for name in GAUGES:
                 families[name].add_metric(labels, gauges[name])
@@ -202,11 +205,11 @@ class _StateCollector:
                 families[name].add_metric(labels, metrics["counters"][name])
             if hicache:
                 for name, (_, (tier, key)) in (HICACHE_GAUGES | HICACHE_COUNTERS).items():
-                    part = (st.get("hicache") or {}).get(tier) or {}
+                    part = (st.hicache or {}).get(tier) or {}
                     families[name].add_metric(labels, part.get(key, 0))
             if disagg:
                 for name in DISAGG_GAUGES:
-                    families[name].add_metric(labels, (st.get("disagg") or {}).get(name, 0))
+                    families[name].add_metric(labels, (st.disagg or {}).get(name, 0))
             for name in HISTOGRAMS:
                 h = metrics["histograms"][name]
                 cumulative, buckets = 0, []
@@ -217,7 +220,7 @@ class _StateCollector:
         yield from families.values()
 
 
-def render(model_name: str, scheduler_states: list[dict]) -> bytes:
+def render(model_name: str, scheduler_states: list[SchedulerState]) -> bytes:
     """The Prometheus text exposition of one scrape of the schedulers' states."""
     from prometheus_client import CollectorRegistry, generate_latest
 

@@ -7,28 +7,41 @@ import dataclasses
 from typing import Any, cast
 
 from srt.entrypoints.engine import GenerateArgs, generate_request
-from srt.entrypoints.http.load import full_load, load, loads_prometheus, used_tokens
+from srt.entrypoints.http.load import full_load, load, loads_prometheus
 from srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, DecodeSettings, GenerateReqInput
+from srt.managers.scheduler_state import GrammarState, SchedulerState
 
-STATE = {
-    "dp_rank": 1,
-    "num_running_reqs": 2,
-    "num_queue_reqs": 3,
-    "grammar_queue": 1,
-    "num_waiting_tokens": 40,
-    "kv_capacity": 160,
-    "kv_available": 100,
-    "kv_evictable": 20,
-    "token_usage": 0.123456,
-    "cache_hit_rate": 0.25,
-    "metrics": None,
-    "lora": None,
-    "disagg": None,
-}
+STATE = SchedulerState(
+    dp_rank=1,
+    num_running_reqs=2,
+    num_queue_reqs=3,
+    num_waiting_tokens=40,
+    token_usage=0.123456,
+    cache_hit_rate=0.25,
+    total_retractions=0,
+    forward_passes=0,
+    kv_available=100,
+    kv_evictable=20,
+    kv_protected=0,
+    kv_capacity=160,
+    req_slots_free=30,
+    integrity_ok=True,
+    forward_busy_s=0.0,
+    forward_wait_s=0.0,
+    forward_idle_fraction=0.0,
+    overlap_schedule=False,
+    attention_backend="cpu",
+    torch_compile=None,
+    cuda_graph=None,
+    metrics=None,
+    idle=False,
+    pid=1,
+    grammar=GrammarState(queue=1, compile=None, jump_forward_tokens=0),
+)
 
 
 def test_used_tokens_exclude_free_and_evictable_slots():
-    assert used_tokens(STATE) == 40
+    assert STATE.used_tokens == 40
 
 
 def test_get_load_and_v1_loads_shapes():

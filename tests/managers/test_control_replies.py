@@ -15,6 +15,7 @@ from srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
 )
+from srt.managers.scheduler_state import SchedulerState
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import zmq_socket
@@ -23,8 +24,15 @@ SCHEDULER_INFO = {"context_len": 2048, "max_total_num_tokens": 4096, "vocab_size
 REPLY_WAIT_S = 10.0
 
 
-def state(dp_rank: int, call: int) -> dict:
-    return {"dp_rank": dp_rank, "call": call}
+def state(dp_rank: int, call: int) -> SchedulerState:
+    """A replica's state, marked with the call it answers (as its forward count)."""
+    return SchedulerState(
+        dp_rank=dp_rank, num_running_reqs=0, num_queue_reqs=0, num_waiting_tokens=0, token_usage=0.0,
+        cache_hit_rate=0.0, total_retractions=0, forward_passes=call, kv_available=0, kv_evictable=0,
+        kv_protected=0, kv_capacity=0, req_slots_free=0, integrity_ok=True, forward_busy_s=0.0,
+        forward_wait_s=0.0, forward_idle_fraction=0.0, overlap_schedule=False, attention_backend="cpu",
+        torch_compile=None, cuda_graph=None, metrics=None, idle=True, pid=0,
+    )  # fmt: skip
 
 
 async def scenario(model_path: str, port_args: PortArgs) -> None:

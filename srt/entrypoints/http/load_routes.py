@@ -9,8 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from srt.entrypoints.http.errors import error_response, json_response
-from srt.entrypoints.http.load import LOAD_SECTIONS, dp_rank, full_load, load, loads_prometheus
+from srt.entrypoints.http.load import LOAD_SECTIONS, full_load, load, loads_prometheus
 from srt.entrypoints.http.request import server_context
+from srt.managers.scheduler_state import SchedulerState
 from srt.metrics.collector import render
 from srt.version import __version__
 
@@ -21,7 +22,7 @@ router = APIRouter()
 metrics_router = APIRouter()  # included only with --enable-metrics
 
 
-async def _states_or_503(request: Request) -> list[dict] | Response:
+async def _states_or_503(request: Request) -> list[SchedulerState] | Response:
     """Every replica's internal state, or a 503 when the scheduler does not answer in time."""
     try:
         return await server_context(request).tokenizer_manager.get_internal_states(STATES_TIMEOUT_S)
@@ -59,7 +60,7 @@ async def v1_loads(request: Request) -> Response:
     if isinstance(states, Response):
         return states
     if rank is not None:
-        states = [st for st in states if dp_rank(st) == int(rank)]
+        states = [st for st in states if st.dp_rank == int(rank)]
     max_running = ctx.tokenizer_manager.scheduler_info["max_running_requests"]
     loads = [full_load(st, max_running, include) for st in states]
     if fmt == "prometheus":

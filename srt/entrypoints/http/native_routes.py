@@ -182,7 +182,7 @@ async def server_info(request: Request) -> dict:
         **tm.scheduler_info,
         "max_req_input_len": tm.max_req_input_len,
         "version": __version__,
-        "internal_states": states,  # one per data-parallel replica
+        "internal_states": [st.to_json() for st in states],  # one per data-parallel replica
     }
 
 
