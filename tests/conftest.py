@@ -139,13 +139,16 @@ def tiny_model_factory(tmp_path_factory):
 
 def make_runner(model_path: str, **args):
     from srt.configs.model_config import ModelConfig
+    from srt.lora.manager import build_lora_manager
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
 
     server_args = ServerArgs(
         model_path=model_path, **{"dtype": "float32", "max_total_tokens": 8192, "max_running_requests": 32, **args}
     )
-    return ModelRunner(ModelConfig.from_path(model_path, server_args.context_length), server_args)
+    return ModelRunner(
+        ModelConfig.from_path(model_path, server_args.context_length), server_args, build_lora=build_lora_manager
+    )
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ from srt.lora.backend import LoRABatchInfo, make_backend
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch_info import ForwardBatch
+    from srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,26 @@ class LoRALinear:
         else:
             backend.apply(x, self.A, self.Bt, info, out, self.parts)
         return out
+
+
+def build_lora_manager(runner: ModelRunner, cpu_ops) -> LoRAManager | None:
+    """The runner's adapter pool with --enable-lora, else None (the runner's `build_lora`)."""
+    args = runner.server_args
+    if not args.enable_lora:
+        return None
+    assert args.max_loaded_loras is not None and args.max_lora_rank is not None
+    return LoRAManager(
+        runner.model,
+        runner.model_config.hf_config,
+        args.max_loaded_loras,
+        args.max_lora_rank,
+        frozenset(args.lora_target_modules or ()),
+        args.lora_backend,
+        runner.dtype,
+        runner.device,
+        runner.tp_size,
+        cpu_ops,
+    )
 
 
 class LoRAManager:

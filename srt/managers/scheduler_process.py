@@ -11,6 +11,7 @@ import time
 import traceback
 
 from srt.configs.model_config import ModelConfig
+from srt.lora.manager import build_lora_manager
 from srt.managers.features import build_components
 from srt.managers.io_struct import SchedulerCrashed
 from srt.managers.scheduler import Scheduler
@@ -40,7 +41,7 @@ def build_tree_cache(server_args: ServerArgs, worker: TpModelWorker, tp_rank: in
 def build_scheduler(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, dp_rank: int) -> Scheduler:
     assert server_args.model_path is not None, "launch_subprocesses resolves the model path"
     model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
-    worker = TpModelWorker(model_config, server_args, tp_rank, dp_rank)
+    worker = TpModelWorker(model_config, server_args, tp_rank, dp_rank, build_lora=build_lora_manager)
     tree_cache = build_tree_cache(server_args, worker, tp_rank)
     scheduler = Scheduler(server_args, port_args, worker, tree_cache, tp_rank, dp_rank)
     components = build_components(scheduler)

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from srt.configs.model_config import ModelConfig
+from srt.lora.manager import build_lora_manager
 from srt.managers.features import build_follower_handlers
 from srt.managers.profiler import ForwardProfiler
 from srt.managers.scheduler_component import FollowerContext, FollowerHandler
@@ -38,7 +39,7 @@ def run_tp_follower_process(server_args: ServerArgs, tp_rank: int, pipe_writer, 
     def build() -> ModelRunner:
         assert server_args.model_path is not None, "launch_subprocesses resolves the model path"
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
-        return ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
+        return ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank, build_lora=build_lora_manager)
 
     runner = start_child_process(
         pipe_writer, server_args.log_level, rank_log_prefix(server_args, tp_rank, dp_rank), build

@@ -15,7 +15,7 @@ import torch
 from srt.configs.model_config import ModelConfig
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch
-from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.model_runner import LoRABuilder, ModelRunner
 from srt.model_executor.tp_sync import ForwardBroadcaster
 
 if TYPE_CHECKING:
@@ -98,8 +98,15 @@ class FutureTokenMap:
 
 
 class TpModelWorker:
-    def __init__(self, model_config: ModelConfig, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0):
-        self.model_runner = ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank)
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        server_args: ServerArgs,
+        tp_rank: int = 0,
+        dp_rank: int = 0,
+        build_lora: LoRABuilder | None = None,
+    ):
+        self.model_runner = ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank, build_lora=build_lora)
         self.model_config = model_config
         self.device = self.model_runner.device
         self.future_map = FutureTokenMap(self.model_runner.max_running_requests, self.device)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -24,7 +25,6 @@ from srt.layers.moe import select_moe_kernels
 from srt.layers.quantization import build_config as build_quant_config
 from srt.layers.quantization import resolve_quantization, weight_report
 from srt.layers.sampler import Sampler
-from srt.lora.manager import LoRAManager
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -40,7 +40,13 @@ from srt.model_loader.loader import load_model
 from srt.utils import available_memory_bytes, cpu_has_fast_bf16, resolve_dtype, set_random_seed, set_torch_threads
 
 if TYPE_CHECKING:
+    from srt.lora.manager import LoRAManager
     from srt.server_args import ServerArgs
+
+# Builds LoRA's adapter pool around the loaded model (srt.lora.manager.build_lora_manager; None
+# without --enable-lora): passed in where the process is composed, as the feature packages sit
+# above the model executor. Called with the runner and the CPU kernels (or None).
+LoRABuilder = Callable[["ModelRunner", Any], "LoRAManager | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +134,7 @@ class ModelRunner:
         tp_rank: int = 0,
         compile_buckets: list[int] | None = None,
         dp_rank: int = 0,
+        build_lora: LoRABuilder | None = None,
     ):
         self.model_config = model_config
         self.server_args = server_args
@@ -212,21 +219,7 @@ class ModelRunner:
             fused = enable_fused_decode_layers(self.model, cpu_ops, self.tp_size)
             if fused:
                 logger.info("Fused decode op for %d decoder layers", fused)
-        self.lora_manager: LoRAManager | None = None
-        if server_args.enable_lora:
-            assert server_args.max_loaded_loras is not None and server_args.max_lora_rank is not None
-            self.lora_manager = LoRAManager(
-                self.model,
-                model_config.hf_config,
-                server_args.max_loaded_loras,
-                server_args.max_lora_rank,
-                frozenset(server_args.lora_target_modules or ()),
-                server_args.lora_backend,
-                self.dtype,
-                self.device,
-                self.tp_size,
-                cpu_ops,
-            )
+        self.lora_manager: LoRAManager | None = build_lora(self, cpu_ops) if build_lora is not None else None
         self.cuda_graph_off_reason = graph_unsupported_reason(
             self.device, server_args, self.attn_backend, model_config.is_mla or has_experts(model_config)
         )
