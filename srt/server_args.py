@@ -451,7 +451,8 @@ class ServerArgs:
 
     def _check_features(self) -> None:
         """Each feature package checks its own option group (and fills the values that default from others).
-        Imported here: this module sits below every feature package."""
+        This module sits above the feature packages (docs/architecture.md, "Layers"); their checks are
+        imported when first run, as they bring torch and the CLI's --help does not need it."""
         from srt.disaggregation.options import check_disaggregation_server_args
         from srt.layers.quantization.options import check_quantization_server_args
         from srt.lora.options import check_lora_server_args
