@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import orjson
 import zmq
 
+from srt.configs.model_config import head_shard
 from srt.disaggregation.messages import KVLayout, RankDone, RankKV
 from srt.disaggregation.transfer import KVEndpoint, RankWrite
 from srt.disaggregation.utils import FOLLOWER_KIND, SETUP_DONE, DisaggregationMode, host_ip
-from srt.layers.linear import head_shard
 
 if TYPE_CHECKING:
     from srt.disaggregation.decode import DecodeDisagg
