@@ -17,7 +17,7 @@ from srt.entrypoints.http.errors import EXCEPTION_HANDLERS
 from srt.entrypoints.http.lifecycle import serve
 from srt.entrypoints.http.request import ServerContext
 from srt.entrypoints.openai.serving import OpenAIServing
-from srt.entrypoints.processes import launch_subprocesses
+from srt.entrypoints.processes import Launch, launch_subprocesses
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
 from srt.utils import release_free_heap
@@ -62,8 +62,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     return app
 
 
-def launch_server(server_args: ServerArgs) -> None:
-    subs = launch_subprocesses(server_args)
+def launch_server(server_args: ServerArgs, launch: Launch | None = None) -> None:
+    """Serve until drained; `launch` is the workers when the caller has started them already."""
+    subs = launch.wait() if launch is not None else launch_subprocesses(server_args)
     assert subs.port_args is not None, "launch_subprocesses returns with the workers' ports"
     tm = TokenizerManager(server_args, subs.port_args, subs.scheduler_info)
     app = create_app(tm, server_args)
