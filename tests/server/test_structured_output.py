@@ -167,6 +167,7 @@ def gen(server, text, max_new_tokens=160, **constraint):
     )
 
 
+@pytest.mark.full
 def test_fifty_json_schema_generations_validate(server, chat):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
     jobs = [(schema, task, i % 2) for schema in SCHEMAS for i, task in enumerate(TASKS)]

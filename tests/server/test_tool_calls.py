@@ -165,9 +165,10 @@ def check_calls(calls, tools: list[dict], finish):
         jsonschema.validate(json.loads(args), schemas[name])
 
 
-def test_required_and_named_calls_always_parse_and_validate(client):
+@pytest.mark.parametrize("questions", [QUESTIONS[:6], pytest.param(QUESTIONS, marks=pytest.mark.full)], ids=["6", "30"])
+def test_required_and_named_calls_always_parse_and_validate(client, questions):
     jobs = []
-    for n, (question, picks) in enumerate(QUESTIONS):
+    for n, (question, picks) in enumerate(questions):
         tools = [TOOLBOX[i] for i in picks]
         named = {"type": "function", "function": {"name": tools[n % len(tools)]["function"]["name"]}}
         for choice in ("required", named):
