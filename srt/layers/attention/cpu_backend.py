@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu as cpu_kernels
+from srt.configs.runtime_choices import cache_root
 from srt.layers.attention.base_attn_backend import AttentionBackend
 from srt.layers.attention.registry import register_attention_backend
 from srt.layers.attention.sdpa import extend_reqs_meta, extend_with_sdpa
-from srt.configs.runtime_choices import cache_root
 
 # Extends at least this long use SDPA; shorter ones (and mixed-batch decode rows) the C++ kernel.
 SDPA_MIN_EXTEND = 32
