@@ -284,6 +284,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # beyond it, or when memory runs low, an idle one is stopped before another starts.
 MAX_POOLED_SERVERS = int(os.environ.get("RADIXSERVE_TEST_MAX_SERVERS", "4"))
 SERVER_STARTS: Counter = Counter()  # cold starts by kind ("pooled", "private"), reported at the end
+STARTUP_SECONDS: Counter = Counter()  # their time from launch to healthy, by kind
 
 
 def free_port() -> int:
@@ -343,13 +344,15 @@ class ServerProcess:
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 why = f"server exited with {self.proc.returncode} during start-up"
                 raise ServerStartError(f"{why}:\n{self.tail()}", self.log_text())
             try:
                 if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    STARTUP_SECONDS[kind] += time.monotonic() - started
                     return
             except requests.RequestException:
                 pass
@@ -592,7 +595,8 @@ def pytest_terminal_summary(terminalreporter):
         reuses = _pool.reuses if _pool else 0
         terminalreporter.write_line(
             f"live-server cold starts: {SERVER_STARTS['pooled']} pooled (reused {reuses} times), "
-            f"{SERVER_STARTS['private']} private"
+            f"{SERVER_STARTS['private']} private, {sum(STARTUP_SECONDS.values()):.0f} s from launch to healthy in all "
+            "(pooled ones start side by side)"
         )
 
 
