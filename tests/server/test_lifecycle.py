@@ -21,8 +21,8 @@ def test_killing_the_scheduler_exits_nonzero_without_orphans(server_factory, tin
     sched_pid = server.state()["pid"]
     start = time.monotonic()
     os.kill(sched_pid, signal.SIGKILL)
-    code = server.proc.wait(15)
-    assert time.monotonic() - start < 10
+    code = server.proc.wait(60)
+    assert time.monotonic() - start < 30  # bounded, not instant: margin for a loaded 2-core machine
     assert code != 0
     assert "scheduler process exited unexpectedly" in server.tail()
 
@@ -82,8 +82,8 @@ def test_shutdown_timeout_aborts_what_is_left_then_exits_zero(server_factory, ti
     reason = result["out"]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "shutting down" in reason["message"]
     assert result["out"]["meta_info"]["completion_tokens"] < 7000
-    assert server.proc.wait(30) == 0
-    assert time.monotonic() - start < 15
+    assert server.proc.wait(60) == 0
+    assert time.monotonic() - start < 30  # the 1 s drain window, plus margin for a loaded machine
 
 
 def test_bad_model_path_fails_fast_with_a_clear_message(tmp_path):
