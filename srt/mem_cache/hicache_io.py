@@ -6,7 +6,9 @@ moves it, through the `HiCacheStorage` interface only.
 
 Link protocol: a prefetch links each rank's file of each page into a fresh directory under
 `<storage root>/.links`. Files are immutable once stored, so a link keeps exactly the content rank 0
-verifies, whatever the backend's LRU deletes meanwhile. Rank 0 removes its own links when the
+verifies, whatever the backend's LRU deletes meanwhile. Rank 0 verifies a follower's file through a
+second link of its own (`verify_path`), since the follower removes its links as soon as its read
+ends, which may be before rank 0's reader gets to that page. Rank 0 removes its links when the
 prefetch ends, each follower its own when its read ends; directories older than an hour are left
 by a process that died mid-prefetch and are removed at start-up.
 """
@@ -99,6 +101,12 @@ def remove_links(links: list[list[str]]) -> None:
     for d in dirs:
         with contextlib.suppress(OSError):
             os.rmdir(d)
+
+
+def verify_path(link: str) -> str:
+    """Rank 0's own second link to a follower's file, beside the follower's link."""
+    where, name = os.path.split(link)
+    return os.path.join(where, "v" + name)
 
 
 def remove_stale_links(root: str) -> None:
@@ -201,7 +209,21 @@ class HiCacheController:
             links.append(per_rank)
         n = min(len(per_rank) for per_rank in links)
         remove_links([per_rank[n:] for per_rank in links])
-        return [per_rank[:n] for per_rank in links]
+        links = [per_rank[:n] for per_rank in links]
+        for r, per_rank in enumerate(links):
+            for link in per_rank if r != self.tp_rank else []:
+                with contextlib.suppress(OSError):  # a missing one stops the prefetch there (_verify_other_ranks)
+                    os.link(link, verify_path(link))
+        return links
+
+    def _verify_links(self, links: list[list[str]]) -> list[str]:
+        return [verify_path(link) for r, per_rank in enumerate(links) if r != self.tp_rank for link in per_rank]
+
+    def unpin(self, links: list[list[str]], every_rank: bool = False) -> None:
+        """Remove this rank's links of a prefetch (every rank's: a prefetch not posted to the
+        followers) and its second links to the followers' files."""
+        own = links if every_rank else [links[self.tp_rank]]
+        remove_links([*own, self._verify_links(links)])
 
     def start_prefetch(self, op: PrefetchOp) -> None:
         self.prefetches.append(op)
@@ -235,8 +257,12 @@ class HiCacheController:
         """Page i of every other rank's files is whole (their followers read the same links)."""
         assert op.links is not None
         for r, ns in enumerate(op.namespaces):
-            if r != op.tp_rank and self.storage.read_page(op.links[r][i]) is None:
-                self.storage.discard(ns, op.keys[i], counted=True)
+            if r == op.tp_rank:
+                continue
+            path = verify_path(op.links[r][i])
+            if self.storage.read_page(path) is None:
+                if os.path.exists(path):  # there but not whole: the stored page is bad
+                    self.storage.discard(ns, op.keys[i], counted=True)
                 return False
         return True
 
@@ -245,7 +271,7 @@ class HiCacheController:
         op.done.wait()
         self.prefetches.remove(op)
         if op.links is not None:
-            remove_links([op.links[self.tp_rank]])
+            self.unpin(op.links)
 
     def done_prefetches(self) -> list[PrefetchOp]:
         return [op for op in self.prefetches if op.done.is_set()]

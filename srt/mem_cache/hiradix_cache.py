@@ -51,7 +51,7 @@ from srt.mem_cache.hicache_config import (
     storage_page_tokens,
     storage_setup,
 )
-from srt.mem_cache.hicache_io import HiCacheController, PrefetchOp, remove_links
+from srt.mem_cache.hicache_io import HiCacheController, PrefetchOp
 from srt.mem_cache.hicache_payloads import (
     HiCacheBackup,
     HiCacheInit,
@@ -282,7 +282,7 @@ class HiRadixCache(RadixCache):
         end = start + hits * s
         if hits == 0 or end - have < threshold:
             if links is not None:
-                remove_links(links)
+                io.unpin(links, every_rank=True)  # never posted to the followers
             return
         n = end - start
         free = self.host.allocator.available_size()
@@ -291,7 +291,7 @@ class HiRadixCache(RadixCache):
         slots = self.host.allocator.alloc(n)
         if slots is None:
             if links is not None:
-                remove_links(links)
+                io.unpin(links, every_rank=True)  # never posted to the followers
             return
         node = m.last_host_node if m.last_host_node is not None else m.last_node
         self.inc_lock_ref(node)  # the tree keeps the part before the pages until they join it
