@@ -282,7 +282,17 @@ import requests  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Pooled servers kept alive at once besides `tiny_server` and `default_server` (each is 1-2 GB of RAM);
 # beyond it, or when memory runs low, an idle one is stopped before another starts.
-MAX_POOLED_SERVERS = int(os.environ.get("RADIXSERVE_TEST_MAX_SERVERS", "4"))
+# Under pytest-xdist the cores are split among the workers: each worker's tests and servers compute
+# with its share of the threads (two servers each spinning two OpenMP threads on two cores run far
+# slower than with one each). An explicit OMP_NUM_THREADS wins.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Under pytest-xdist every worker has a pool of its own.
+MAX_POOLED_SERVERS = int(
+    os.environ.get("RADIXSERVE_TEST_MAX_SERVERS", "3" if os.environ.get("PYTEST_XDIST_WORKER") else "4")
+)
 SERVER_STARTS: Counter = Counter()  # cold starts by kind ("pooled", "private"), reported at the end
 STARTUP_SECONDS: Counter = Counter()  # their time from launch to healthy, by kind
 
@@ -590,9 +600,63 @@ def server_factory(tmp_path_factory):
         s.stop()
 
 
+# Under pytest-xdist (`--dist loadscope`) each module runs whole on one worker, handed out in
+# collection order: the longest modules go first, so that none of them starts last and leaves the
+# other worker idle meanwhile (ordered by their time in a serial run of `make test`, longest first).
+LONGEST_MODULES = [
+    "tests/server/test_torch_compile.py",
+    "tests/server/test_disaggregation.py",
+    "tests/server/test_hicache.py",
+    "tests/model_loader/test_gguf_quantized.py",
+    "tests/server/test_parallel.py",
+    "tests/server/test_structured_output.py",
+    "tests/server/test_tool_calls.py",
+    "tests/server/test_retraction.py",
+    "tests/lora/test_lora_serving.py",
+    "tests/server/test_speculative.py",
+    "tests/server/test_lifecycle.py",
+    "tests/model_loader/test_gguf_loader.py",
+    "tests/server/test_moe_serving.py",
+    "tests/server/test_consistency.py",
+    "tests/server/test_kv_cache_dtype.py",
+    "tests/server/test_attention_backends.py",
+    "tests/server/test_overlap.py",
+    "tests/model_loader/test_hf_quantized.py",
+    "tests/frontend/test_examples.py",
+    "tests/kernels/test_triton_kernels.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {path: i for i, path in enumerate(LONGEST_MODULES)}
+        # a stable sort: the other modules keep their order
+        items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
+
+
+POOL_REUSES: Counter = Counter()  # reuses of pooled servers; under xdist, the workers' counts summed here
+
+
+def pytest_sessionfinish(session):
+    # An xdist worker hands its counts to the controller, which prints the summary line.
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["server_starts"] = dict(SERVER_STARTS)
+        output["startup_seconds"] = dict(STARTUP_SECONDS)
+        output["pool_reuses"] = _pool.reuses if _pool else 0
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    output = getattr(node, "workeroutput", {})
+    SERVER_STARTS.update(output.get("server_starts", {}))
+    STARTUP_SECONDS.update(output.get("startup_seconds", {}))
+    POOL_REUSES["workers"] += output.get("pool_reuses", 0)
+
+
 def pytest_terminal_summary(terminalreporter):
     if SERVER_STARTS:
-        reuses = _pool.reuses if _pool else 0
+        reuses = (_pool.reuses if _pool else 0) + POOL_REUSES["workers"]
         terminalreporter.write_line(
             f"live-server cold starts: {SERVER_STARTS['pooled']} pooled (reused {reuses} times), "
             f"{SERVER_STARTS['private']} private, {sum(STARTUP_SECONDS.values()):.0f} s from launch to healthy in all "

@@ -1,10 +1,13 @@
 """Starting, watching and stopping the worker processes: schedulers, tensor-parallel followers,
 the detokenizer and the data-parallel controller.
 
-Shared by the HTTP server and the in-process Engine. Children are spawned (not forked, so torch
-and ZMQ start clean); each starts through `srt.utils.start_child_process` (dies with its parent,
-reports ready or why not) and is watched: if one exits unexpectedly the watcher logs why and
-calls the owner's `on_child_death`.
+Shared by the HTTP server and the in-process Engine. Children start clean (no ZMQ context, no
+thread, no CUDA state of the parent's): on a CPU-only Linux host they are forked from a
+multiprocessing fork server that has imported the workers' modules once (torch, transformers, the
+model stack: 5-7 s of CPU that each spawned child would spend again), elsewhere spawned
+(`RADIXSERVE_START_METHOD=spawn|forkserver` chooses). Each starts through
+`srt.utils.start_child_process` (dies with its parent, reports ready or why not) and is watched: if
+one exits unexpectedly the watcher logs why and calls the owner's `on_child_death`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import socket
@@ -37,6 +41,19 @@ SCHEDULER = "srt.managers.scheduler_process:run_scheduler_process"
 TP_FOLLOWER = "srt.managers.tp_follower:run_tp_follower_process"
 DETOKENIZER = "srt.managers.detokenizer_manager:run_detokenizer_process"
 DP_CONTROLLER = "srt.managers.data_parallel_controller:run_data_parallel_controller_process"
+START_METHODS = ("spawn", "forkserver")
+
+
+def start_method() -> str:
+    """How children start: forked from the preloaded fork server on a CPU-only Linux host, else
+    spawned (a process that has touched the CUDA driver cannot pass it on to a forked child, and
+    the fork server's imports could)."""
+    method = os.environ.get("RADIXSERVE_START_METHOD")
+    if method:
+        if method not in START_METHODS:
+            raise StartupError(f"RADIXSERVE_START_METHOD must be one of {', '.join(START_METHODS)}; got {method!r}")
+        return method
+    return "forkserver" if sys.platform == "linux" and not os.path.exists("/dev/nvidiactl") else "spawn"
 
 
 class StartupError(RuntimeError):
@@ -223,21 +240,33 @@ class Launch:
         return subs
 
 
-def _run_entry(entry: str, *args, **kwargs) -> None:
-    """A child's target: import its entry module (only in the child) and run it."""
+def _run_entry(entry: str, environ: dict[str, str], *args, **kwargs) -> None:
+    """A child's target: import its entry module (only in the child; a forked child has it from
+    the fork server already) and run it, under the parent's environment of the moment (a forked
+    child would otherwise have the fork server's, from when it started)."""
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     module, _, name = entry.partition(":")
     getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 def _start(specs: dict) -> Launch:
-    ctx = mp.get_context("spawn")
+    method = start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":  # takes effect when this process's fork server starts (its first child)
+        ctx.set_forkserver_preload([entry.partition(":")[0] for entry in (SCHEDULER, TP_FOLLOWER, DETOKENIZER)])
     procs, pipes = {}, {}
     subs = Subprocesses(None, procs, {})
     try:
         for name, (entry, args, kwargs) in specs.items():
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_run_entry, args=(entry, *args, writer), kwargs=kwargs, name=f"radixserve-{name}", daemon=True
+                target=_run_entry,
+                args=(entry, dict(os.environ), *args, writer),
+                kwargs=kwargs,
+                name=f"radixserve-{name}",
+                daemon=True,
             )
             p.start()
             procs[name], pipes[name] = p, reader

@@ -136,6 +136,7 @@ def test_bench_serving_sharegpt_file(server, tmp_path):
     check_record(json.loads(out.read_text()), 10, 8)
 
 
+@pytest.mark.full  # bench_serving.py runs in make test; the other scripts in make test-all
 def test_frontier_plots_and_tabulates(server, tmp_path):
     png, rows = tmp_path / "frontier.png", tmp_path / "frontier.jsonl"
     stdout = run(
@@ -164,6 +165,7 @@ def test_frontier_plots_and_tabulates(server, tmp_path):
         check_record(r, r["requests"], 6)
 
 
+@pytest.mark.full  # bench_serving.py runs in make test; the other scripts in make test-all
 def test_offline_throughput_with_hf_peer(tiny_chat_model, tmp_path):
     out = tmp_path / "offline.jsonl"
     stdout = run(
@@ -194,6 +196,7 @@ def test_offline_throughput_with_hf_peer(tiny_chat_model, tmp_path):
         assert r["requests"] == 8 and r["output_tokens"] == 64 and r["output_throughput"] > 0
 
 
+@pytest.mark.full  # bench_serving.py runs in make test; the other scripts in make test-all
 def test_bench_parallel_routing_compares_policies(tiny_chat_model, tmp_path):
     out = tmp_path / "parallel.jsonl"
     stdout = run(
@@ -252,6 +255,7 @@ def test_bench_one_batch_steps_compares_kv_cache_formats(tiny_chat_model, tmp_pa
     assert "| int8 | cpu |" in text and "1.00x" in text
 
 
+@pytest.mark.full  # bench_serving.py runs in make test; the other scripts in make test-all
 def test_bench_lora_quick(tiny_chat_model, tmp_path):
     """2 random adapters: the workloads are the base model, 1 and 2 adapters (4 and 8 capped at 2, repeats
     dropped), every request served, the base-only workload the ratios' unit."""

@@ -20,6 +20,7 @@ def test_bucket_sizes():
     assert bucket_sizes(12) == [1, 2, 4, 8, 12]
 
 
+@pytest.mark.full  # two cold compiles; tests/server/test_torch_compile.py keeps one live in make test
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_compiled_decode_matches_eager(tiny_model_factory, runner_factory, architecture, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile

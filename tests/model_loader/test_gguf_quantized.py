@@ -109,7 +109,7 @@ def greedy_ids(server) -> list[list[int]]:
     return [server.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.full)])
 def test_quantized_server_matches_dequantized(server_factory, gguf_files, arch):
     path = gguf_files[arch]
     quant = server_factory("--model-path", path, "--quantization", "gguf", *FLAGS)

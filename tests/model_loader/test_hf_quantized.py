@@ -84,6 +84,7 @@ def perplexity(server, ids: list[int]) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
+@pytest.mark.full  # one server per method; int4 and TP stay live in make test
 def test_default_model_perplexity(shared_server, default_model_path):
     """Perplexity of a fixed text under each method, as a ratio to float32 (printed; the README
     reports it): int8 must stay within 1.10. The default model's weights are Q4_1 already (groups of

@@ -84,7 +84,7 @@ def check_spec_meta(out: dict) -> None:
     assert 0 <= meta["spec_accept_rate"] <= 1
 
 
-@pytest.mark.parametrize("name", ["ngram", "ngram_paged"])
+@pytest.mark.parametrize("name", ["ngram", pytest.param("ngram_paged", marks=pytest.mark.full)])
 def test_greedy_outputs_equal_the_plain_server(request, name, reference):
     server = request.getfixturevalue(name)
     for _ in range(2):  # the second round hits the radix cache and a warmer n-gram cache
@@ -110,7 +110,7 @@ def test_one_at_a_time_and_streamed(ngram, reference):
     at_baseline(ngram)
 
 
-@pytest.mark.parametrize("name", ["ngram", "standalone_self"])
+@pytest.mark.parametrize("name", ["ngram", pytest.param("standalone_self", marks=pytest.mark.full)])
 def test_stop_conditions_apply_to_every_accepted_token(request, name, tiny_server, reference):
     """A stop string, a stop token and max_new_tokens that fall inside an accepted run."""
     server = request.getfixturevalue(name)
