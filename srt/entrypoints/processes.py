@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext
 from typing import cast
 
 from srt.disaggregation.bootstrap_server import BootstrapServer
@@ -252,9 +253,8 @@ def _run_entry(entry: str, environ: dict[str, str], *args, **kwargs) -> None:
 
 
 def _start(specs: dict) -> Launch:
-    method = start_method()
-    ctx = mp.get_context(method)
-    if method == "forkserver":  # takes effect when this process's fork server starts (its first child)
+    ctx = mp.get_context("forkserver") if start_method() == "forkserver" else mp.get_context("spawn")
+    if isinstance(ctx, ForkServerContext):  # takes effect when this process's fork server starts
         ctx.set_forkserver_preload([entry.partition(":")[0] for entry in (SCHEDULER, TP_FOLLOWER, DETOKENIZER)])
     procs, pipes = {}, {}
     subs = Subprocesses(None, procs, {})
