@@ -8,7 +8,8 @@ STAMP := $(VENV)/.radixserve-installed
 TORCH_CPU := torch==2.13.0+cpu
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): a server test mostly waits on its server, so two workers keep two cores
-# busy; each test module runs whole on one worker (its module-scoped servers are started once).
+# busy; each test module runs whole on one worker (its module-scoped servers are started once), in the
+# order tests/conftest.py gives them (the longest first), not xdist's (the most tests first).
 TEST_WORKERS ?= 2
 ARGS ?=
 HOST ?= 127.0.0.1
@@ -24,10 +25,10 @@ serve: $(STAMP)
 # tier (the same checks over more configurations) and the stress tier, and is what CI runs (under 60
 # minutes). docs/testing.md says which test goes where.
 test: lint
-	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadscope -m "not slow and not soak and not full" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not slow and not soak and not full" $(PYTEST_ARGS)
 
 test-all: lint
-	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadscope -m "not soak" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not soak" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
