@@ -272,6 +272,7 @@ def test_lora_path_on_a_server_without_lora(tiny_server):
     assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
 
 
+@pytest.mark.full  # LoRA stays live in make test (mixed batches against PEFT); TP + paging + overlap in test-all
 def test_tensor_parallel_paged_overlap_equals_peft(server_factory, tiny_chat_model, adapters, oracle):
     """Adapters sharded like their base layers over 2 ranks, pages of 16, the overlap schedule, and the
     Triton SGMV kernels (the GPU backend; here under Triton's interpreter)."""

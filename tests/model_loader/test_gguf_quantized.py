@@ -144,6 +144,7 @@ def test_quantized_server_matches_dequantized(server_factory, gguf_files, arch):
 # -- the default model: quantized (the default on CPU) against its float32 dequantization ----------------
 
 
+@pytest.mark.full  # quantized serving stays live in make test: test_quantized_server_matches_dequantized
 def test_default_model_quantized_tracks_float32_reference(default_server, shared_server, default_model_path):
     """Teacher forcing on 8 chat prompts x 32 tokens: the quantized server's top-1 next token equals
     the float32 reference's at >= 99% of positions; the mean |delta logprob| of the reference token

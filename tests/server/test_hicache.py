@@ -202,6 +202,7 @@ def test_tensor_parallel_ranks_move_their_shards_together(server_factory, tiny_c
     assert not os.listdir(os.path.join(tmp_path, ".links")), "prefetch links left behind"
 
 
+@pytest.mark.full  # int8 KV and HiCache each stay live in make test; their combination runs in test-all
 def test_int8_pages_chunks_aborts_keep_every_tier_whole(shared_server, server_factory, tiny_chat_model, tmp_path):
     """An int8 KV cache in pages of 16, chunked prefills, write_back, and requests aborted by their
     deadline while others run: the survivors' outputs equal a plain int8 server's, and every tier is
