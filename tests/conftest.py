@@ -268,14 +268,18 @@ def top1_agreement(ours: dict, ref: dict) -> tuple[int, int, list[float]]:
 
 # -- live servers -------------------------------------------------------------------------------
 
+import atexit  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections import Counter, OrderedDict  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from typing import IO, cast  # noqa: E402
 
 import requests  # noqa: E402
 
@@ -315,6 +319,138 @@ def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
+class ZygoteProcess:
+    """The part of `subprocess.Popen` the tests use, for a server forked by the zygote."""
+
+    def __init__(self, client: ZygoteClient, pid: int):
+        self.client, self.pid, self.returncode = client, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.client.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"server pid {self.pid}", timeout or 0)
+            self.client.wait_exit(0.05)
+        return cast(int, self.returncode)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ZygoteClient:
+    """This test process's server zygote (tests/zygote.py), started on first use; None-safe:
+    `spawn` returns None when a real subprocess must be used instead (the zygote is off or broken,
+    or the environment changes what an import sets up)."""
+
+    # read by the server while it runs, not when a module is imported: safe to differ from the zygote's
+    RUNTIME_ENV_PREFIXES = ("RADIXSERVE_", "OMP_NUM_THREADS")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.broken = os.environ.get("RADIXSERVE_TEST_ZYGOTE", "1") == "0"
+        self.next_id = 0
+        self.pids: dict[int, int] = {}  # request id -> pid (or -1: the fork failed)
+        self.exits: dict[int, int] = {}  # pid -> returncode
+
+    def usable_for(self, env: dict[str, str]) -> bool:
+        return all(k.startswith(self.RUNTIME_ENV_PREFIXES) or self.env.get(k) == v for k, v in env.items())
+
+    def _ensure(self) -> bool:
+        if self.proc is not None and self.proc.poll() is None:
+            return True
+        if self.broken:
+            return False
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        first = cast(IO[bytes], self.proc.stdout).readline()
+        if not first.startswith(b'{"ready"'):
+            self.broken = True
+            self.proc.kill()
+            return False
+        threading.Thread(target=self._read, args=(self.proc,), name="zygote-reader", daemon=True).start()
+        return True
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in cast(IO[bytes], proc.stdout):
+            msg = json.loads(line)
+            with self.changed:
+                if "exited" in msg:
+                    self.exits[msg["exited"]] = msg["code"]
+                else:
+                    self.pids[msg["id"]] = msg.get("pid", -1)
+                self.changed.notify_all()
+        with self.changed:  # the zygote is gone: nothing more will be reported
+            self.broken = True
+            self.changed.notify_all()
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str) -> ZygoteProcess | None:
+        with self.lock:
+            if not self._ensure() or not self.usable_for(env):
+                return None
+            request_id, self.next_id = self.next_id, self.next_id + 1
+            request = {"id": request_id, "argv": argv, "env": {**self.env, **env}, "cwd": ROOT, "log": log_path}
+            stdin = cast(IO[bytes], cast(subprocess.Popen, self.proc).stdin)
+            stdin.write((json.dumps(request) + "\n").encode())
+            stdin.flush()
+        with self.changed:
+            self.changed.wait_for(lambda: request_id in self.pids or self.broken, timeout=60)
+            pid = self.pids.pop(request_id, -1)
+        return ZygoteProcess(self, pid) if pid > 0 else None
+
+    def exit_code(self, pid: int) -> int | None:
+        with self.changed:
+            if pid in self.exits:
+                return self.exits[pid]
+            if self.broken:  # not reported, and will not be: look for the process itself
+                return None if psutil_alive(pid) else -signal.SIGKILL
+            return None
+
+    def wait_exit(self, timeout: float) -> None:
+        with self.changed:
+            self.changed.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            cast(IO[bytes], self.proc.stdin).close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def psutil_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+ZYGOTE = ZygoteClient()
+atexit.register(ZYGOTE.close)
+
+
 class ServerStartError(RuntimeError):
     """A server that exited or never became healthy during start-up; `log` is its whole log."""
 
@@ -346,14 +482,18 @@ class ServerProcess:
             "--debug-integrity-check",
             *args,
         ]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
+        # forked from this worker's zygote (imports already done) where it can be, else a subprocess
+        proc = ZYGOTE.spawn(cmd[3:], env or {}, log_path)
+        if proc is None:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+        self.proc: subprocess.Popen | ZygoteProcess = proc
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:

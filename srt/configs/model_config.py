@@ -9,11 +9,9 @@ from dataclasses import dataclass, field
 
 from transformers import AutoConfig, PretrainedConfig
 
+from srt.configs.errors import ModelLoadError as ModelLoadError  # raised here; its home is the leaf module
+
 logger = logging.getLogger(__name__)
-
-
-class ModelLoadError(RuntimeError):
-    """A model path, file or config the runtime cannot load; the message names the path and why."""
 
 
 def rope_parameters(hf_config: PretrainedConfig) -> tuple[float, dict | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -35,8 +36,20 @@ def cache_root() -> str:
     return os.environ.get("RADIXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
 
 
+# Device nodes a GPU driver creates (NVIDIA, WSL's, ROCm's): without one, "auto" is the CPU and
+# torch (about 2 s to import) need not be asked.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def no_gpu_driver() -> bool:
+    """True on a Linux host without any GPU driver's device node (torch would find no GPU there)."""
+    return sys.platform == "linux" and not any(os.path.exists(node) for node in GPU_DEVICE_NODES)
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
+        if "torch" not in sys.modules and no_gpu_driver():
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

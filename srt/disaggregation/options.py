@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from srt.disaggregation.transfer import mooncake_engine_class
-
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
 
@@ -19,4 +17,6 @@ def check_disaggregation_server_args(server_args: ServerArgs) -> None:
     if server_args.speculative_algorithm is not None:
         raise ValueError(f"{mode} does not combine with --speculative-algorithm")
     if server_args.disaggregation_transfer_backend == "mooncake":
+        from srt.disaggregation.transfer import mooncake_engine_class  # brings torch: only when PD is on
+
         mooncake_engine_class()

@@ -5,7 +5,9 @@ Shared by the HTTP server and the in-process Engine. Children start clean (no ZM
 thread, no CUDA state of the parent's): on a CPU-only Linux host they are forked from a
 multiprocessing fork server that has imported the workers' modules once (torch, transformers, the
 model stack: 5-7 s of CPU that each spawned child would spend again), elsewhere spawned
-(`RADIXSERVE_START_METHOD=spawn|forkserver` chooses). Each starts through
+(`RADIXSERVE_START_METHOD=spawn|forkserver|fork` chooses; `fork` forks this process itself, for a
+launcher that has preloaded those modules, as the test suite's zygote does, and only while this
+process runs a single thread). Each starts through
 `srt.utils.start_child_process` (dies with its parent, reports ready or why not) and is watched: if
 one exits unexpectedly the watcher logs why and calls the owner's `on_child_death`.
 """
@@ -29,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext
 from typing import cast
 
+from srt.configs.runtime_choices import no_gpu_driver
 from srt.disaggregation.bootstrap_server import BootstrapServer
 from srt.server_args import PortArgs, ServerArgs
 
@@ -42,7 +45,7 @@ SCHEDULER = "srt.managers.scheduler_process:run_scheduler_process"
 TP_FOLLOWER = "srt.managers.tp_follower:run_tp_follower_process"
 DETOKENIZER = "srt.managers.detokenizer_manager:run_detokenizer_process"
 DP_CONTROLLER = "srt.managers.data_parallel_controller:run_data_parallel_controller_process"
-START_METHODS = ("spawn", "forkserver")
+START_METHODS = ("spawn", "forkserver", "fork")
 
 
 def start_method() -> str:
@@ -54,7 +57,7 @@ def start_method() -> str:
         if method not in START_METHODS:
             raise StartupError(f"RADIXSERVE_START_METHOD must be one of {', '.join(START_METHODS)}; got {method!r}")
         return method
-    return "forkserver" if sys.platform == "linux" and not os.path.exists("/dev/nvidiactl") else "spawn"
+    return "forkserver" if no_gpu_driver() else "spawn"
 
 
 class StartupError(RuntimeError):
@@ -253,7 +256,15 @@ def _run_entry(entry: str, environ: dict[str, str], *args, **kwargs) -> None:
 
 
 def _start(specs: dict) -> Launch:
-    ctx = mp.get_context("forkserver") if start_method() == "forkserver" else mp.get_context("spawn")
+    method = start_method()
+    if method == "fork" and threading.active_count() > 1:
+        method = "forkserver"  # a thread of this process (a lock it holds) would not survive a fork
+    if method == "fork":
+        ctx = mp.get_context("fork")
+    elif method == "forkserver":
+        ctx = mp.get_context("forkserver")
+    else:
+        ctx = mp.get_context("spawn")
     if isinstance(ctx, ForkServerContext):  # takes effect when this process's fork server starts
         ctx.set_forkserver_preload([entry.partition(":")[0] for entry in (SCHEDULER, TP_FOLLOWER, DETOKENIZER)])
     procs, pipes = {}, {}

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from srt.configs.runtime_choices import resolve_device
-from srt.lora.adapter import TARGET_MODULES, LoRAError, adapter_rank_and_modules, parse_lora_paths
-from srt.lora.backend import check_lora_backend
 
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
@@ -17,6 +15,10 @@ def check_lora_server_args(server_args: ServerArgs) -> None:
         server_args.enable_lora = True  # as SGLang: adapters named at start-up turn LoRA on
     if not server_args.enable_lora:
         return
+    # the adapter code brings torch: imported only when LoRA is on
+    from srt.lora.adapter import TARGET_MODULES, LoRAError, adapter_rank_and_modules, parse_lora_paths
+    from srt.lora.backend import check_lora_backend
+
     try:
         refs = parse_lora_paths(server_args.lora_paths)
         shapes = [adapter_rank_and_modules(r.path) for r in refs]

@@ -14,9 +14,9 @@ import shutil
 import time
 from pathlib import Path
 
-from srt.configs.model_config import ModelLoadError
+from srt.configs.errors import ModelLoadError
 from srt.configs.runtime_choices import cache_root
-from srt.model_loader.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, write_weights
+from srt.model_loader.conversion import CONVERTER_VERSION, MARKER_FILE
 
 logger = logging.getLogger("srt.model_loader")
 
@@ -53,10 +53,15 @@ def resolve_gguf(gguf_path: str, progress: bool = True, weights: bool = False) -
     if not os.path.isfile(gguf_path):
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
     out_dir = converted_dir(gguf_path)
+    if os.path.isfile(os.path.join(out_dir, MARKER_FILE)) and not weights:
+        # the launcher's case: the converter (torch, gguf) stays unimported
+        logger.info("using cached conversion of %s at %s", gguf_path, out_dir)
+        return out_dir
+    from srt.model_loader.gguf_loader import convert_gguf_to_hf, write_weights
+
     if os.path.isfile(os.path.join(out_dir, MARKER_FILE)):
         logger.info("using cached conversion of %s at %s", gguf_path, out_dir)
-        if weights:
-            write_weights(out_dir, progress)
+        write_weights(out_dir, progress)
         return out_dir
     if os.path.isdir(out_dir):
         # No marker: left by something other than a finished conversion, so it cannot be trusted.

@@ -47,15 +47,12 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from srt.configs.model_config import ModelLoadError
+from srt.configs.errors import ModelLoadError
+from srt.model_loader.conversion import CONVERTER_VERSION, MARKER_FILE
 from srt.model_loader.gguf_tokenizer import special_token_ids, write_tokenizer_files
 
 logger = logging.getLogger("srt.model_loader")
 
-# Bump when the output of the conversion changes, so cached conversions are redone.
-CONVERTER_VERSION = "3"
-# Written last into a converted folder; its presence means the folder is complete.
-MARKER_FILE = "radixserve_conversion.json"
 
 # GGUF architecture -> the HF architecture it reads as (refined by the metadata in hf_architecture).
 ARCHITECTURES: dict[str, str] = {

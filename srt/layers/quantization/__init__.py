@@ -12,15 +12,28 @@ The last three quantize a float checkpoint at load (a GGUF file is dequantized f
 from __future__ import annotations
 
 import logging
-
-import torch
+from typing import TYPE_CHECKING
 
 from srt.configs.runtime_choices import QUANTIZATION_METHODS
-from srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethodBase", "QuantizationConfig", "resolve_quantization", "build_config"]
+
+
+def __getattr__(name: str):
+    # The method interface brings torch; the start-up checks (options.py, run in the server process
+    # before any worker) import this package without needing it.
+    if name in ("LinearMethodBase", "QuantizationConfig"):
+        from srt.layers.quantization import base_config
+
+        return getattr(base_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_quantization(requested: str | None, gguf_file: str | None, device: str, ops_available: bool) -> str:
@@ -83,6 +96,8 @@ def weight_report(model: torch.nn.Module, quant_config: QuantizationConfig | Non
     """What /server_info and the start-up log say about the weights: the formats of each layer
     type ("linear", "embedding", "lm_head"; several joined by "+", e.g. "Q4_K+Q6_K"), the bytes
     resident, the CPU kernel variant."""
+    from srt.layers.quantization.base_config import LinearMethodBase
+
     formats: dict[str, dict[str, int]] = {}
     counted: set[int] = set()
     total = 0
