@@ -350,23 +350,27 @@ class ServerArgs:
     speculative_algorithm: str | None = SPECULATIVE.opt(
         None,
         "NGRAM: draft trees from an n-gram cache over prompts and outputs; STANDALONE: from a smaller "
-        "draft model with the same tokenizer; either verified exactly in one target forward",
+        "draft model with the same tokenizer; EAGLE / EAGLE3: from a draft head that reads the target's "
+        "hidden states; all verified exactly in one target forward",
         choices=SPECULATIVE_ALGORITHMS,
         parse=str.upper,
     )
     speculative_draft_model_path: str | None = SPECULATIVE.opt(
-        None, "STANDALONE's draft model (a folder, GGUF file or model name)"
+        None, "STANDALONE's draft model, or EAGLE / EAGLE3's draft head (a folder in SGLang's checkpoint layout)"
     )
     speculative_num_steps: int | None = SPECULATIVE.opt(
-        None, "maximum draft depth (automatic: 7 for NGRAM, 4 for STANDALONE)"
+        None, "maximum draft depth (automatic: 7 for NGRAM, 4 for STANDALONE, 5 for EAGLE / EAGLE3)"
     )
     speculative_eagle_topk: int | None = SPECULATIVE.opt(
-        None, "STANDALONE: the draft model's top-k first tokens branch from the root (automatic: 1, a chain)"
+        None,
+        "STANDALONE: the draft model's top-k first tokens branch from the root (automatic: 1, a chain); "
+        "EAGLE: each level keeps the top-k nodes by cumulative probability, each expanded by its top-k "
+        "children (automatic: 4)",
     )
     speculative_num_draft_tokens: int | None = SPECULATIVE.opt(
         None,
         "draft tree nodes verified per request and step, its last token included "
-        "(automatic: 8 for NGRAM, 5 for STANDALONE)",
+        "(automatic: 8 for NGRAM, 5 for STANDALONE, 8 for EAGLE / EAGLE3)",
     )
     speculative_ngram_min_match_window_size: int = SPECULATIVE.opt(1, "NGRAM: shortest suffix matched")
     speculative_ngram_max_match_window_size: int = SPECULATIVE.opt(12, "NGRAM: longest suffix matched")

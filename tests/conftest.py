@@ -266,6 +266,96 @@ def top1_agreement(ours: dict, ref: dict) -> tuple[int, int, list[float]]:
     return agree, total, deltas
 
 
+def write_eagle_head(
+    path: str,
+    target: str,
+    kind: str,
+    seed: int = 0,
+    copy_layer: bool = False,
+    hot_tokens: list[int] | None = None,
+    **config_overrides,
+) -> str:
+    """An EAGLE ("eagle") or EAGLE-3 ("eagle3") head for the model at `target`, saved in SGLang's
+    checkpoint layout: random, or (`copy_layer`, EAGLE) the target's layer 0 behind an `fc` that
+    passes the token's embedding through (for a target whose attention adds nothing, see
+    `build_bigram_model`, such a head predicts exactly what the target does). An EAGLE-3 head's
+    vocabulary is `hot_tokens` (default: every third of the first 192 ids)."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.08
+
+    config = {**cfg, "num_hidden_layers": 1, "tie_word_embeddings": False}
+    qkv_in = h if kind == "eagle" else 2 * h
+    prefix = "layers.0" if kind == "eagle" else "midlayer"
+    tensors = {
+        f"{prefix}.self_attn.q_proj.weight": rnd(heads * d, qkv_in),
+        f"{prefix}.self_attn.k_proj.weight": rnd(kv_heads * d, qkv_in),
+        f"{prefix}.self_attn.v_proj.weight": rnd(kv_heads * d, qkv_in),
+        f"{prefix}.self_attn.o_proj.weight": rnd(h, heads * d),
+        f"{prefix}.mlp.gate_proj.weight": rnd(inter, h),
+        f"{prefix}.mlp.up_proj.weight": rnd(inter, h),
+        f"{prefix}.mlp.down_proj.weight": rnd(h, inter),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(h),
+        "embed_tokens.weight": rnd(cfg["vocab_size"], h),  # ignored: the target's is used
+    }
+    if kind == "eagle":
+        config["architectures"] = ["LlamaForCausalLM"]  # as SafeAILab's checkpoints say
+        tensors |= {"fc.weight": rnd(h, 2 * h), "fc.bias": rnd(h)}
+        if copy_layer:
+            weights = load_file(os.path.join(target, "model.safetensors"))
+            for name in list(tensors):
+                if name.startswith("layers.0."):
+                    tensors[name] = weights["model." + name]
+            tensors["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+            tensors["fc.bias"] = torch.zeros(h)
+    else:
+        hot = torch.tensor(hot_tokens if hot_tokens is not None else [3 * i for i in range(64)])
+        config |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(hot)}
+        tensors |= {
+            "fc.weight": rnd(h, 3 * h),
+            f"{prefix}.input_layernorm.weight": torch.ones(h),
+            f"{prefix}.hidden_norm.weight": torch.ones(h),
+            "norm.weight": torch.ones(h),
+            "lm_head.weight": rnd(len(hot), h),
+            "d2t": hot - torch.arange(len(hot)),
+            "t2d": torch.zeros(cfg["vocab_size"], dtype=torch.bool).index_fill_(0, hot, True),
+        }
+    config |= config_overrides
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def build_bigram_model(path: str, source: str) -> str:
+    """The first layer of the Llama at `source` alone, with its attention output zeroed: each next
+    token is a function of the current one (tokenizer files copied along)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    kept = {n: t for n, t in weights.items() if not n.startswith("model.layers.") or n.startswith("model.layers.0.")}
+    kept["model.layers.0.self_attn.o_proj.weight"] = torch.zeros_like(kept["model.layers.0.self_attn.o_proj.weight"])
+    os.makedirs(path, exist_ok=True)
+    save_file(kept, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "num_hidden_layers": 1}, f)
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(os.path.join(source, name), path)
+    return path
+
+
 # -- live servers -------------------------------------------------------------------------------
 
 import atexit  # noqa: E402
@@ -572,6 +662,31 @@ class ServerProcess:
         self.log.close()
 
 
+def at_baseline(server) -> None:
+    """The server is idle with every KV slot free or cached, and its integrity check passed (a
+    speculative server's check includes its draft KV)."""
+    s = server.wait_idle()
+    assert s["kv_available"] + s["kv_evictable"] == s["kv_capacity"] and s["integrity_ok"]
+
+
+def check_spec_meta(out: dict) -> None:
+    """A speculative answer's meta_info figures agree with each other."""
+    meta = out["meta_info"]
+    assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"] > 0
+    assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
+    assert 0 <= meta["spec_accept_rate"] <= 1
+
+
+def accepted_drafts(outs: list[dict]) -> int:
+    return sum(k * n for o in outs for k, n in enumerate(o["meta_info"]["spec_accept_histogram"]))
+
+
+def generate_all(server, bodies: list[dict]) -> list[dict]:
+    """Each /generate body, eight at a time."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda b: server.generate(**b), bodies))
+
+
 def low_on_memory(floor_gib: float = 4) -> bool:
     import psutil
 
@@ -623,7 +738,7 @@ class ServerPool:
         self.reuses += len(keys) - len(missing)
         for key in keys:
             self.note("start" if key in missing else "reuse", key)
-        self._make_room(len(missing))
+        self._make_room(len(missing), wanted=set(keys))
 
         def start(spec, n: int) -> ServerProcess:
             args, env, _ = spec
@@ -645,12 +760,13 @@ class ServerPool:
     def release(self, key: tuple) -> None:
         self.holders[key] -= 1
 
-    def _make_room(self, n: int) -> None:
-        # Least recently used first, never one that a running module holds; kept ones only when low on memory.
+    def _make_room(self, n: int, wanted: set[tuple]) -> None:
+        # Least recently used first, never one that a running module holds or that this acquire
+        # reuses (`wanted`); kept ones only when low on memory.
         def counted() -> int:
             return sum(k not in self.kept for k in self.servers)
 
-        idle = [k for k in self.servers if self.holders[k] <= 0]
+        idle = [k for k in self.servers if self.holders[k] <= 0 and k not in wanted]
         idle.sort(key=lambda k: k in self.kept)
         while idle and n:
             if counted() + n > MAX_POOLED_SERVERS and idle[0] not in self.kept:

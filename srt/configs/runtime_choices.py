@@ -19,7 +19,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 # The names of srt/disaggregation's DisaggregationMode and TRANSFER_BACKENDS and of srt/lora's backends
 # (tests/test_server_args.py checks that they agree)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

@@ -28,6 +28,9 @@ class LogitsProcessorOutput:
     input_top_logprobs_idx: torch.Tensor | None = None
     input_token_ids_logprobs: list[torch.Tensor | None] | None = None  # per request [rows, n] or None
     input_logprob_lens: list[int] | None = None
+    # With `ForwardBatch.capture_hidden`: every row's hidden state (the final norm's output, or for a
+    # model with `aux_layers` those layers' inputs side by side), [T, H] or [T, len(aux_layers) * H]
+    hidden_states: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):

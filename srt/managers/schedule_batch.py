@@ -97,7 +97,10 @@ class Req:
     spec_accept_p: float = 0.6  # the proposer's estimate that its next draft is accepted
     spec_proposed: int = 0  # draft tokens verified
     draft_rows: list[int] = field(default_factory=list)  # STANDALONE: draft request-table rows, one per branch
-    draft_kv_len: int = 0  # STANDALONE: confirmed tokens with KV in the draft cache
+    draft_kv_len: int = 0  # STANDALONE, EAGLE: confirmed tokens with KV in the draft cache
+    # EAGLE: the target's hidden states of the positions from draft_kv_len on (tensors of rows, in
+    # order), which the head has not consumed yet
+    spec_hidden: list = field(default_factory=list)
     # [k] = decode steps that accepted k drafts (a step without drafts accepts 0): their sum is the
     # verify count, sum(k * [k]) the accepted drafts
     spec_histogram: list[int] = field(default_factory=list)
@@ -210,6 +213,7 @@ class ScheduleBatch:
     # speculative: each request's draft tree (DECODE when they are all chains, else TARGET_VERIFY)
     spec_trees: list[DraftTree] | None = None
     kv_ends: list[int] | None = None  # each request's kv_len right after this batch was launched
+    kv_starts: list[int] | None = None  # ... and right before (an extend's rows are its positions in between)
 
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished]
@@ -257,6 +261,7 @@ class BatchBuilder:
             # each adapter's rows in one segment (the LoRA kernels run per segment); stable: base rows first
             batch.reqs.sort(key=lambda r: r.lora_slot)
             lora_slots = [r.lora_slot for r in batch.reqs]
+        batch.kv_starts = [r.kv_len for r in batch.reqs]
         if batch.spec_trees is not None:
             fb = self.prepare_for_verify(batch)
         elif batch.forward_mode.is_extend():

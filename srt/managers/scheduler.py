@@ -518,6 +518,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     # -- running ---------------------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        self.decoder.on_batch_result(batch, result)
         if batch.forward_mode.is_extend():
             self.process_prefill_result(batch, result)
         else:  # decode, or a verify of draft trees (as decode rows or TARGET_VERIFY)

@@ -220,6 +220,9 @@ class DecodeStrategy:
     def plan(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, ForwardMode.DECODE)
 
+    def on_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """A batch's results (prefill or decode) arrived, before they are processed."""
+
     def width(self, batch: ScheduleBatch, i: int) -> int:
         """How many result rows request i of the batch has."""
         return 1

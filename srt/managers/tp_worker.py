@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt.configs.model_config import ModelConfig
+from srt.configs.model_config import ModelConfig, ModelLoadError
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_executor.model_runner import LoRABuilder, ModelRunner
 from srt.model_executor.tp_sync import ForwardBroadcaster
+from srt.models.registry import get_model_class
 
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
@@ -36,6 +37,8 @@ class BatchResult:
     input_logprobs: list[tuple[list[float], list, list, list]] | None = None
     forward_start: float = 0.0
     forward_end: float = 0.0
+    # every row's hidden states, left on the device, when the runner captures them (EAGLE)
+    hidden_states: torch.Tensor | None = None
 
 
 def to_batch_result(
@@ -106,6 +109,12 @@ class TpModelWorker:
         dp_rank: int = 0,
         build_lora: LoRABuilder | None = None,
     ):
+        if getattr(get_model_class(model_config.architecture), "is_draft_head", False):
+            algo = "EAGLE3" if model_config.architecture.endswith("Eagle3") else "EAGLE"
+            raise ModelLoadError(
+                f"{model_config.path} is an EAGLE draft head ({model_config.architecture}), not a model to serve: "
+                f"pass it as --speculative-draft-model-path with --speculative-algorithm {algo}"
+            )
         self.model_runner = ModelRunner(model_config, server_args, tp_rank, dp_rank=dp_rank, build_lora=build_lora)
         self.model_config = model_config
         self.device = self.model_runner.device
@@ -136,5 +145,6 @@ class TpModelWorker:
         slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
         self.future_map.tokens[slots] = fed
         result = to_batch_result(logits_output, next_token_ids, fb)
+        result.hidden_states = logits_output.hidden_states
         result.forward_start, result.forward_end = start, time.perf_counter()
         return result

@@ -102,7 +102,10 @@ class CompiledDecodeRunner:
         return next((b for b in self.buckets if b >= batch_size), None)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and self.bucket(fb.batch_size) in self.compile_seconds
+        # the compiled graph returns the logits only: a batch that captures hidden states runs eagerly
+        return (
+            fb.forward_mode.is_decode() and self.bucket(fb.batch_size) in self.compile_seconds and not fb.capture_hidden
+        )
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         size = self.bucket(fb.batch_size)

@@ -201,7 +201,8 @@ class CudaGraphRunner:
             )
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+        # graphs hold the logits only: a batch that captures hidden states (EAGLE) runs eagerly
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs and not fb.capture_hidden
 
     def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         size = padded_batch_size(fb.batch_size, self.sizes)

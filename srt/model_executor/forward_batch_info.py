@@ -53,6 +53,10 @@ class ForwardBatch:
     # tree's mask ([n, n] bool, True = may attend).
     spec_row0: torch.Tensor | None = None
     tree_masks: list[torch.Tensor] | None = None
+    # EAGLE: the target returns every row's hidden states (`LogitsProcessorOutput.hidden_states`), and
+    # a draft head reads its input rows' hidden states from `spec_hidden` ([T, H_in])
+    capture_hidden: bool = False
+    spec_hidden: torch.Tensor | None = None
     # LoRA: each request's adapter slot in the pool (-1: the base model); None when none uses one
     lora_slots_cpu: list[int] | None = None
     # Logprobs.

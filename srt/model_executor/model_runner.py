@@ -225,6 +225,7 @@ class ModelRunner:
         )
         self.init_memory_pool(available_before, cpu_ops)
         self.sampler = Sampler()
+        self.capture_hidden = False  # set by an EAGLE proposer: every forward returns its hidden states
         self.compiled_decode = None
         if server_args.enable_torch_compile:
             from srt.model_executor.compiled_decode import CompiledDecodeRunner
@@ -346,9 +347,11 @@ class ModelRunner:
         )
 
     def bind(self, forward_batch: ForwardBatch) -> ForwardBatch:
-        """A copy of the batch that carries this runner's pools and attention backend."""
+        """A copy of the batch that carries this runner's pools and attention backend (and asks
+        for the hidden states when this runner captures them for an EAGLE head)."""
         return dataclasses.replace(
             forward_batch,
+            capture_hidden=forward_batch.capture_hidden or self.capture_hidden,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,

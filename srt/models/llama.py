@@ -172,11 +172,22 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # EAGLE-3 targets: the layers whose input (the residual stream) a capturing forward returns
+        self.aux_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
+    def forward(self, input_ids, positions, forward_batch, aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The final norm's output; with `aux`, also appends to it the residual stream entering each
+        of `aux_layers` (in that order; index len(layers) is the stream before the final norm)."""
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        seen: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in self.aux_layers:
+                seen[i] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if aux is not None and len(self.layers) in self.aux_layers:
+            seen[len(self.layers)] = hidden_states + residual
+        if aux is not None:
+            aux.extend(seen[i] for i in self.aux_layers)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -225,8 +236,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        capture = forward_batch.capture_hidden
+        aux: list[torch.Tensor] | None = [] if capture and self.model.aux_layers else None
+        hidden_states = self.model(input_ids, positions, forward_batch, aux)
+        out = self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        if capture:  # an EAGLE head's input: the last hidden state, or the aux layers' (EAGLE-3)
+            out.hidden_states = torch.cat(aux, dim=-1) if aux else hidden_states
+        return out
 
     # checkpoint name fragment -> ours (a module named otherwise in the checkpoint)
     checkpoint_renames: list[tuple[str, str]] = []

@@ -15,12 +15,14 @@ from srt.managers.scheduler_component import DecodeStrategy, SchedulerComponent
 from srt.managers.scheduler_state import SpeculativeState
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.speculative.draft_worker import DraftModelProposer
+from srt.speculative.eagle_worker import EagleProposer
 from srt.speculative.ngram_worker import NgramProposer
 
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import FollowerContext, FollowerHandler, SchedulerPort
     from srt.managers.scheduler_state import SchedulerState
+    from srt.managers.tp_worker import BatchResult
     from srt.speculative.proposer import Proposer
 
 FOLLOWER_KIND = "kv_move"
@@ -43,6 +45,8 @@ class SpeculativeDecoding(SchedulerComponent, DecodeStrategy):
         self.port = port
         self.proposer = proposer
         self.step_started = 0.0  # when the current decode step started drafting
+        self.result_hidden: torch.Tensor | None = None  # the batch's hidden states (EAGLE), while processed
+        self.row_starts: list[int] = []  # each request's first row in the batch's results
         # decode steps of requests, the tokens they produced, and the drafts they verified / accepted
         self.req_steps = self.step_tokens = self.proposed = self.accepted_drafts = 0
 
@@ -53,6 +57,8 @@ class SpeculativeDecoding(SchedulerComponent, DecodeStrategy):
             return cls(port, NgramProposer(args, config.context_len))
         if args.speculative_algorithm == "STANDALONE":
             return cls(port, DraftModelProposer(args, port.runner, config))
+        if args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+            return cls(port, EagleProposer(args, port.runner, config))
         return None
 
     # -- the step ----------------------------------------------------------------------------------
@@ -74,6 +80,14 @@ class SpeculativeDecoding(SchedulerComponent, DecodeStrategy):
         # chains verify as decode rows (the fast decode path); trees need the tree mask
         mode = ForwardMode.DECODE if all(t.is_chain for t in trees) else ForwardMode.TARGET_VERIFY
         return ScheduleBatch(reqs, mode, spec_trees=trees)
+
+    def on_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        self.result_hidden = result.hidden_states
+        self.row_starts, row = [], 0
+        for i in range(len(batch.reqs)):
+            self.row_starts.append(row)
+            row += self.width(batch, i) if not batch.forward_mode.is_extend() else 0
+        self.proposer.on_batch_result(batch, result)
 
     def width(self, batch: ScheduleBatch, i: int) -> int:
         return len(batch.spec_trees[i]) if batch.spec_trees is not None else 1
@@ -102,6 +116,9 @@ class SpeculativeDecoding(SchedulerComponent, DecodeStrategy):
         self.accepted_drafts += kept - 1
         if tree is not None:
             self.proposer.adapt(req, drafts, len(path) - 1, max(tree.depths))
+        if self.result_hidden is not None and batch.kv_starts is not None:  # the kept tokens' hidden states
+            start = self.row_starts[i]
+            self.proposer.on_verified(req, self.result_hidden, batch.kv_starts[i], [start + n for n in path[:kept]])
 
     def after_step(self, batch: ScheduleBatch, num_reqs: int, generated: int) -> None:
         self.req_steps += num_reqs
@@ -110,6 +127,7 @@ class SpeculativeDecoding(SchedulerComponent, DecodeStrategy):
         trees = batch.spec_trees
         rows = sum(len(t) for t in trees) if trees is not None else len(batch.reqs)
         self.proposer.record(len(batch.reqs), rows, seconds)
+        self.result_hidden = None
 
     def keep_verified_rows(self, req: Req, kv_start: int, path: list[int], rows: int) -> None:
         """Rows `path` of the `rows` written from position kv_start on hold the accepted tokens'

@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 
 # automatic (num_steps, eagle_topk, num_draft_tokens): NGRAM drafts a chain of up to 7 tokens (wider
 # trees with --speculative-ngram-max-bfs-breadth); a draft model a chain of 4
-AUTO_SPECULATIVE = {"NGRAM": (7, 1, 8), "STANDALONE": (4, 1, 5)}
+AUTO_SPECULATIVE = {"NGRAM": (7, 1, 8), "STANDALONE": (4, 1, 5), "EAGLE": (5, 4, 8), "EAGLE3": (5, 4, 8)}
 _TREE_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
@@ -20,13 +20,15 @@ def check_speculative_server_args(server_args: ServerArgs) -> None:
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
         return
-    if algo == "STANDALONE":
+    if algo in ("STANDALONE", "EAGLE", "EAGLE3"):
         if server_args.speculative_draft_model_path is None:
-            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+            raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
         if server_args.tp_size > 1:
-            raise ValueError("--speculative-algorithm STANDALONE does not work with --tp-size > 1 yet")
+            raise ValueError(f"--speculative-algorithm {algo} does not work with --tp-size > 1 yet")
     elif server_args.speculative_draft_model_path is not None:
-        raise ValueError("--speculative-draft-model-path is for STANDALONE; NGRAM proposes from its n-gram cache")
+        raise ValueError(
+            "--speculative-draft-model-path is for STANDALONE, EAGLE and EAGLE3; NGRAM proposes from its n-gram cache"
+        )
     set_ = [getattr(server_args, f) is not None for f in _TREE_FLAGS]
     if any(set_) and not all(set_):
         raise ValueError(

@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING
 from srt.speculative.draft_tree import DraftTree, prune_by_grammar
 
 if TYPE_CHECKING:
-    from srt.managers.schedule_batch import BatchBuilder, Req
+    import torch
+
+    from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch
+    from srt.managers.tp_worker import BatchResult
     from srt.server_args import ServerArgs
 
 COST_DECAY = 0.97  # per step, the weight of older steps in the cost line
@@ -178,6 +181,14 @@ class Proposer(ABC):
     def draft(self, reqs: list[Req], budgets: list[int], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
         """One tree of up to budgets[i] drafts per request (root only where it gets none), within
         `free_slots` target KV slots beyond what one decode step of every request needs."""
+
+    def on_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """A batch's results arrived (EAGLE keeps a prefill's hidden states)."""
+        return
+
+    def on_verified(self, req: Req, hidden: torch.Tensor, root: int, rows: list[int]) -> None:
+        """A decode or verify step kept req's tokens of result rows `rows` (EAGLE keeps their hidden states)."""
+        return
 
     def forget(self, req: Req) -> None:
         """req leaves the running batch (finished, aborted or retracted): drop its draft state (STANDALONE)."""

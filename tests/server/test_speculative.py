@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import accepted_drafts, at_baseline, check_spec_meta, generate_all
 
 PROMPTS = [
     "one two three four one two three four one two three four one two",
@@ -72,18 +73,6 @@ def reference(tiny_server):
     return tiny_server.generate(text=PROMPTS, sampling_params=GREEDY)
 
 
-def at_baseline(server) -> None:
-    s = server.wait_idle()
-    assert s["kv_available"] + s["kv_evictable"] == s["kv_capacity"] and s["integrity_ok"]
-
-
-def check_spec_meta(out: dict) -> None:
-    meta = out["meta_info"]
-    assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"] > 0
-    assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
-    assert 0 <= meta["spec_accept_rate"] <= 1
-
-
 @pytest.mark.parametrize("name", ["ngram", pytest.param("ngram_paged", marks=pytest.mark.full)])
 def test_greedy_outputs_equal_the_plain_server(request, name, reference):
     server = request.getfixturevalue(name)
@@ -133,15 +122,6 @@ def test_stop_conditions_apply_to_every_accepted_token(request, name, tiny_serve
 # low enough that the tiny random model's samples often follow its repetitive greedy text, which the
 # n-gram cache proposes
 SAMPLED = {"temperature": 0.05, "top_p": 0.95, "top_k": 40, "max_new_tokens": 32, "ignore_eos": True}
-
-
-def accepted_drafts(outs: list[dict]) -> int:
-    return sum(k * n for o in outs for k, n in enumerate(o["meta_info"]["spec_accept_histogram"]))
-
-
-def generate_all(server, bodies: list[dict]) -> list[dict]:
-    with cf.ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda b: server.generate(**b), bodies))
 
 
 def test_seeded_sampling_is_unchanged_by_drafts(ngram_paged, tiny_server):

@@ -1,0 +1,335 @@
+"""`--speculative-algorithm EAGLE | EAGLE3`: a draft head reads the target's own hidden states
+(srt/models/llama_eagle.py) and proposes each step's draft tree (see `Proposer` for who drafts and
+how much).
+
+**The head's KV.** The head has one layer, and its KV pool is indexed by the target's KV slots: the
+head's entry for position t lives at the slot of the target's KV for position t, so whatever the
+radix cache shares for the target (a cached prefix) it shares for the head. The pool has a scratch
+range after the target's slots for the draft levels of the step being drafted, freed as soon as the
+tree is built. The head keeps KV only for confirmed tokens: its entry t joins token t+1 with the
+target's hidden state at t, so after each target forward the rows of the confirmed tokens (a
+prefill's positions, a verify's accepted path) are kept on the request (`Req.spec_hidden`) until
+the head's next catch-up extend consumes them. An entry of a cached prefix was computed by the
+request that first computed it (its last one may have seen another next token): a cache hit can
+only make drafts worse, never outputs different.
+
+**The tree**, as SGLang builds it: the catch-up's last row gives the first level (the `topk` most
+likely tokens); each further level expands every node of the previous one by its `topk` most likely
+children and keeps the `topk` whose cumulative probability (the product along their path) is best;
+of every node so drafted, the request's budget of the best by cumulative probability form its tree
+(a child never scores above its parent, so each kept node's path is kept). Drafts are the head's
+proposals (deterministic given the context), verified exactly for greedy and sampled requests alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from srt.configs.model_config import ModelConfig, ModelLoadError
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.models.llama import LlamaForCausalLM
+from srt.models.llama_eagle import EagleHead
+from srt.speculative.draft_tree import DraftTree
+from srt.speculative.proposer import Proposer
+
+if TYPE_CHECKING:
+    from srt.managers.schedule_batch import BatchBuilder, Req, ScheduleBatch
+    from srt.managers.tp_worker import BatchResult
+    from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+HEAD_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
+
+
+def head_config(server_args: ServerArgs, target: ModelConfig) -> ModelConfig:
+    """The head's config, checked against the target (a clear error naming the flag when it does
+    not fit), with the architecture the head runs as."""
+    algo, path = server_args.speculative_algorithm, server_args.speculative_draft_model_path
+    assert algo in HEAD_ARCHITECTURES and path is not None, "checked with the options"
+    flag = f"--speculative-draft-model-path {path}"
+    config = ModelConfig.from_path(path, server_args.context_length)
+    arch = HEAD_ARCHITECTURES[algo]
+    # SafeAILab's EAGLE checkpoints name the architecture they extend (LlamaForCausalLM)
+    if config.architecture not in (arch, "LlamaForCausalLM"):
+        raise ModelLoadError(
+            f"{flag}: an {algo} head's config.json names architecture {arch} (or LlamaForCausalLM); "
+            f"this one {config.architecture}"
+        )
+    if target.architecture.startswith("Deepseek"):
+        raise ModelLoadError(
+            f"--speculative-algorithm {algo} drafts for Llama-family targets; this is {target.architecture}"
+        )
+    hf = config.hf_config
+    want = (getattr(hf, "target_hidden_size", None) or config.hidden_size) if algo == "EAGLE3" else config.hidden_size
+    if want != target.hidden_size:
+        raise ModelLoadError(
+            f"{flag}: the head reads hidden states of size {want}; the target's are {target.hidden_size}"
+        )
+    if config.vocab_size != target.vocab_size:
+        raise ModelLoadError(
+            f"{flag}: the head's vocabulary has {config.vocab_size} tokens, the target's {target.vocab_size}; "
+            "a head must be trained for its target"
+        )
+    return dataclasses.replace(config, architecture=arch)
+
+
+def aux_layers(head: ModelConfig, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose input an EAGLE-3 head reads: the checkpoint's
+    `eagle_config.eagle_aux_hidden_state_layer_ids` (each layer's output), else SGLang's default
+    (the inputs of layers 2, n // 2 and n - 3), kept within the model."""
+    ids = (getattr(head.hf_config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = [i + 1 for i in ids] if ids else [2, num_layers // 2, num_layers - 3]
+    return tuple(min(max(i, 0), num_layers) for i in layers)
+
+
+class EagleProposer(Proposer):
+    def __init__(self, server_args: ServerArgs, target: ModelRunner, target_config: ModelConfig):
+        super().__init__(server_args, target_config.context_len)
+        a = server_args
+        assert a.speculative_eagle_topk is not None
+        self.topk = a.speculative_eagle_topk
+        self.algorithm = a.speculative_algorithm
+        config = head_config(a, target_config)
+        # the target's slots, then a scratch slot per draft node of every running request
+        running = target.max_running_requests
+        self.slots_end = target.max_total_num_tokens + target.page_size
+        scratch = running * self.topk * self.max_depth
+        draft_args = dataclasses.replace(
+            a,
+            model_path=a.speculative_draft_model_path,
+            tokenizer_path=None,
+            quantization=None,
+            page_size=1,
+            max_total_tokens=self.slots_end + scratch,
+            max_running_requests=running * self.topk,
+            enable_torch_compile=False,
+            speculative_algorithm=None,
+            speculative_draft_model_path=None,
+            speculative_num_steps=None,
+            speculative_eagle_topk=None,
+            speculative_num_draft_tokens=None,
+        )
+        self.runner = ModelRunner(config, draft_args)
+        self.head = cast(EagleHead, self.runner.model)
+        target_model = cast(LlamaForCausalLM, target.model)
+        self.head.attach_target(target_model.model.embed_tokens, target_model.lm_head)
+        if self.algorithm == "EAGLE3":
+            target_model.model.aux_layers = aux_layers(config, target_config.num_hidden_layers)
+        target.capture_hidden = True
+        self.target_table = target.req_to_token_pool.req_to_token
+        self.device = self.runner.device
+        self.allocator = self.runner.token_to_kv_pool_allocator
+        # the target's slots are the head's by position: only the scratch range is handed out
+        self.allocator.free_pages = torch.arange(self.slots_end, self.allocator.num_pages + 1, dtype=torch.int64)
+        self.allocator.is_free[: self.slots_end] = False
+        self.table = self.runner.req_to_token_pool
+        self.hot = self.head.hot_token_ids
+        self.draft_forwards = 0
+        logger.info(
+            "%s head %s: %d layer(s), %s, draft KV by the target's slots + %d scratch slots",
+            self.algorithm,
+            a.speculative_draft_model_path,
+            config.num_hidden_layers,
+            f"aux layers {target_model.model.aux_layers}" if self.algorithm == "EAGLE3" else "last hidden state",
+            scratch,
+        )
+
+    # -- the target's hidden states -----------------------------------------------------------------
+
+    def on_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """A prefill chunk's rows are its positions' hidden states: keep them for the head."""
+        if not batch.forward_mode.is_extend() or result.hidden_states is None:
+            return
+        assert batch.kv_starts is not None and batch.kv_ends is not None
+        row = 0
+        for req, start, end in zip(batch.reqs, batch.kv_starts, batch.kv_ends):
+            self._keep(req, start, result.hidden_states[row : row + end - start])
+            row += end - start
+
+    def on_verified(self, req: Req, hidden: torch.Tensor | None, root: int, rows: list[int]) -> None:
+        """A decode or verify step kept the tokens of `rows` (the accepted path's first rows, the
+        root first): their hidden states are those of positions root, root + 1, ..."""
+        if hidden is not None and rows:
+            self._keep(req, root, hidden[rows])
+
+    def _keep(self, req: Req, start: int, rows: torch.Tensor) -> None:
+        pending = sum(len(h) for h in req.spec_hidden)
+        if start != req.draft_kv_len + pending:  # a gap (a cached prefix, a restart): resume from here
+            req.spec_hidden = []
+            req.draft_kv_len = start
+        req.spec_hidden.append(rows)
+
+    # -- the head's cache ---------------------------------------------------------------------------
+
+    def forget(self, req: Req) -> None:
+        if req.draft_rows:
+            self.table.free(req.draft_rows)
+        req.draft_rows, req.draft_kv_len, req.spec_hidden = [], 0, []
+
+    def in_use(self) -> int:
+        return self.allocator.size - self.slots_end + 1 - self.allocator.available_size()
+
+    def stats(self) -> dict:
+        return {**super().stats(), "draft_kv_used": self.in_use(), "draft_forwards": self.draft_forwards}
+
+    def _forward(self, mode, input_ids, rows, seq_lens, prefix_lens, loc, hidden, positions=None):
+        fb = ForwardBatch.build(
+            mode, input_ids, rows, seq_lens, prefix_lens, loc, self.device, positions=positions, spec_hidden=hidden
+        )
+        self.draft_forwards += 1
+        with torch.inference_mode():
+            return self.runner.forward(fb)
+
+    def _catch_up(self, reqs: list[Req]) -> tuple[list[Req], torch.Tensor | None, torch.Tensor | None]:
+        """Extend each request's head KV over the confirmed tokens whose hidden states it kept. Returns
+        the requests now caught up to their last token (ready to draft), and for them the extend's
+        last-row logits (the first draft level) and hidden states (what the next level reads)."""
+        rows, input_ids, seq_lens, prefix_lens, hidden, caught = [], [], [], [], [], []
+        for r in reqs:
+            ids = r.fill_ids
+            # entry t joins token t + 1 with the hidden state at t: up to the last confirmed token
+            n = min(sum(len(h) for h in r.spec_hidden), len(ids) - 1 - r.draft_kv_len)
+            if n <= 0:
+                continue
+            if not r.draft_rows:
+                slots = self.table.alloc(self.topk)
+                if slots is None:
+                    continue
+                r.draft_rows = slots
+            start, end = r.draft_kv_len, r.draft_kv_len + n
+            self.table.write(r.draft_rows[0], 0, self.target_table[r.req_pool_idx, :end])
+            input_ids += ids[start + 1 : end + 1]
+            rows.append(r.draft_rows[0])
+            prefix_lens.append(start)
+            seq_lens.append(end)
+            hidden.append(torch.cat(r.spec_hidden)[:n])
+            r.spec_hidden, r.draft_kv_len = [], end
+            caught.append(r)
+        if not caught:
+            return [], None, None
+        loc = torch.cat([self.table.req_to_token[row, p:s].long() for row, p, s in zip(rows, prefix_lens, seq_lens)])
+        out = self._forward(ForwardMode.EXTEND, input_ids, rows, seq_lens, prefix_lens, loc, torch.cat(hidden))
+        assert out.hidden_states is not None, "a head returns its hidden states"
+        last = torch.tensor(seq_lens) - torch.tensor(prefix_lens)
+        last = (last.cumsum(0) - 1).to(out.hidden_states.device)
+        keep = [i for i, r in enumerate(caught) if r.draft_kv_len == r.seq_len - 1]
+        if not keep:
+            return [], None, None
+        pick = torch.tensor(keep, device=out.hidden_states.device)
+        return [caught[i] for i in keep], out.next_token_logits[pick], out.hidden_states[last[pick]]
+
+    # -- drafting -----------------------------------------------------------------------------------
+
+    def draft(self, reqs: list[Req], budgets: list[int], builder: BatchBuilder, free_slots: int) -> list[DraftTree]:
+        budget_of = {id(r): n for r, n in zip(reqs, budgets)}
+        # every request with kept hidden states catches up (drafting or not: they would pile up)
+        ready, logits, hidden = self._catch_up(list(reqs))
+        trees = {id(r): DraftTree() for r in reqs}
+        drafting = [
+            i for i, r in enumerate(ready) if budget_of[id(r)] > 0 and r.seq_len + self.max_depth + 1 < self.context_len
+        ]
+        if drafting:
+            assert logits is not None and hidden is not None
+            pick = torch.tensor(drafting, device=logits.device)
+            chosen = [ready[i] for i in drafting]
+            grown = self._grow(chosen, logits[pick], hidden[pick], [budget_of[id(r)] for r in chosen])
+            for r, tree in zip(chosen, grown):
+                trees[id(r)], free_slots = self.fit(r, tree, builder, free_slots)
+        return [trees[id(r)] for r in reqs]
+
+    def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """Each row's `topk` most likely tokens (target ids) and their probabilities."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        p, idx = probs.topk(min(self.topk, probs.shape[-1]), dim=-1)
+        if self.hot is not None:
+            idx = cast(torch.Tensor, self.hot).to(idx.device)[idx]
+        return p.tolist(), idx.tolist()
+
+    def _grow(
+        self, reqs: list[Req], first: torch.Tensor, first_hidden: torch.Tensor, budgets: list[int]
+    ) -> list[DraftTree]:
+        """Each request's tree (see the module docstring): `first` and `first_hidden` are the
+        catch-up's last row, whose position is the request's last confirmed token's minus one."""
+        # nodes of request i: (token, parent node or -1 for the root, cumulative probability, depth)
+        nodes: list[list[tuple[int, int, float, int]]] = [[] for _ in reqs]
+        slot_of: list[dict[int, int]] = [{} for _ in reqs]  # node -> the scratch slot of its head entry
+        p, idx = self._top(first)
+        frontier: list[list[int]] = []
+        for i in range(len(reqs)):
+            frontier.append([])
+            for prob, tok in zip(p[i], idx[i]):
+                nodes[i].append((tok, -1, prob, 1))
+                frontier[i].append(len(nodes[i]) - 1)
+        parent_hidden = {(i, n): first_hidden[i] for i in range(len(reqs)) for n in frontier[i]}
+        levels = min(self.max_depth, max(budgets, default=0))
+        table = self.table.req_to_token
+        scratch: list[torch.Tensor] = []
+        for r in reqs:  # branch rows share the confirmed part of the request's row
+            for row in r.draft_rows[1:]:
+                table[row, : r.draft_kv_len] = table[r.draft_rows[0], : r.draft_kv_len]
+        for level in range(2, levels + 1):
+            active = [(i, n) for i in range(len(reqs)) for n in frontier[i]]
+            loc = self.allocator.alloc(len(active))
+            if loc is None:
+                break
+            scratch.append(loc)
+            input_ids, rows, positions = [], [], []
+            for (i, n), slot in zip(active, loc.tolist()):
+                r = reqs[i]
+                row = r.draft_rows[frontier[i].index(n)]
+                base = r.draft_kv_len  # the head's first entry after the confirmed ones
+                path = []
+                a = nodes[i][n][1]
+                while a >= 0:
+                    path.append(slot_of[i][a])
+                    a = nodes[i][a][1]
+                path.reverse()
+                if path:
+                    table[row, base : base + len(path)] = torch.tensor(path, dtype=table.dtype)
+                table[row, base + len(path)] = slot
+                slot_of[i][n] = slot
+                input_ids.append(nodes[i][n][0])
+                rows.append(row)
+                positions.append(base + len(path))
+            hidden = torch.stack([parent_hidden[key] for key in active])
+            out = self._forward(ForwardMode.DECODE, input_ids, rows, [q + 1 for q in positions], positions, loc, hidden)
+            assert out.hidden_states is not None, "a head returns its hidden states"
+            p, idx = self._top(out.next_token_logits)
+            candidates: list[list[tuple[float, int, int]]] = [[] for _ in reqs]
+            for j, (i, n) in enumerate(active):
+                score = nodes[i][n][2]
+                for prob, tok in zip(p[j], idx[j]):
+                    nodes[i].append((tok, n, score * prob, level))
+                    child = len(nodes[i]) - 1
+                    candidates[i].append((score * prob, child, j))
+            parent_hidden = {}
+            for i in range(len(reqs)):
+                best = sorted(candidates[i], key=lambda c: -c[0])[: self.topk]
+                frontier[i] = [child for _, child, _ in best]
+                for _, child, j in best:
+                    parent_hidden[(i, child)] = out.hidden_states[j]
+            if not any(frontier):
+                break
+        for loc in scratch:  # draft levels' KV: the next catch-up computes what is accepted
+            self.allocator.free(loc)
+        return [self._tree(nodes[i], budgets[i]) for i in range(len(reqs))]
+
+    @staticmethod
+    def _tree(nodes: list[tuple[int, int, float, int]], budget: int) -> DraftTree:
+        """The `budget` best nodes by cumulative probability (each with its parent), in BFS order."""
+        keep: set[int] = set()
+        for n in sorted(range(len(nodes)), key=lambda n: (-nodes[n][2], nodes[n][3], n)):
+            if len(keep) >= budget:
+                break
+            if nodes[n][1] < 0 or nodes[n][1] in keep:
+                keep.add(n)
+        tree, new = DraftTree(), {-1: 0}
+        for n in sorted(keep, key=lambda n: (nodes[n][3], n)):
+            new[n] = tree.add(new[nodes[n][1]], nodes[n][0])
+        return tree

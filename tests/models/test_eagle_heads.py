@@ -1,0 +1,119 @@
+"""EAGLE draft heads and the target's hidden-state capture, in process (no server): the target's
+captured states against HF transformers, SGLang's EAGLE and EAGLE-3 checkpoint layouts, and the
+errors for a head that does not fit its target."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import write_eagle_head
+from transformers import AutoModelForCausalLM
+
+from srt.configs.model_config import ModelConfig
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 5, 300, 12]
+
+
+def extend(runner, ids: list[int], **extra):
+    """One prefill of `ids` on `runner` (a fresh request row; its KV stays allocated)."""
+    row = runner.req_to_token_pool.alloc(1)[0]
+    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
+    runner.req_to_token_pool.write(row, 0, loc)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [row], [len(ids)], [0], loc, runner.device, **extra)
+    with torch.inference_mode():
+        return runner.forward(fb)
+
+
+def test_target_captures_its_hidden_states_as_hf_computes_them(tiny_model_factory, runner_factory):
+    path = tiny_model_factory("LlamaForCausalLM", num_hidden_layers=4)
+    runner = runner_factory(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    plain = extend(runner, PROMPT)
+    assert plain.hidden_states is None  # nothing captured unless asked
+    out = extend(runner, PROMPT, capture_hidden=True)
+    torch.testing.assert_close(out.hidden_states, ref[-1][0], atol=1e-4, rtol=1e-4)  # the final norm's output
+    # EAGLE-3: the residual stream entering layers 1, 2 and 3, side by side
+    runner.model.model.aux_layers = (1, 3, 2)
+    out = extend(runner, PROMPT, capture_hidden=True)
+    want = torch.cat([ref[1][0], ref[3][0], ref[2][0]], dim=-1)
+    torch.testing.assert_close(out.hidden_states, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.next_token_logits[0], hf(torch.tensor([PROMPT])).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def head_runner(path: str, architecture: str, target_model):
+    """A model runner (KV pool, attention backend) for the head, sharing the target's embedding."""
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=path, dtype="float32", max_total_tokens=256, max_running_requests=4)
+    config = ModelConfig.from_path(path)
+    config.architecture = architecture
+    runner = ModelRunner(config, args)
+    runner.model.attach_target(target_model.model.embed_tokens, target_model.lm_head)
+    return runner
+
+
+def test_eagle_head_loads_sglang_layout_and_computes_its_formula(tiny_model_factory, runner_factory, tmp_path):
+    target_path = tiny_model_factory("LlamaForCausalLM", num_hidden_layers=4)
+    target = runner_factory(target_path).model
+    path = write_eagle_head(str(tmp_path / "eagle"), target_path, "eagle")
+    runner = head_runner(path, "LlamaForCausalLMEagle", target)
+    from safetensors.torch import load_file
+
+    w = load_file(os.path.join(path, "model.safetensors"))
+    # a one-token row through the formula by hand: fc([embed, hidden]), attention over itself (its
+    # value, o_proj), the post-attention norm and MLP on the residual stream, no final norm
+    tok, hidden = 17, torch.randn(1, 64)
+    emb = target.model.embed_tokens.weight[tok : tok + 1]
+    x = torch.cat([emb, hidden], -1) @ w["fc.weight"].T + w["fc.bias"]
+    v = x @ w["layers.0.self_attn.v_proj.weight"].T  # a single key: attention returns its value
+    v = v.view(1, 2, 16).repeat_interleave(2, dim=1).reshape(1, 64)  # 4 query heads over 2 KV heads
+    x = x + v @ w["layers.0.self_attn.o_proj.weight"].T
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    gate, up = n @ w["layers.0.mlp.gate_proj.weight"].T, n @ w["layers.0.mlp.up_proj.weight"].T
+    want = x + (torch.nn.functional.silu(gate) * up) @ w["layers.0.mlp.down_proj.weight"].T
+    out = extend(runner, [tok], spec_hidden=hidden)
+    torch.testing.assert_close(out.hidden_states, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.next_token_logits, want @ target.lm_head.weight.T, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_head_maps_its_vocabulary_and_fuses_three_layers(tiny_model_factory, runner_factory, tmp_path):
+    target_path = tiny_model_factory("LlamaForCausalLM", num_hidden_layers=4)
+    target = runner_factory(target_path).model
+    path = write_eagle_head(str(tmp_path / "eagle3"), target_path, "eagle3")
+    runner = head_runner(path, "LlamaForCausalLMEagle3", target)
+    head = runner.model
+    assert head.hot_token_ids is not None and head.hot_token_ids.tolist() == [3 * i for i in range(64)]
+    assert head.lm_head is not target.lm_head
+    # the first row fuses the target's three layers (192 wide); a deeper level feeds its own 64
+    first = extend(runner, [17, 5], spec_hidden=torch.randn(2, 192))
+    assert first.next_token_logits.shape == (1, 64) and first.hidden_states.shape == (2, 64)
+    deeper = extend(runner, [9], spec_hidden=first.hidden_states[-1:])
+    assert deeper.next_token_logits.shape == (1, 64)
+
+
+@pytest.mark.parametrize(
+    "kind,change,message",
+    [
+        ("eagle", {"hidden_size": 32}, "hidden states of size 32"),
+        ("eagle3", {"target_hidden_size": 48}, "hidden states of size 48"),
+        ("eagle", {"vocab_size": 500}, "vocabulary has 500 tokens"),
+        ("eagle3", {"architectures": ["MistralForCausalLM"]}, "names architecture LlamaForCausalLMEagle3"),
+    ],
+)
+def test_heads_that_do_not_fit_are_refused(kind, change, message, tiny_model_factory, tmp_path):
+    from srt.configs.model_config import ModelLoadError
+    from srt.server_args import ServerArgs
+    from srt.speculative.eagle_worker import head_config
+
+    target_path = tiny_model_factory("LlamaForCausalLM", num_hidden_layers=4)
+    path = write_eagle_head(str(tmp_path / kind), target_path, kind, **change)
+    args = ServerArgs(model_path=target_path, speculative_algorithm=kind.upper(), speculative_draft_model_path=path)
+    with pytest.raises(ModelLoadError, match=message) as e:
+        head_config(args, ModelConfig.from_path(target_path))
+    assert "--speculative-draft-model-path" in str(e.value) or "architecture" in str(e.value)

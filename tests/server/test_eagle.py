@@ -1,0 +1,207 @@
+"""EAGLE and EAGLE-3 drafting through live servers.
+
+The target is a one-layer random Llama whose attention output is zeroed (each next token is a
+function of the current one: `build_bigram_model`), so a head made of the target's own layer behind
+an `fc` that passes the token's embedding through predicts exactly what the target does: its drafts
+are all accepted. Random heads (EAGLE-3 with a vocabulary of the target's most frequent output
+tokens) check exactness with drafts that mostly fail. Every scenario: outputs token-identical to the
+plain server, drafts accepted, the KV pools (target and head) back to their baseline."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+from collections import Counter
+
+import pytest
+from conftest import (
+    accepted_drafts,
+    at_baseline,
+    build_bigram_model,
+    check_spec_meta,
+    generate_all,
+    write_eagle_head,
+)
+
+PROMPTS = [
+    "one two three four one two three four",
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+ALWAYS = {"RADIXSERVE_SPEC_ALWAYS_DRAFT": "1"}  # exactness needs drafts, whether or not they pay here
+BASE = ("--max-total-tokens", "4096")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_chat_model):
+    root = tmp_path_factory.mktemp("eagle")
+    target = build_bigram_model(str(root / "bigram"), tiny_chat_model)
+    return {"target": target, "copied": write_eagle_head(str(root / "copied"), target, "eagle", copy_layer=True)}
+
+
+@pytest.fixture(scope="module")
+def plain(shared_server, models):
+    return shared_server("--model-path", models["target"], *BASE)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return plain.generate(text=PROMPTS, sampling_params=GREEDY)
+
+
+@pytest.fixture(scope="module")
+def chain(shared_server, models):
+    """The copied-layer head drafting chains of 5: every draft should hold."""
+    return shared_server(
+        "--model-path",
+        models["target"],
+        *BASE,
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        models["copied"],
+        "--speculative-num-steps",
+        "5",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "6",
+        env=ALWAYS,
+    )
+
+
+@pytest.fixture(scope="module")
+def tree(shared_server, models):
+    """The copied-layer head's trees (top-4 per level, 8 nodes; verified with tree masks, accepted KV
+    moved), pages of 4, prompts in chunks of 16."""
+    return shared_server(
+        "--model-path",
+        models["target"],
+        *BASE,
+        "--page-size",
+        "4",
+        "--chunked-prefill-size",
+        "16",
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        models["copied"],
+        env=ALWAYS,
+    )
+
+
+@pytest.fixture(scope="module")
+def eagle3(shared_server, models, reference, tmp_path_factory):
+    """A random EAGLE-3 head whose vocabulary is the target's 8 most frequent output tokens."""
+    counts = collections.Counter(t for r in reference for t in r["output_ids"])
+    hot = [t for t, _ in counts.most_common(8)]
+    head = write_eagle_head(str(tmp_path_factory.mktemp("eagle3")), models["target"], "eagle3", hot_tokens=hot)
+    return shared_server(
+        "--model-path",
+        models["target"],
+        *BASE,
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        head,
+        env=ALWAYS,
+    )
+
+
+def test_the_targets_own_layer_as_head_is_accepted_near_its_maximum(chain, reference):
+    for _ in range(2):  # the second round hits the radix cache: the head's KV is shared with the target's
+        outs = chain.generate(text=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in reference]
+        for o in outs:
+            check_spec_meta(o)
+            assert o["meta_info"]["spec_accept_length"] > 5  # of at most 6 (5 drafts and the target's token)
+    assert chain.state()["spec_accept_rate"] > 0.95
+    at_baseline(chain)
+
+
+@pytest.mark.parametrize("name", ["tree", "eagle3"])
+def test_greedy_outputs_equal_the_plain_server(request, name, reference):
+    server = request.getfixturevalue(name)
+    for _ in range(2):
+        outs = server.generate(text=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in reference]
+        assert [o["text"] for o in outs] == [r["text"] for r in reference]
+        for o in outs:
+            check_spec_meta(o)
+    assert accepted_drafts(outs) > 0, "no draft was ever accepted: the test exercises nothing"
+    at_baseline(server)
+
+
+SAMPLED = {"temperature": 0.3, "top_p": 0.95, "max_new_tokens": 24, "ignore_eos": True}
+
+
+def test_seeded_sampling_stop_conditions_and_n(tree, plain, reference):
+    """Seeded sampled requests draw the same tokens with drafts as without; stop conditions cut
+    inside an accepted run; n > 1 samples are requests of their own."""
+    bodies = [{"text": p, "sampling_params": {**SAMPLED, "sampling_seed": s}} for p in PROMPTS for s in (1, 2)]
+    ids = reference[0]["output_ids"]
+    bodies += [
+        {"text": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 23, "ignore_eos": True}},
+        {"text": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 40, "stop_token_ids": [ids[17]]}},
+        {
+            "text": PROMPTS[1],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 40, "stop": [reference[1]["text"][20:26]]},
+        },
+        {"text": PROMPTS[2], "sampling_params": {**GREEDY, "n": 2}},
+    ]
+    want, got = generate_all(plain, bodies), generate_all(tree, bodies)
+    flat = [o for out in got for o in (out if isinstance(out, list) else [out])]
+    for w, g in zip(want, got):
+        w, g = (w, g) if isinstance(w, list) else ([w], [g])
+        assert [o["output_ids"] for o in g] == [o["output_ids"] for o in w]
+        assert [o["meta_info"]["finish_reason"] for o in g] == [o["meta_info"]["finish_reason"] for o in w]
+    assert accepted_drafts(flat) > len(bodies)
+    at_baseline(tree)
+
+
+def chi_square_critical(df: int, z: float = 3.090) -> float:
+    """Wilson-Hilferty: the chi-square quantile at the normal quantile z (3.090: significance 0.001)."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+@pytest.mark.full
+def test_sampling_keeps_its_distribution(tree, plain):
+    """The first three sampled tokens of 1200 requests with EAGLE drafts and 1200 without come from
+    one distribution (two-sample chi-square at significance 0.001; rare outcomes pooled)."""
+    n, params = 1200, {"temperature": 0.05, "max_new_tokens": 3, "ignore_eos": True}
+    seeded = [[{**params, "sampling_seed": side * n + i} for i in range(n)] for side in range(2)]
+    runs = [server.generate(text=[PROMPTS[0]] * n, sampling_params=p) for server, p in zip((tree, plain), seeded)]
+    assert accepted_drafts(runs[0]) > n // 4, "drafts must be accepted for the test to mean anything"
+    counts = [Counter(tuple(o["output_ids"]) for o in outs) for outs in runs]
+    cells, pooled = [], [0, 0]
+    for seq in set(counts[0]) | set(counts[1]):
+        a, b = counts[0][seq], counts[1][seq]
+        if a + b < 10:
+            pooled = [pooled[0] + a, pooled[1] + b]
+        else:
+            cells.append((a, b))
+    cells.append(tuple(pooled))
+    stat = sum((a - (a + b) / 2) ** 2 / ((a + b) / 2) * 2 for a, b in cells if a + b)
+    assert len(cells) > 5 and stat < chi_square_critical(len(cells) - 1)
+    at_baseline(tree)
+
+
+def test_a_head_for_another_model_is_a_startup_error(server_factory, models, tmp_path, tiny_model_factory):
+    other = write_eagle_head(str(tmp_path / "other"), tiny_model_factory("LlamaForCausalLM"), "eagle")
+    from conftest import ServerStartError
+
+    with pytest.raises(ServerStartError) as e:
+        server_factory(
+            "--model-path",
+            models["target"],
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-draft-model-path",
+            other,
+        )
+    assert "--speculative-draft-model-path" in e.value.log and "vocabulary" in e.value.log
+    assert os.path.isdir(other)
