@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEAD_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
+MAX_PENDING_ROWS = 64  # a request's kept hidden states before a step without drafts catches it up
 
 
 def head_config(server_args: ServerArgs, target: ModelConfig) -> ModelConfig:
@@ -164,6 +165,12 @@ class EagleProposer(Proposer):
             req.spec_hidden = []
             req.draft_kv_len = start
         req.spec_hidden.append(rows)
+
+    def observe(self, req: Req) -> None:
+        """A step without drafts: a request whose kept hidden states pile up (drafts do not pay for
+        it now) catches up on its own, so they stay bounded."""
+        if sum(len(h) for h in req.spec_hidden) >= MAX_PENDING_ROWS:
+            self._catch_up([req])
 
     # -- the head's cache ---------------------------------------------------------------------------
 

@@ -75,7 +75,12 @@ def test_capacity_bounds_the_trie():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(speculative_algorithm="EAGLE"), "--speculative-algorithm must be one of"),
+        (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm must be one of"),
+        (dict(speculative_algorithm="EAGLE"), "EAGLE needs --speculative-draft-model-path"),
+        (
+            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", tp_size=2),
+            "EAGLE3 does not work with --tp-size > 1",
+        ),
         (dict(speculative_algorithm="NGRAM", speculative_num_steps=3), "set all three or none"),
         (dict(speculative_num_draft_tokens=4), "--speculative-num-draft-tokens needs --speculative-algorithm"),
         (
