@@ -205,3 +205,67 @@ def test_a_head_for_another_model_is_a_startup_error(server_factory, models, tmp
         )
     assert "--speculative-draft-model-path" in e.value.log and "vocabulary" in e.value.log
     assert os.path.isdir(other)
+
+
+def test_constrained_logprob_and_penalized_requests(tree, plain, reference):
+    """A grammar drops the drafts it forbids; logprobs come from each accepted token's own row;
+    min_new_tokens counts the drafts; penalized requests run as plain decoding."""
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    lp = {"return_logprob": True, "top_logprobs_num": 3}
+    bodies = [
+        {"text": PROMPTS[2], "sampling_params": {**GREEDY, "json_schema": json.dumps(schema), "ignore_eos": False}},
+        {"text": PROMPTS[0], "sampling_params": {**GREEDY, "regex": "[a-z ]{10,30}", "ignore_eos": False}},
+        {"text": PROMPTS[1], "sampling_params": {**GREEDY, "min_new_tokens": 20, "stop_token_ids": [2]}},
+        {"text": PROMPTS[3], "sampling_params": {**GREEDY, "repetition_penalty": 1.3}},
+        {"text": PROMPTS[0], "sampling_params": GREEDY, **lp},
+    ]
+    want, got = generate_all(plain, bodies), generate_all(tree, bodies)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [o["text"] for o in got] == [o["text"] for o in want]
+    mine, ref = got[-1]["meta_info"], want[-1]["meta_info"]
+    assert [t[1] for t in mine["output_token_logprobs"]] == reference[0]["output_ids"]
+    for a, b in zip(mine["output_token_logprobs"], ref["output_token_logprobs"]):
+        assert a[0] == pytest.approx(b[0], abs=1e-4)
+    assert [[t[1] for t in top] for top in mine["output_top_logprobs"]] == [
+        [t[1] for t in top] for top in ref["output_top_logprobs"]
+    ]
+    assert got[3]["meta_info"]["spec_accept_histogram"] == [got[3]["meta_info"]["spec_verify_ct"]]
+    assert accepted_drafts(got[-1:]) > 0
+    at_baseline(tree)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_retraction_chunking_and_8bit_kv(kv, shared_server, models):
+    """A tiny pool forces retractions (drafts get what one decode step of every request leaves free)
+    and chunked prefills, with the head's KV in the same format as the target's: outputs equal a
+    roomy plain server's with the same KV format, and both pools are whole when idle."""
+    import asyncio
+
+    from test_retraction import run_all, tree_prompts
+
+    bodies = tree_prompts(120)
+    common = ("--model-path", models["target"], "--kv-cache-dtype", kv)
+    roomy = shared_server(*common, "--max-total-tokens", "60000")
+    expect = asyncio.run(run_all(roomy.url, bodies))
+    tight = shared_server(
+        *common,
+        "--max-total-tokens",
+        "400",
+        "--chunked-prefill-size",
+        "64",
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        models["copied"],
+        env=ALWAYS,
+    )
+    before = tight.wait_idle()
+    got = asyncio.run(run_all(tight.url, bodies))
+    assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expect]
+    assert accepted_drafts(got) > 0
+    state = tight.wait_idle()
+    assert state["total_retractions"] > before["total_retractions"]
+    at_baseline(tight)
