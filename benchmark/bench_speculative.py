@@ -1,8 +1,9 @@
-"""Speculative decoding (NGRAM or STANDALONE) on vs off, one run, same machine: output tok/s and accept length.
+"""Speculative decoding (NGRAM, STANDALONE, EAGLE, EAGLE3) on vs off, one run: output tok/s and accept length.
 
     python benchmark/bench_speculative.py                     # default model, batch 1 and 16
     python benchmark/bench_speculative.py --batch-sizes 1 --max-new-tokens 128 --json spec.json
     python benchmark/bench_speculative.py --draft-model PATH    # STANDALONE instead of NGRAM
+    python benchmark/bench_speculative.py --algorithm EAGLE --draft-model HEAD   # an EAGLE head
 
 Two workloads through /generate (chat-formatted with the model's own template, greedy):
 - repetitive: raw completion of 40 lines of a source file of this project followed by the start of
@@ -114,8 +115,11 @@ def main() -> None:
     ap.add_argument("--extra-flags", default="", help="more server flags for both servers")
     ap.add_argument("--repeats", type=int, default=3, help="rounds per (workload, batch size)")
     ap.add_argument(
-        "--draft-model", help="compare --speculative-algorithm STANDALONE with this draft model instead of NGRAM"
+        "--algorithm",
+        choices=["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"],
+        help="the speculative server's --speculative-algorithm (default: NGRAM, or STANDALONE with --draft-model)",
     )
+    ap.add_argument("--draft-model", help="its --speculative-draft-model-path (a draft model, or an EAGLE head)")
     ap.add_argument("--spec-flags", default="", help="more flags for the speculative server only")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -129,9 +133,12 @@ def main() -> None:
     workloads = {"repetitive": repetitive_prompts, "random": random_prompts}
     results: dict = {"cpu": cpu, "model": model, "max_new_tokens": args.max_new_tokens, "runs": {}}
     extra = args.extra_flags.split()
-    spec = ["--speculative-algorithm", "NGRAM"]
+    algorithm = args.algorithm or ("STANDALONE" if args.draft_model else "NGRAM")
+    if algorithm != "NGRAM" and not args.draft_model:
+        ap.error(f"--algorithm {algorithm} needs --draft-model")
+    spec = ["--speculative-algorithm", algorithm]
     if args.draft_model:
-        spec = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", args.draft_model]
+        spec += ["--speculative-draft-model-path", args.draft_model]
     spec_name = spec[1].lower()
     steps = tqdm(total=len(workloads) * len(sizes) * args.repeats, desc="rounds")
     with (
