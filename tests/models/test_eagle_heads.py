@@ -117,3 +117,24 @@ def test_heads_that_do_not_fit_are_refused(kind, change, message, tiny_model_fac
     with pytest.raises(ModelLoadError, match=message) as e:
         head_config(args, ModelConfig.from_path(target_path))
     assert "--speculative-draft-model-path" in str(e.value) or "architecture" in str(e.value)
+
+
+def test_tree_keeps_the_best_nodes_with_their_parents_in_bfs_order():
+    from srt.speculative.eagle_worker import EagleProposer
+
+    # (token, parent, cumulative probability, depth)
+    nodes = [
+        (10, -1, 0.5, 1),
+        (11, -1, 0.3, 1),
+        (12, 0, 0.4, 2),  # 0.4 under a 0.5 parent
+        (13, 1, 0.3, 2),  # ties its parent: still after it
+        (14, 2, 0.35, 3),
+        (15, 3, 0.01, 3),
+    ]
+    tree = EagleProposer._tree(nodes, budget=4)
+    assert tree.tokens[1:] == [10, 11, 12, 14] and tree.parents == [-1, 0, 0, 1, 3]
+    assert tree.depths == [0, 1, 1, 2, 3]
+    whole = EagleProposer._tree(nodes, budget=10)
+    assert sorted(whole.tokens[1:]) == [10, 11, 12, 13, 14, 15]
+    assert all(whole.parents[i] < i for i in range(1, len(whole)))
+    assert EagleProposer._tree(nodes, budget=0).num_drafts == 0

@@ -269,3 +269,26 @@ def test_retraction_chunking_and_8bit_kv(kv, shared_server, models):
     state = tight.wait_idle()
     assert state["total_retractions"] > before["total_retractions"]
     at_baseline(tight)
+
+
+def test_a_head_whose_drafts_do_not_pay_stays_out_of_the_way(shared_server, models, plain, tmp_path_factory):
+    """Without forced drafting, the cost model soon stops drafting for a random head; its requests
+    still hand their hidden states to the head, which catches up every 64 rows on its own, and
+    outputs stay the plain server's."""
+    head = write_eagle_head(str(tmp_path_factory.mktemp("random-head")), models["target"], "eagle", seed=3)
+    server = shared_server(
+        "--model-path",
+        models["target"],
+        *BASE,
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        head,
+    )
+    params = {**GREEDY, "max_new_tokens": 160}
+    want = plain.generate(text=PROMPTS, sampling_params=params)
+    got = server.generate(text=PROMPTS, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    policy = server.state()["speculative"]
+    assert policy["plain_steps"] > policy["drafted_steps"] and policy["draft_forwards"] > 0
+    at_baseline(server)
