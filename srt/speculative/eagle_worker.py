@@ -35,6 +35,7 @@ from srt.model_executor.model_runner import ModelRunner
 from srt.models.llama import LlamaForCausalLM
 from srt.models.llama_eagle import EagleHead
 from srt.speculative.draft_tree import DraftTree
+from srt.speculative.draft_worker import DraftModelProposer
 from srt.speculative.proposer import Proposer
 
 if TYPE_CHECKING:
@@ -266,7 +267,9 @@ class EagleProposer(Proposer):
         # nodes of request i: (token, parent node or -1 for the root, cumulative probability, depth)
         nodes: list[list[tuple[int, int, float, int]]] = [[] for _ in reqs]
         slot_of: list[dict[int, int]] = [{} for _ in reqs]  # node -> the scratch slot of its head entry
-        p, idx = self._top(first)
+        # a constrained request drafts what its grammar allows (after its tokens, then the node's path)
+        constrain = DraftModelProposer._constrain
+        p, idx = self._top(constrain(first, [(r, []) for r in reqs]))
         frontier: list[list[int]] = []
         for i in range(len(reqs)):
             frontier.append([])
@@ -307,7 +310,8 @@ class EagleProposer(Proposer):
             hidden = torch.stack([parent_hidden[key] for key in active])
             out = self._forward(ForwardMode.DECODE, input_ids, rows, [q + 1 for q in positions], positions, loc, hidden)
             assert out.hidden_states is not None, "a head returns its hidden states"
-            p, idx = self._top(out.next_token_logits)
+            paths = [(reqs[i], self._path_tokens(nodes[i], n)) for i, n in active]
+            p, idx = self._top(constrain(out.next_token_logits, paths))
             candidates: list[list[tuple[float, int, int]]] = [[] for _ in reqs]
             for j, (i, n) in enumerate(active):
                 score = nodes[i][n][2]
@@ -326,6 +330,15 @@ class EagleProposer(Proposer):
         for loc in scratch:  # draft levels' KV: the next catch-up computes what is accepted
             self.allocator.free(loc)
         return [self._tree(nodes[i], budgets[i]) for i in range(len(reqs))]
+
+    @staticmethod
+    def _path_tokens(nodes: list[tuple[int, int, float, int]], n: int) -> list[int]:
+        """The draft tokens from the first level down to node n."""
+        path = []
+        while n >= 0:
+            path.append(nodes[n][0])
+            n = nodes[n][1]
+        return path[::-1]
 
     @staticmethod
     def _tree(nodes: list[tuple[int, int, float, int]], budget: int) -> DraftTree:

@@ -208,7 +208,8 @@ def test_a_head_for_another_model_is_a_startup_error(server_factory, models, tmp
 
 
 def test_constrained_logprob_and_penalized_requests(tree, plain, reference):
-    """A grammar drops the drafts it forbids; logprobs come from each accepted token's own row;
+    """The head drafts under a request's grammar, which also drops what it forbids; logprobs come
+    from each accepted token's own row;
     min_new_tokens counts the drafts; penalized requests run as plain decoding."""
     import json
 
@@ -216,7 +217,7 @@ def test_constrained_logprob_and_penalized_requests(tree, plain, reference):
     lp = {"return_logprob": True, "top_logprobs_num": 3}
     bodies = [
         {"text": PROMPTS[2], "sampling_params": {**GREEDY, "json_schema": json.dumps(schema), "ignore_eos": False}},
-        {"text": PROMPTS[0], "sampling_params": {**GREEDY, "regex": "[a-z ]{10,30}", "ignore_eos": False}},
+        {"text": PROMPTS[0], "sampling_params": {**GREEDY, "regex": "[a-z ]{100,160}", "ignore_eos": False}},
         {"text": PROMPTS[1], "sampling_params": {**GREEDY, "min_new_tokens": 20, "stop_token_ids": [2]}},
         {"text": PROMPTS[3], "sampling_params": {**GREEDY, "repetition_penalty": 1.3}},
         {"text": PROMPTS[0], "sampling_params": GREEDY, **lp},
@@ -232,6 +233,8 @@ def test_constrained_logprob_and_penalized_requests(tree, plain, reference):
         [t[1] for t in top] for top in ref["output_top_logprobs"]
     ]
     assert got[3]["meta_info"]["spec_accept_histogram"] == [got[3]["meta_info"]["spec_verify_ct"]]
+    # a constrained request's drafts (masked by its grammar, then pruned) are still accepted
+    assert accepted_drafts(got[1:2]) > 0
     assert accepted_drafts(got[-1:]) > 0
     at_baseline(tree)
 
