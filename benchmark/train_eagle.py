@@ -12,7 +12,8 @@ Self-distillation, in four stages (each with a progress bar):
 2. **Features.** HF transformers (float32) runs the model over every prompt + answer: each position's
    last hidden state after the final norm (what the server hands an EAGLE head) and its top-1 token.
 3. **Training.** The head is SGLang's EAGLE layout: `fc` (2H -> H, bias) over [embedding of token t+1,
-   feature of position t], then one Llama decoder layer without an input norm, whose output predicts the feature at t+1; logits through the model's own LM
+   feature of position t], then one Llama decoder layer without an input norm (random init, or
+   `--init-layer N`), whose output predicts the feature at t+1; logits through the model's own LM
    head. Loss: smooth L1 on the feature + 0.1 x cross-entropy on the model's top-1 token (EAGLE's
    recipe, with its uniform noise on input features). With `--ttt K` (default 2) the head is also
    trained on its own output, as EAGLE-3's training-time test: pass k's row t reads pass k-1's
@@ -46,18 +47,70 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 TOPICS = [
-    "the water cycle", "black holes", "photosynthesis", "the Roman Empire", "volcanoes", "honey bees",
-    "the stock market", "machine learning", "the human heart", "coffee", "chess", "the moon landing",
-    "electric cars", "rainforests", "the printing press", "jazz music", "sleep", "recycling",
-    "the Great Wall of China", "earthquakes", "penguins", "the internet", "vaccines", "solar panels",
-    "the Olympic Games", "ancient Egypt", "climate change", "friendship", "learning a new language",
-    "public speaking", "time management", "saving money", "gardening", "the ocean tides", "dinosaurs",
-    "the piano", "mountain climbing", "a rainy day", "a lighthouse keeper", "a lost cat", "a robot chef",
-    "a city at night", "the first day of school", "a trip to the desert", "an old library", "snowflakes",
-    "the speed of light", "gravity", "the French Revolution", "the immune system", "DNA",
-    "sorting algorithms", "databases", "the Python language", "unit testing", "version control",
-    "a job interview", "moving to a new city", "teamwork", "the scientific method", "bridges",
-    "the camera", "tea ceremonies", "the periodic table",
+    "the water cycle",
+    "black holes",
+    "photosynthesis",
+    "the Roman Empire",
+    "volcanoes",
+    "honey bees",
+    "the stock market",
+    "machine learning",
+    "the human heart",
+    "coffee",
+    "chess",
+    "the moon landing",
+    "electric cars",
+    "rainforests",
+    "the printing press",
+    "jazz music",
+    "sleep",
+    "recycling",
+    "the Great Wall of China",
+    "earthquakes",
+    "penguins",
+    "the internet",
+    "vaccines",
+    "solar panels",
+    "the Olympic Games",
+    "ancient Egypt",
+    "climate change",
+    "friendship",
+    "learning a new language",
+    "public speaking",
+    "time management",
+    "saving money",
+    "gardening",
+    "the ocean tides",
+    "dinosaurs",
+    "the piano",
+    "mountain climbing",
+    "a rainy day",
+    "a lighthouse keeper",
+    "a lost cat",
+    "a robot chef",
+    "a city at night",
+    "the first day of school",
+    "a trip to the desert",
+    "an old library",
+    "snowflakes",
+    "the speed of light",
+    "gravity",
+    "the French Revolution",
+    "the immune system",
+    "DNA",
+    "sorting algorithms",
+    "databases",
+    "the Python language",
+    "unit testing",
+    "version control",
+    "a job interview",
+    "moving to a new city",
+    "teamwork",
+    "the scientific method",
+    "bridges",
+    "the camera",
+    "tea ceremonies",
+    "the periodic table",
 ]
 INSTRUCTIONS = [
     "Explain {t} to a beginner.",
@@ -106,7 +159,9 @@ def answer(model_path: str, questions: list[str], max_new_tokens: int, tok) -> l
         bar = tqdm(total=len(ids), desc="answers", unit="prompt")
         for k in range(0, len(ids), 64):
             chunk = ids[k : k + 64]
-            outs = engine.generate(input_ids=chunk, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
+            outs = engine.generate(
+                input_ids=chunk, sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens}
+            )
             assert isinstance(outs, list)
             seqs += [(p + o["output_ids"], len(p)) for p, o in zip(chunk, outs)]
             bar.update(len(chunk))

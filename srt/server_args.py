@@ -372,6 +372,11 @@ class ServerArgs:
         "draft tree nodes verified per request and step, its last token included "
         "(automatic: 8 for NGRAM, 5 for STANDALONE, 8 for EAGLE / EAGLE3)",
     )
+    speculative_token_map: str | None = SPECULATIVE.opt(
+        None,
+        "EAGLE: FR-Spec's hot vocabulary, a file of token ids (a .pt tensor or list, or a JSON list): the "
+        "head drafts only these tokens, through an LM head of just their rows (cheaper draft levels)",
+    )
     speculative_ngram_min_match_window_size: int = SPECULATIVE.opt(1, "NGRAM: shortest suffix matched")
     speculative_ngram_max_match_window_size: int = SPECULATIVE.opt(12, "NGRAM: longest suffix matched")
     speculative_ngram_min_bfs_breadth: int = SPECULATIVE.opt(1, "NGRAM: branching after the longest match")

@@ -356,6 +356,43 @@ def build_bigram_model(path: str, source: str) -> str:
     return path
 
 
+def add_mtp_layer(path: str, bigram: bool = False) -> str:
+    """Give the tiny DeepSeek-V3 at `path` a multi-token-prediction layer, as its checkpoints carry
+    one: layer n (n = num_hidden_layers), a copy of layer n - 1 with `enorm`, `hnorm`, `eh_proj`,
+    `shared_head` (the model's final norm and LM head) and its own copy of the embedding. With
+    `bigram`, every layer's attention and MLP outputs are zeroed (each next token is a function of
+    the current one) and `eh_proj` passes the token's embedding through: the MTP layer then predicts
+    exactly what the model does."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    last = f"model.layers.{n - 1}."
+    mtp = f"model.layers.{n}."
+    weights |= {mtp + k.removeprefix(last): t.clone() for k, t in weights.items() if k.startswith(last)}
+    g = torch.Generator().manual_seed(n)
+    weights |= {
+        mtp + "enorm.weight": torch.ones(h),
+        mtp + "hnorm.weight": torch.ones(h),
+        mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * 0.08,
+        mtp + "shared_head.norm.weight": weights["model.norm.weight"].clone(),
+        mtp + "shared_head.head.weight": weights["lm_head.weight"].clone(),
+        mtp + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+    }
+    if bigram:
+        for k in weights:
+            if k.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+                weights[k] = torch.zeros_like(weights[k])
+        weights[mtp + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    save_file({k: v.contiguous() for k, v in weights.items()}, file)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "num_nextn_predict_layers": 1}, f)
+    return path
+
+
 # -- live servers -------------------------------------------------------------------------------
 
 import atexit  # noqa: E402

@@ -4,6 +4,7 @@ from srt.distributed.parallel_state import (
     get_tp_rank,
     get_tp_size,
     init_tp_group,
+    local_rank_only,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "get_tp_rank",
     "get_tp_size",
     "init_tp_group",
+    "local_rank_only",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
 ]

@@ -7,9 +7,11 @@ collectives, plus a gloo group on the host for the control messages rank 0 broad
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,6 +86,22 @@ def get_ep_rank() -> int:
 
 def get_tp_size() -> int:
     return _TP_SIZE
+
+
+@contextlib.contextmanager
+def local_rank_only() -> Iterator[None]:
+    """Build or run a model on this rank alone (an EAGLE head on rank 0): tp size 1 inside, so its
+    layers are whole and call no collective; the group's state (and torch's thread count, which a
+    model runner sets) comes back on exit."""
+    global _TP_RANK, _TP_SIZE, _EP_SIZE
+    saved, threads = (_TP_RANK, _TP_SIZE, _EP_SIZE), torch.get_num_threads()
+    _TP_RANK, _TP_SIZE, _EP_SIZE = 0, 1, 1
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE, _EP_SIZE = saved
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def get_cpu_group():

@@ -51,6 +51,21 @@ def iterate_weights(path: str, progress: bool = False) -> Iterator[tuple[str, to
             raise ModelLoadError(f"cannot read weights file {file}: {e}") from e
 
 
+def read_tensors(path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Just these tensors of the folder's checkpoint (a folder converted from a GGUF file writes its
+    dequantized safetensors first); a name it lacks is a ModelLoadError."""
+    if gguf_source(path) is not None:
+        write_weights(path)
+    found: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in set(names) & set(f.keys()):
+                found[name] = f.get_tensor(name)
+    if missing := [n for n in names if n not in found]:
+        raise ModelLoadError(f"{path}: the checkpoint has no tensor {missing[0]}")
+    return found
+
+
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 

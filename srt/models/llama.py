@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -248,49 +248,62 @@ class LlamaForCausalLM(nn.Module):
     checkpoint_renames: list[tuple[str, str]] = []
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Checkpoint tensors (HF names) into place: layers with a weight format take their weight
-        through `load_weight(tensor, shard_id)`, MoE experts through `load_expert(expert_id, shard,
-        tensor)`, other parameters through their `weight_loader`."""
-        targets: dict[str, Callable] = {}
-        experts: dict[str, Callable] = {}  # "<prefix>.experts" -> load_expert(expert_id, shard, tensor)
-        for prefix, module in self.named_modules():
-            if callable(load := getattr(module, "load_expert", None)):
-                experts[prefix] = load
+        """Checkpoint tensors (HF names) into place (see `load_checkpoint`)."""
 
-        def in_experts(name: str) -> bool:  # the experts' own storage, filled by load_expert
-            return any(name.startswith(owner + ".") for owner in experts)
+        def renamed():
+            for name, tensor in weights:
+                for old, new in self.checkpoint_renames:
+                    name = name.replace(old, new)
+                if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                yield name, tensor
 
-        for prefix, module in self.named_modules():
-            if callable(load := getattr(module, "load_weight", None)) and not in_experts(prefix):
-                targets[f"{prefix}.weight"] = load
-        for name, param in self.named_parameters():
-            if name not in targets and not in_experts(name):
-                loader = getattr(param, "weight_loader", _default_loader)
-                targets[name] = functools.partial(loader, param)
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            for old, new in self.checkpoint_renames:
-                name = name.replace(old, new)
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            if (m := _EXPERT_WEIGHT.search(name)) is not None and (owner := name[: m.start()] + ".experts") in experts:
-                experts[owner](int(m.group(1)), m.group(2), tensor)
-                loaded.add(owner)
-                continue
-            for ckpt, ours, shard in self.stacked_params:
-                if ckpt in name:
-                    target = name.replace(ckpt, ours)
-                    targets[target](tensor, shard)
-                    break
-            else:
-                target = name
-                if target not in targets:
-                    raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-                targets[target](tensor)
-            loaded.add(target)
-        missing = (set(targets) | set(experts)) - loaded
-        if missing:
-            raise KeyError(f"checkpoint has no tensors for {sorted(missing)[:6]}")
+        load_checkpoint(self, renamed(), self.stacked_params)
+
+
+def load_checkpoint(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked_params: Sequence[tuple[str, str, str | int]]
+) -> None:
+    """Checkpoint tensors (our names) into `model`: layers with a weight format take their weight
+    through `load_weight(tensor, shard_id)`, MoE experts through `load_expert(expert_id, shard,
+    tensor)`, other parameters through their `weight_loader`; `stacked_params` maps a checkpoint
+    name fragment to our fused parameter and its shard. Every parameter must be filled."""
+    targets: dict[str, Callable] = {}
+    experts: dict[str, Callable] = {}  # "<prefix>.experts" -> load_expert(expert_id, shard, tensor)
+    for prefix, module in model.named_modules():
+        if callable(load := getattr(module, "load_expert", None)):
+            experts[prefix] = load
+
+    def in_experts(name: str) -> bool:  # the experts' own storage, filled by load_expert
+        return any(name.startswith(owner + ".") for owner in experts)
+
+    for prefix, module in model.named_modules():
+        if callable(load := getattr(module, "load_weight", None)) and not in_experts(prefix):
+            targets[f"{prefix}.weight"] = load
+    for name, param in model.named_parameters():
+        if name not in targets and not in_experts(name):
+            loader = getattr(param, "weight_loader", _default_loader)
+            targets[name] = functools.partial(loader, param)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if (m := _EXPERT_WEIGHT.search(name)) is not None and (owner := name[: m.start()] + ".experts") in experts:
+            experts[owner](int(m.group(1)), m.group(2), tensor)
+            loaded.add(owner)
+            continue
+        for ckpt, ours, shard in stacked_params:
+            if ckpt in name:
+                target = name.replace(ckpt, ours)
+                targets[target](tensor, shard)
+                break
+        else:
+            target = name
+            if target not in targets:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+            targets[target](tensor)
+        loaded.add(target)
+    missing = (set(targets) | set(experts)) - loaded
+    if missing:
+        raise KeyError(f"checkpoint has no tensors for {sorted(missing)[:6]}")
 
 
 # one expert's projection in a checkpoint: "<moe block>.experts.<id>.<w1|w2|w3|gate_proj|up_proj|down_proj>.weight"

@@ -6,7 +6,18 @@ import importlib
 
 from srt.configs.model_config import ModelLoadError
 
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "llama_eagle")
+_MODULES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "llama_eagle",
+    "deepseek_nextn",
+)
 
 
 def _load_registry() -> dict[str, type]:

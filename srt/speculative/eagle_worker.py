@@ -23,15 +23,24 @@ proposals (deterministic given the context), verified exactly for greedy and sam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
+import json
 import logging
+import os
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from srt.configs.model_config import ModelConfig, ModelLoadError
+from srt.distributed import local_rank_only
+from srt.layers.logits_processor import LogitsProcessor
+from srt.layers.quantization.unquant import UnquantizedLinearMethod, dense_weight
+from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_loader.loader import read_tensors
 from srt.models.llama import LlamaForCausalLM
 from srt.models.llama_eagle import EagleHead
 from srt.speculative.draft_tree import DraftTree
@@ -46,14 +55,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEAD_ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
+MTP_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 MAX_PENDING_ROWS = 64  # a request's kept hidden states before a step without drafts catches it up
 
 
 def head_config(server_args: ServerArgs, target: ModelConfig) -> ModelConfig:
     """The head's config, checked against the target (a clear error naming the flag when it does
-    not fit), with the architecture the head runs as."""
+    not fit), with the architecture the head runs as. EAGLE without a draft path, or with a path of
+    an MTP checkpoint, drafts with a DeepSeek-V3 model's own multi-token-prediction layer."""
     algo, path = server_args.speculative_algorithm, server_args.speculative_draft_model_path
-    assert algo in HEAD_ARCHITECTURES and path is not None, "checked with the options"
+    assert algo in HEAD_ARCHITECTURES, "checked with the options"
+    if path is None or target.architecture.startswith("Deepseek"):
+        return mtp_config(algo, path, target)
     flag = f"--speculative-draft-model-path {path}"
     config = ModelConfig.from_path(path, server_args.context_length)
     arch = HEAD_ARCHITECTURES[algo]
@@ -62,10 +75,6 @@ def head_config(server_args: ServerArgs, target: ModelConfig) -> ModelConfig:
         raise ModelLoadError(
             f"{flag}: an {algo} head's config.json names architecture {arch} (or LlamaForCausalLM); "
             f"this one {config.architecture}"
-        )
-    if target.architecture.startswith("Deepseek"):
-        raise ModelLoadError(
-            f"--speculative-algorithm {algo} drafts for Llama-family targets; this is {target.architecture}"
         )
     hf = config.hf_config
     want = (getattr(hf, "target_hidden_size", None) or config.hidden_size) if algo == "EAGLE3" else config.hidden_size
@@ -79,6 +88,94 @@ def head_config(server_args: ServerArgs, target: ModelConfig) -> ModelConfig:
             "a head must be trained for its target"
         )
     return dataclasses.replace(config, architecture=arch)
+
+
+def mtp_config(algo: str, path: str | None, target: ModelConfig) -> ModelConfig:
+    """A DeepSeek-V3 target's MTP layer as the head: from the target's checkpoint, or from `path`
+    (an extracted MTP checkpoint, SGLang's `DeepseekV3ForCausalLMNextN`)."""
+    what = f"--speculative-algorithm {algo}" + ("" if path is None else f" --speculative-draft-model-path {path}")
+    if algo != "EAGLE" or not target.architecture.startswith("DeepseekV3"):
+        if path is None:
+            raise ModelLoadError(
+                f"--speculative-algorithm {algo} needs --speculative-draft-model-path (an {algo} head); only "
+                f"EAGLE on a DeepSeek-V3 model drafts without one (its MTP layers); this is {target.architecture}"
+            )
+        raise ModelLoadError(
+            f"{what}: {target.architecture} targets draft with their own MTP layers (EAGLE, no draft path)"
+        )
+    config = target if path is None else ModelConfig.from_path(path, target.context_len)
+    if config.architecture not in (target.architecture, MTP_ARCHITECTURE):
+        raise ModelLoadError(f"{what}: an MTP checkpoint names {MTP_ARCHITECTURE}; this one {config.architecture}")
+    layer = f"model.layers.{config.hf_config.num_hidden_layers}."
+    if not (getattr(config.hf_config, "num_nextn_predict_layers", 0) or 0) or not _has_tensors(config.path, layer):
+        raise ModelLoadError(
+            f"{what}: {config.path} has no multi-token-prediction layer (num_nextn_predict_layers in "
+            f"config.json, and tensors {layer}* in its checkpoint)"
+        )
+    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise ModelLoadError(f"{what}: the MTP layer's hidden size or vocabulary differs from the target's")
+    return dataclasses.replace(config, architecture=MTP_ARCHITECTURE, num_hidden_layers=1)
+
+
+def _has_tensors(path: str, prefix: str) -> bool:
+    """Whether the folder's safetensors hold a tensor named prefix*."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return any(name.startswith(prefix) for name in json.load(f)["weight_map"])
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            if any(name.startswith(prefix) for name in f.keys()):  # noqa: SIM118 (not a dict)
+                return True
+    return False
+
+
+def whole_vocab_tables(
+    target: ModelConfig, dtype: torch.dtype, device: str
+) -> tuple[VocabParallelEmbedding, ParallelLMHead | VocabParallelEmbedding]:
+    """The target's embedding and LM head (the embedding again where they are tied), whole, from its
+    checkpoint: built under `local_rank_only`."""
+    tied = bool(getattr(target.hf_config, "tie_word_embeddings", False))
+    names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    tensors = read_tensors(target.path, names)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            embed = VocabParallelEmbedding(target.vocab_size, target.hidden_size)
+            lm_head = embed if tied else ParallelLMHead(target.vocab_size, target.hidden_size)
+    finally:
+        torch.set_default_dtype(previous)
+    embed.load_weight(tensors["model.embed_tokens.weight"])
+    if not tied:
+        lm_head.load_weight(tensors["lm_head.weight"])
+    return embed, lm_head
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """FR-Spec's hot token ids from a .pt file (a tensor or list) or a JSON list, checked."""
+    flag = f"--speculative-token-map {path}"
+    try:
+        if path.endswith(".json"):
+            with open(path) as f:
+                raw = json.load(f)
+        else:
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+        ids = torch.as_tensor(raw)
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        raise ModelLoadError(f"{flag}: cannot read a list of token ids: {e}") from e
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ModelLoadError(
+            f"{flag}: want a non-empty 1-D list of integer token ids; got {tuple(ids.shape)} {ids.dtype}"
+        )
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ModelLoadError(f"{flag}: token ids must be in [0, {vocab_size}); got {int(ids.min())}..{int(ids.max())}")
+    if len(ids.unique()) != len(ids):
+        raise ModelLoadError(f"{flag}: token ids repeat")
+    return ids
 
 
 def aux_layers(head: ModelConfig, num_layers: int) -> tuple[int, ...]:
@@ -104,7 +201,7 @@ class EagleProposer(Proposer):
         scratch = running * self.topk * self.max_depth
         draft_args = dataclasses.replace(
             a,
-            model_path=a.speculative_draft_model_path,
+            model_path=config.path,
             tokenizer_path=None,
             quantization=None,
             page_size=1,
@@ -116,11 +213,25 @@ class EagleProposer(Proposer):
             speculative_num_steps=None,
             speculative_eagle_topk=None,
             speculative_num_draft_tokens=None,
+            speculative_token_map=None,
         )
-        self.runner = ModelRunner(config, draft_args)
-        self.head = cast(EagleHead, self.runner.model)
         target_model = cast(LlamaForCausalLM, target.model)
-        self.head.attach_target(target_model.model.embed_tokens, target_model.lm_head)
+        # with tensor parallelism the head runs whole on rank 0 (no collectives), with whole copies
+        # of the target's embedding and LM head (the target's own are vocabulary shards)
+        self.whole = local_rank_only if target.tp_size > 1 else contextlib.nullcontext
+        with self.whole():
+            single = dict(tp_size=1, ep_size=1, nnodes=1, node_rank=0, dist_init_addr=None)
+            self.runner = ModelRunner(
+                config, dataclasses.replace(draft_args, **single) if target.tp_size > 1 else draft_args
+            )
+            embed, lm_head = target_model.model.embed_tokens, target_model.lm_head
+            if target.tp_size > 1:
+                embed, lm_head = whole_vocab_tables(target_config, self.runner.dtype, self.runner.device)
+        self.head = cast(EagleHead, self.runner.model)
+        self.head.attach_target(embed, lm_head)
+        self.vocab_size = target_config.vocab_size
+        if a.speculative_token_map is not None:
+            self._use_token_map(a.speculative_token_map, target_config)
         if self.algorithm == "EAGLE3":
             target_model.model.aux_layers = aux_layers(config, target_config.num_hidden_layers)
         target.capture_hidden = True
@@ -136,11 +247,36 @@ class EagleProposer(Proposer):
         logger.info(
             "%s head %s: %d layer(s), %s, draft KV by the target's slots + %d scratch slots",
             self.algorithm,
-            a.speculative_draft_model_path,
+            config.path if config.architecture != MTP_ARCHITECTURE else f"MTP layer of {config.path}",
             config.num_hidden_layers,
             f"aux layers {target_model.model.aux_layers}" if self.algorithm == "EAGLE3" else "last hidden state",
             scratch,
         )
+
+    def _use_token_map(self, path: str, target: ModelConfig) -> None:
+        """FR-Spec: the head's LM head becomes the rows of the map's tokens (drafts are only those)."""
+        ids = load_token_map(path, target.vocab_size)
+        if self.head.hot_token_ids is not None:
+            raise ModelLoadError(f"--speculative-token-map {path}: the head has a reduced vocabulary of its own (d2t)")
+        lm_head = cast(VocabParallelEmbedding, self.head.lm_head)
+        if isinstance(lm_head.quant_method, UnquantizedLinearMethod) and lm_head.tp_size == 1:
+            rows = dense_weight(lm_head)[ids]
+        else:  # quantized or a vocabulary shard: the rows from the checkpoint
+            name = "model.embed_tokens.weight" if lm_head is self.head.embed_tokens else "lm_head.weight"
+            rows = read_tensors(target.path, [name])[name][ids]
+        with self.whole():
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.runner.dtype)
+            try:
+                with torch.device(self.runner.device):
+                    hot = ParallelLMHead(len(ids), target.hidden_size)
+            finally:
+                torch.set_default_dtype(previous)
+            hot.load_weight(rows)
+        self.head.lm_head = hot
+        self.head.logits_processor = LogitsProcessor(len(ids))
+        self.head.hot_token_ids = ids.to(self.runner.device)
+        logger.info("--speculative-token-map %s: the head drafts %d hot tokens", path, len(ids))
 
     # -- the target's hidden states -----------------------------------------------------------------
 
@@ -191,7 +327,7 @@ class EagleProposer(Proposer):
             mode, input_ids, rows, seq_lens, prefix_lens, loc, self.device, positions=positions, spec_hidden=hidden
         )
         self.draft_forwards += 1
-        with torch.inference_mode():
+        with torch.inference_mode(), self.whole():
             return self.runner.forward(fb)
 
     def _catch_up(self, reqs: list[Req]) -> tuple[list[Req], torch.Tensor | None, torch.Tensor | None]:
@@ -251,6 +387,16 @@ class EagleProposer(Proposer):
                 trees[id(r)], free_slots = self.fit(r, tree, builder, free_slots)
         return [trees[id(r)] for r in reqs]
 
+    def _constrain(self, logits: torch.Tensor, rows: list[tuple[Req, list[int]]]) -> torch.Tensor:
+        """The grammar's mask (see DraftModelProposer._constrain) on logits over the head's vocabulary,
+        which may be a subset of the target's (`hot`)."""
+        if self.hot is None or all(r.grammar is None for r, _ in rows):
+            return DraftModelProposer._constrain(logits, rows)
+        hot = cast(torch.Tensor, self.hot)
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
+        full[:, hot] = logits.float()
+        return DraftModelProposer._constrain(full, rows)[:, hot]
+
     def _top(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """Each row's `topk` most likely tokens (target ids) and their probabilities."""
         probs = torch.softmax(logits.float(), dim=-1)
@@ -268,7 +414,7 @@ class EagleProposer(Proposer):
         nodes: list[list[tuple[int, int, float, int]]] = [[] for _ in reqs]
         slot_of: list[dict[int, int]] = [{} for _ in reqs]  # node -> the scratch slot of its head entry
         # a constrained request drafts what its grammar allows (after its tokens, then the node's path)
-        constrain = DraftModelProposer._constrain
+        constrain = self._constrain
         p, idx = self._top(constrain(first, [(r, []) for r in reqs]))
         frontier: list[list[int]] = []
         for i in range(len(reqs)):

@@ -16,19 +16,23 @@ _TREE_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_n
 def check_speculative_server_args(server_args: ServerArgs) -> None:
     algo = server_args.speculative_algorithm
     if algo is None:
-        given = [f for f in (*_TREE_FLAGS, "speculative_draft_model_path") if getattr(server_args, f) is not None]
+        flags = (*_TREE_FLAGS, "speculative_draft_model_path", "speculative_token_map")
+        given = [f for f in flags if getattr(server_args, f) is not None]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
         return
     if algo in ("STANDALONE", "EAGLE", "EAGLE3"):
-        if server_args.speculative_draft_model_path is None:
+        # EAGLE without a path drafts with the model's own MTP layers (checked against the model at start-up)
+        if server_args.speculative_draft_model_path is None and algo != "EAGLE":
             raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
-        if server_args.tp_size > 1:
+        if server_args.tp_size > 1 and algo == "STANDALONE":
             raise ValueError(f"--speculative-algorithm {algo} does not work with --tp-size > 1 yet")
     elif server_args.speculative_draft_model_path is not None:
         raise ValueError(
             "--speculative-draft-model-path is for STANDALONE, EAGLE and EAGLE3; NGRAM proposes from its n-gram cache"
         )
+    if server_args.speculative_token_map is not None and algo != "EAGLE":
+        raise ValueError(f"--speculative-token-map is for EAGLE heads that share the target's LM head; not {algo}")
     set_ = [getattr(server_args, f) is not None for f in _TREE_FLAGS]
     if any(set_) and not all(set_):
         raise ValueError(

@@ -138,3 +138,75 @@ def test_tree_keeps_the_best_nodes_with_their_parents_in_bfs_order():
     assert sorted(whole.tokens[1:]) == [10, 11, 12, 13, 14, 15]
     assert all(whole.parents[i] < i for i in range(1, len(whole)))
     assert EagleProposer._tree(nodes, budget=0).num_drafts == 0
+
+
+def test_mtp_layer_loads_from_the_target_checkpoint_and_computes_its_formula(tmp_path, runner_factory):
+    """DeepSeek-V3's MTP layer (checkpoint layer n) as a head: enorm / hnorm / eh_proj, a DeepSeek
+    decoder layer (MoE, as layer n would have), shared_head; a model without MTP layers, or EAGLE-3
+    on one, is refused with the flags named."""
+    from conftest import add_mtp_layer, build_tiny_model
+
+    from srt.configs.model_config import ModelLoadError
+    from srt.layers.moe.block import SparseMoeBlock
+    from srt.server_args import ServerArgs
+    from srt.speculative.eagle_worker import head_config
+
+    path = build_tiny_model(str(tmp_path / "v3"), "DeepseekV3ForCausalLM")
+    plain = ModelConfig.from_path(path)
+    args = ServerArgs(model_path=path, speculative_algorithm="EAGLE")
+    with pytest.raises(ModelLoadError, match="num_nextn_predict_layers"):
+        head_config(args, plain)
+    # attention and MLP outputs zeroed (the decoder layer adds nothing), eh_proj random again
+    add_mtp_layer(path, bigram=True)
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(os.path.join(path, "model.safetensors"))
+    w["model.layers.3.eh_proj.weight"] = torch.randn(64, 128) * 0.1
+    save_file(w, os.path.join(path, "model.safetensors"))
+    target_config = ModelConfig.from_path(path)
+    config = head_config(args, target_config)
+    assert (config.architecture, config.num_hidden_layers, config.path) == ("DeepseekV3ForCausalLMNextN", 1, path)
+    eagle3 = ServerArgs(model_path=path, speculative_algorithm="EAGLE3", speculative_draft_model_path=path)
+    with pytest.raises(ModelLoadError, match="EAGLE3 --speculative-draft-model-path .* own MTP layers"):
+        head_config(eagle3, target_config)
+    target = runner_factory(path).model  # the target's own load skips layer 3
+    head = head_runner(path, "DeepseekV3ForCausalLMNextN", target)
+    assert isinstance(head.model.decoder.mlp, SparseMoeBlock) and head.model.lm_head is not target.lm_head
+    # one row by hand: shared_head.norm(eh_proj([enorm(embedding), hnorm(hidden)])), its own LM head
+
+    def rms(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    tok, hidden = 17, torch.randn(1, 64)
+    x = torch.cat([rms(target.model.embed_tokens.weight[tok : tok + 1]), rms(hidden)], -1)
+    want = rms(x @ w["model.layers.3.eh_proj.weight"].T) * w["model.norm.weight"]
+    out = extend(head, [tok], spec_hidden=hidden)
+    torch.testing.assert_close(out.hidden_states, want, atol=1e-4, rtol=1e-4)
+    logits = want @ w["model.layers.3.shared_head.head.weight"].T
+    torch.testing.assert_close(out.next_token_logits, logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ([[1, 2], [3, 4]], "1-D list"),
+        ([], "non-empty"),
+        ([1.5, 2.0], "integer token ids"),
+        ([5, 70000], r"in \[0, 49152\)"),
+        ([5, 5], "repeat"),
+        ("not a list", "cannot read"),
+    ],
+)
+def test_bad_token_maps_are_refused_with_the_flag(content, message, tmp_path):
+    import json
+
+    from srt.configs.model_config import ModelLoadError
+    from srt.speculative.eagle_worker import load_token_map
+
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(content) if content != "not a list" else "{nope")
+    with pytest.raises(ModelLoadError, match=message) as e:
+        load_token_map(str(path), 49152)
+    assert f"--speculative-token-map {path}" in str(e.value)
+    torch.save(torch.tensor([3, 1, 2]), tmp_path / "ok.pt")
+    assert load_token_map(str(tmp_path / "ok.pt"), 49152).tolist() == [3, 1, 2]

@@ -295,3 +295,67 @@ def test_a_head_whose_drafts_do_not_pay_stays_out_of_the_way(shared_server, mode
     policy = server.state()["speculative"]
     assert policy["plain_steps"] > policy["drafted_steps"] and policy["draft_forwards"] > 0
     at_baseline(server)
+
+
+def test_tensor_parallel_target_with_the_head_on_rank_zero(shared_server, models, reference):
+    """--tp-size 2: the target's layers are split over two ranks; the head runs whole on rank 0 with
+    whole copies of the target's embedding and LM head. Outputs equal the single-rank plain server's,
+    and the copied-layer head's chains of drafts hold."""
+    server = shared_server(
+        "--model-path",
+        models["target"],
+        *BASE,
+        "--tp-size",
+        "2",
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        models["copied"],
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+        env=ALWAYS,
+    )
+    outs = server.generate(text=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in reference]
+    for o in outs:
+        check_spec_meta(o)
+        assert o["meta_info"]["spec_accept_length"] > 3.5  # of at most 4
+    at_baseline(server)
+
+
+def test_a_token_map_drafts_only_hot_tokens(shared_server, models, reference, tmp_path_factory):
+    """--speculative-token-map (FR-Spec): the head's LM head is the rows of the map's tokens. With
+    every token the target says but one in the map, drafts hold except at that token, and outputs
+    stay the plain server's."""
+    import torch
+
+    said = sorted({t for r in reference for t in r["output_ids"]})
+    rare = Counter(t for r in reference for t in r["output_ids"]).most_common()[-1][0]
+    path = str(tmp_path_factory.mktemp("token-map") / "hot.pt")
+    torch.save(torch.tensor([t for t in said if t != rare] + [7, 11, 13]), path)
+    flags = ("--speculative-num-steps", "5", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "6")
+    server = shared_server(
+        "--model-path",
+        models["target"],
+        *BASE,
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        models["copied"],
+        "--speculative-token-map",
+        path,
+        *flags,
+        env=ALWAYS,
+    )
+    outs = server.generate(text=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in reference]
+    for o, r in zip(outs, reference):
+        check_spec_meta(o)
+        if rare not in r["output_ids"]:
+            assert o["meta_info"]["spec_accept_length"] > 5
+    assert any(o["meta_info"]["spec_accept_length"] < 6 for o in outs)
+    at_baseline(server)

@@ -76,7 +76,7 @@ def test_capacity_bounds_the_trie():
     ("kwargs", "message"),
     [
         (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm must be one of"),
-        (dict(speculative_algorithm="EAGLE"), "EAGLE needs --speculative-draft-model-path"),
+        (dict(speculative_algorithm="EAGLE3"), "EAGLE3 needs --speculative-draft-model-path"),
         (
             dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", tp_size=2),
             "EAGLE3 does not work with --tp-size > 1",
