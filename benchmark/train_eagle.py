@@ -24,8 +24,11 @@ Self-distillation, in four stages (each with a progress bar):
    step, sum_d prod_{k<=d} a_k (what `spec_accept_length` - 1 would be for a chain), before and
    after training.
 
-The head is written as `config.json` + `model.safetensors` (+ `training.json`: figures, CPU, command);
-the tokenizer files are copied so the folder loads on its own.
+The head is written as `config.json` + `model.safetensors` (+ `training.json`: figures, CPU, command;
+`token_map.pt`: the `--token-map-size` tokens the model says most, for `--speculative-token-map`:
+the head is trained and measured drafting only those, which also makes training steps cheaper);
+the tokenizer files are copied so the folder loads on its own. `--answers FILE` keeps stage 1's
+answers for another run.
 """
 
 from __future__ import annotations
@@ -325,7 +328,9 @@ def pad(group):
     return nxt, feat, target, feat_next, valid
 
 
-def loss_of(head, embed, lm_head, batch, depth, noise, autocast):
+def loss_of(head, embed, rows, remap, batch, depth, noise, autocast):
+    """`rows`: the LM head's rows of the drafted vocabulary; `remap`: a target id's index among them
+    (-100 outside it: no cross-entropy there)."""
     nxt, feat, target, feat_next, valid = batch
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         outs = head.passes(F.embedding(nxt, embed), feat, depth, noise)
@@ -334,17 +339,18 @@ def loss_of(head, embed, lm_head, batch, depth, noise, autocast):
             ok = valid.clone()
             ok[:, : k - 1] = False  # level k needs k - 1 earlier rows
             o = out[ok]
-            logits = (o @ lm_head.T).float()
-            ce = F.cross_entropy(logits, target[ok])
+            logits = (o @ rows.T).float()
+            labels = remap[target[ok]]
+            ce = F.cross_entropy(logits, labels) if bool((labels >= 0).any()) else logits.sum() * 0
             reg = F.smooth_l1_loss(o.float(), feat_next[ok])
             total = total + 0.8 ** (k - 1) * (reg + 0.1 * ce)
     return total
 
 
 @torch.no_grad()
-def evaluate(head, embed, lm_head, data, depth: int, autocast: bool) -> dict:
+def evaluate(head, embed, rows, remap, data, depth: int, autocast: bool) -> dict:
     """Each level's top-1 accuracy given the levels before were right, level 1's top-4 recall, and a
-    chain's expected accepted drafts per step."""
+    chain's expected accepted drafts per step; drafts are of the vocabulary `rows` (see loss_of)."""
     hits = [0] * depth
     seen = [0] * depth
     top4 = 0
@@ -355,11 +361,12 @@ def evaluate(head, embed, lm_head, data, depth: int, autocast: bool) -> dict:
         for k, out in enumerate(outs, start=1):
             ok = valid.clone()
             ok[:, : k - 1] = False
-            logits = out[ok].float() @ lm_head.T.float()
-            hits[k - 1] += int((logits.argmax(-1) == target[ok]).sum())
+            logits = out[ok].float() @ rows.T.float()
+            labels = remap[target[ok]]
+            hits[k - 1] += int((logits.argmax(-1) == labels).sum())
             seen[k - 1] += int(ok.sum())
             if k == 1:
-                top4 += int((logits.topk(4, -1).indices == target[ok][:, None]).any(-1).sum())
+                top4 += int((logits.topk(4, -1).indices == labels[:, None]).any(-1).sum())
     acc = [h / max(s, 1) for h, s in zip(hits, seen)]
     chain, prod = [], 1.0
     for a in acc:
@@ -388,6 +395,13 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.2, help="uniform noise width on input features")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-layer", type=int, default=None, help="start the decoder layer from this model layer")
+    ap.add_argument("--answers", default=None, help="a JSON cache of the answers: read if present, else written")
+    ap.add_argument(
+        "--token-map-size",
+        type=int,
+        default=8192,
+        help="also write token_map.pt: the N tokens the model says most (for --speculative-token-map; 0: none)",
+    )
     args = ap.parse_args()
     started = time.monotonic()
     deadline = started + args.minutes * 60
@@ -408,13 +422,42 @@ def main() -> None:
     train_q, held_q = prompts()
     if args.num_prompts:
         train_q = train_q[: args.num_prompts]
-    seqs = answer(model, train_q + held_q, args.max_new_tokens, tok)
+    questions = train_q + held_q
+    cache = args.answers
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            saved = json.load(f)
+        if saved["questions"] != questions or saved["max_new_tokens"] != args.max_new_tokens:
+            sys.exit(f"--answers {cache}: made for other prompts or --max-new-tokens; remove it to regenerate")
+        seqs = [(ids, n) for ids, n in saved["seqs"]]
+        print(f"answers: {len(seqs)} from {cache}")
+    else:
+        seqs = answer(model, questions, args.max_new_tokens, tok)
+        if cache:
+            with open(cache, "w") as f:
+                json.dump({"questions": questions, "max_new_tokens": args.max_new_tokens, "seqs": seqs}, f)
     train_seqs, held_seqs = seqs[: len(train_q)], seqs[len(train_q) :]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     train = features(hf, train_seqs, "features")
     held = features(hf, held_seqs, "held-out features")
     embed = hf.get_input_embeddings().weight.detach()
     lm_head = hf.get_output_embeddings().weight.detach()
+    vocab = cfg["vocab_size"]
+    # FR-Spec: the tokens the model says most in its training answers; the head is trained (and its
+    # acceptance measured) drafting only those, as the server drafts with --speculative-token-map
+    token_map: dict = {}
+    if args.token_map_size:
+        said = torch.cat([torch.tensor(ids[n:]) for ids, n in train_seqs])
+        hot = torch.bincount(said, minlength=vocab).argsort(descending=True)[: args.token_map_size].clone()
+        held_said = torch.cat([torch.tensor(ids[n:]) for ids, n in held_seqs])
+        covered = torch.isin(held_said, hot).float().mean().item()
+        token_map = {"size": args.token_map_size, "held_out_coverage": covered}
+        print(f"token map: the {args.token_map_size} most said tokens cover {covered:.1%} of held-out answers")
+    else:
+        hot = torch.arange(vocab)
+    rows = lm_head[hot]
+    remap = torch.full((vocab,), -100, dtype=torch.long)
+    remap[hot] = torch.arange(len(hot))
     init = None
     if args.init_layer is not None:
         sd = hf.state_dict()
@@ -425,7 +468,7 @@ def main() -> None:
         }
     del hf
     head = Head(cfg, init)
-    before = evaluate(head, embed, lm_head, held, args.eval_depth, autocast)
+    before = evaluate(head, embed, rows, remap, held, args.eval_depth, autocast)
     print(show("before training", before))
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     budget = deadline - time.monotonic() - 60  # a minute for the last evaluation and the save
@@ -445,7 +488,7 @@ def main() -> None:
             warm = min(1.0, (step + 1) / 50)
             for group in opt.param_groups:
                 group["lr"] = args.lr * warm * 0.5 * (1 + math.cos(math.pi * frac))
-            loss = loss_of(head, embed, lm_head, batch, args.ttt, args.noise, autocast)
+            loss = loss_of(head, embed, rows, remap, batch, args.ttt, args.noise, autocast)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -458,7 +501,7 @@ def main() -> None:
             bar.refresh()
         epoch += 1
     bar.close()
-    after = evaluate(head, embed, lm_head, held, args.eval_depth, autocast)
+    after = evaluate(head, embed, rows, remap, held, args.eval_depth, autocast)
     print(show("after training", after))
     os.makedirs(args.out, exist_ok=True)
     from safetensors.torch import save_file
@@ -496,9 +539,12 @@ def main() -> None:
         "minutes": (time.monotonic() - started) / 60,
         "before": before,
         "after": after,
+        "token_map": token_map or None,
     }
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(info, f, indent=2)
+    if args.token_map_size:
+        torch.save(hot, os.path.join(args.out, "token_map.pt"))
     size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
     print(f"head: {args.out} ({size / 1e6:.1f} MB, bf16); {step} steps, {epoch} epochs, {info['minutes']:.1f} min")
 

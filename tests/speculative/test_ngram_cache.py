@@ -78,9 +78,10 @@ def test_capacity_bounds_the_trie():
         (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm must be one of"),
         (dict(speculative_algorithm="EAGLE3"), "EAGLE3 needs --speculative-draft-model-path"),
         (
-            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", tp_size=2),
-            "EAGLE3 does not work with --tp-size > 1",
+            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_token_map="/m.pt"),
+            "--speculative-token-map is for EAGLE heads",
         ),
+        (dict(speculative_token_map="/m.pt"), "--speculative-token-map needs --speculative-algorithm"),
         (dict(speculative_algorithm="NGRAM", speculative_num_steps=3), "set all three or none"),
         (dict(speculative_num_draft_tokens=4), "--speculative-num-draft-tokens needs --speculative-algorithm"),
         (
