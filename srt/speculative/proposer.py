@@ -10,7 +10,9 @@ drafts one at a time to the request whose next draft adds the most expected toke
 per extra second beats the step's tokens per second so far. So on a machine where an extra row costs
 a third of a decode step (a CPU), drafts need a high acceptance; where it is nearly free (a GPU at
 small batch), low acceptance still pays; a request whose drafts fail gets none, and its p drifts
-back toward the prior so it is tried again now and then with a draft or two.
+back toward the prior so it is tried again now and then with a draft or two. After EXPLORE_EVERY
+steps in a row without drafts, one step lets the likeliest request draft its whole budget anyway, so
+a line learnt from a cold first drafted step (or under another load) is measured again.
 
 Every row of a verify batch is sampled with its request's parameters as the token after that node's
 path (greedy or sampled, top-k/p, min-p, seeds, logit bias, the min_new_tokens ban, the grammar's
@@ -39,6 +41,7 @@ OUTLIER = 3.0  # a step slower than this many times the line's prediction counts
 ACCEPT_EMA = 0.3  # a request's acceptance probability, per verified draft
 PRIOR_ACCEPT = 0.6  # a new request's acceptance probability
 DRIFT = 0.03  # per step without drafts, p moves this far back toward the prior
+EXPLORE_EVERY = 64  # after this many steps in a row without drafts, one step drafts anyway
 
 
 class StepCost:
@@ -76,6 +79,7 @@ class Proposer(ABC):
         self.context_len = context_len
         self.cost = StepCost()
         self.drafted_steps = self.plain_steps = 0
+        self.plain_run = 0  # steps in a row without drafts
         # RADIXSERVE_SPEC_ALWAYS_DRAFT=1: every eligible request drafts its whole budget every step
         # (tests of exactness; A/B measurements)
         self.always_draft = os.environ.get("RADIXSERVE_SPEC_ALWAYS_DRAFT") == "1"
@@ -89,8 +93,10 @@ class Proposer(ABC):
             return
         if rows == batch_size:
             self.plain_steps += 1
+            self.plain_run += 1
         else:
             self.drafted_steps += 1
+            self.plain_run = 0
         self.cost.add(rows, seconds)
 
     def plan(self, reqs: list[Req]) -> list[int]:
@@ -102,6 +108,11 @@ class Proposer(ABC):
             return [0] * len(reqs)
         if self.cost.line is None:  # then what a drafted row costs
             return caps
+        if self.plain_run >= EXPLORE_EVERY and any(caps):
+            # re-measure what a drafted row costs now (a cold first drafted step, or another load,
+            # may have left the line saying drafts never pay): the likeliest request drafts its all
+            best = max((i for i, c in enumerate(caps) if c > 0), key=lambda i: reqs[i].spec_accept_p)
+            return [c if i == best else 0 for i, c in enumerate(caps)]
         row = self.cost.line[1]
         n = [0] * len(reqs)
         tokens, seconds = float(len(reqs)), self.cost.predict(len(reqs))

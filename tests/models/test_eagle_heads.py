@@ -210,3 +210,32 @@ def test_bad_token_maps_are_refused_with_the_flag(content, message, tmp_path):
     assert f"--speculative-token-map {path}" in str(e.value)
     torch.save(torch.tensor([3, 1, 2]), tmp_path / "ok.pt")
     assert load_token_map(str(tmp_path / "ok.pt"), 49152).tolist() == [3, 1, 2]
+
+
+def test_the_training_scripts_head_computes_what_the_server_runs(tiny_model_factory, runner_factory, tmp_path):
+    """benchmark/train_eagle.py trains its own (autograd) copy of the EAGLE head: on the same weights
+    its first draft level must give the server's head's outputs row for row, or a trained head
+    would be useless when served."""
+    import json
+    import sys
+
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmark"))
+    import train_eagle
+
+    target_path = tiny_model_factory("LlamaForCausalLM", num_hidden_layers=4)
+    target = runner_factory(target_path).model
+    path = write_eagle_head(str(tmp_path / "eagle"), target_path, "eagle")
+    with open(os.path.join(target_path, "config.json")) as f:
+        cfg = json.load(f)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    trained = train_eagle.Head(cfg, {n: weights[n] for n in train_eagle.NAMES}).eval()
+    served = head_runner(path, "LlamaForCausalLMEagle", target)
+    tokens = [5, 17, 300, 42, 9, 77, 101, 250]
+    feat = torch.randn(len(tokens), 64)
+    emb = target.model.embed_tokens.weight[tokens]
+    with torch.no_grad():
+        want = trained.passes(emb[None], feat[None], depth=1)[0][0]
+    out = extend(served, tokens, spec_hidden=feat)
+    torch.testing.assert_close(out.hidden_states, want, atol=1e-4, rtol=1e-4)

@@ -51,7 +51,14 @@ def outputs(server, prompts=PROMPTS, params=GREEDY) -> list[dict]:
     return server.generate(input_ids=prompts, sampling_params=params)
 
 
-@pytest.mark.parametrize("kind,tp", [("random", 1), ("bigram", 1), ("bigram", 2)])
+@pytest.mark.parametrize(
+    "kind,tp",
+    [
+        pytest.param("random", 1, marks=pytest.mark.full),
+        ("bigram", 1),
+        pytest.param("bigram", 2, marks=pytest.mark.full),
+    ],
+)
 def test_mtp_drafts_keep_greedy_outputs_exact(kind, tp, shared_server, models):
     plain = shared_server("--model-path", models[kind], *BASE)
     want = [o["output_ids"] for o in outputs(plain)]
