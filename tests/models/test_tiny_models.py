@@ -60,9 +60,9 @@ VARIANTS = [
 
 
 def test_every_registered_architecture_is_covered():
-    # EAGLE draft heads are not models of their own (tests/models/test_eagle_heads.py)
+    # EAGLE draft heads and DeepSeek-V3's MTP layer are not models of their own (test_eagle_heads.py)
     heads = {name for name, cls in MODEL_REGISTRY.items() if getattr(cls, "is_draft_head", False)}
-    assert heads == {"LlamaForCausalLMEagle", "LlamaForCausalLMEagle3"}
+    assert heads == {"LlamaForCausalLMEagle", "LlamaForCausalLMEagle3", "DeepseekV3ForCausalLMNextN"}
     assert {a for a, _ in VARIANTS} == set(MODEL_REGISTRY) - heads
 
 
