@@ -172,6 +172,25 @@ def test_drafts_go_where_they_pay(monkeypatch):
     assert p.plan([make_req(0.99, max_new_tokens=3)]) == [2]  # the last token is the target's own
 
 
+def test_a_line_that_says_drafts_never_pay_is_measured_again(monkeypatch):
+    """A cold first drafted step can leave a line whose rows cost more than a plain step: after 64
+    plain steps in a row the likeliest request drafts its whole budget once, and the line learns
+    what a row costs now."""
+    monkeypatch.delenv("RADIXSERVE_SPEC_ALWAYS_DRAFT", raising=False)
+    p = proposer()
+    p.record(2, 2, 0.020)
+    p.record(2, 16, 0.020 + 14 * 0.030)  # the cold step: 30 ms a row
+    reqs = [make_req(0.3), make_req(0.4)]
+    for _ in range(64):
+        assert p.plan(reqs) == [0, 0]
+        p.record(2, 2, 0.020)
+    assert p.plan(reqs) == [0, 7]  # exploration: the likelier request, its whole budget
+    for _ in range(10):  # what drafted rows really cost now: 2 ms
+        p.record(2, 9, 0.020 + 7 * 0.002)
+    assert p.cost.line[1] < 0.005
+    assert p.plan([make_req(0.6)])[0] > 0
+
+
 def test_acceptance_estimates_follow_verifies():
     p = proposer()
     req = make_req(0.6)
