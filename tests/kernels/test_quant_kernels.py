@@ -47,6 +47,14 @@ def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+@pytest.fixture(autouse=True)
+def float_tiles(ops):
+    """Prefill-sized bf16 batches multiply float tiles unless `quant_fast_bf16` is on, which a GGUF
+    model built earlier in this process turns on where the CPU has AMX / AVX512-BF16 (the kernel
+    mode is process-wide): these tests check the float path, and the bf16 tiles where they ask."""
+    ops.quant_fast_bf16(False)
+
+
 def reference(x: torch.Tensor, blocks: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64))
     xd = x.double()
