@@ -51,6 +51,7 @@ PARALLELISM = OptionGroup("parallelism")
 LOGGING = OptionGroup("logging")
 SPECULATIVE = OptionGroup("speculative decoding")
 WIRE = OptionGroup("wire")
+MULTIMODAL = OptionGroup("images (vision-language models)")
 
 
 @dataclass
@@ -279,6 +280,24 @@ class ServerArgs:
         "segment-batched LoRA kernels: cpu (C++, one call per projection), torch_native (two GEMMs per "
         "adapter segment) or triton (SGMV, GPU); auto: triton on CUDA, cpu on a CPU",
         choices=LORA_BACKENDS,
+    )
+
+    max_images_per_request: int = MULTIMODAL.opt(8, "images one prompt may carry (more is a 400)", ge=1, le=256)
+    max_image_pixels: int = MULTIMODAL.opt(
+        16_777_216, "width x height limit of one image (larger is a 400; the default is 4096 x 4096)", ge=64
+    )
+    max_image_bytes: int = MULTIMODAL.opt(
+        20_971_520, "encoded size limit of one image, from a data URL, base64, a file or a fetch", ge=1024
+    )
+    allow_remote_media: bool = MULTIMODAL.opt(
+        False, "fetch http(s) image URLs (off: such a URL is a 400 that names this flag)"
+    )
+    media_fetch_timeout: float = MULTIMODAL.opt(10.0, "seconds one remote image fetch may take", gt=0)
+    mm_cache_size_mb: int = MULTIMODAL.opt(
+        512,
+        "MiB each for the preprocessed pixels (tokenizer side) and the encoder outputs (each scheduler) of "
+        "recent images, by content hash: a repeated image skips preprocessing and the encoder; 0: off",
+        ge=0,
     )
 
     grammar_backend: str = GRAMMAR.opt(

@@ -203,6 +203,14 @@ def isa_variants(ops, highest: str = "avx512_bf16"):
 
 
 @pytest.fixture(scope="session")
+def idefics3_path(tmp_path_factory) -> str:
+    """A tiny random SmolVLM-shaped (Idefics3) model with its tokenizer and image processor."""
+    from multimodal.vlm_models import build_idefics3
+
+    return build_idefics3(str(tmp_path_factory.mktemp("idefics3")))
+
+
+@pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The embedded SmolLM2-135M-Instruct, converted once into the user's cache."""
     from srt.model_loader.default_model import resolve_default_model

@@ -68,9 +68,11 @@ class ModelConfig:
         archs = getattr(cfg, "architectures", None) or []
         if not archs:
             raise ModelLoadError(f"{path}/config.json names no `architectures`")
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        derived = derive_context_len(cfg)
+        # a vision-language model's runtime shape is its text model's (the image encoder has no KV)
+        text = cfg.get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        derived = derive_context_len(text)
         if context_length is not None:
             if context_length > derived:
                 raise ValueError(
@@ -83,15 +85,15 @@ class ModelConfig:
             hf_config=cfg,
             architecture=archs[0],
             context_len=derived,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_hidden_layers,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_hidden_layers=text.num_hidden_layers,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            eos_token_ids=read_eos_token_ids(path, cfg),
-            kv_lora_rank=getattr(cfg, "kv_lora_rank", None),
-            qk_rope_head_dim=int(getattr(cfg, "qk_rope_head_dim", 0) or 0),
+            eos_token_ids=read_eos_token_ids(path, cfg) | read_eos_token_ids(path, text),
+            kv_lora_rank=getattr(text, "kv_lora_rank", None),
+            qk_rope_head_dim=int(getattr(text, "qk_rope_head_dim", 0) or 0),
         )
 
     def num_kv_heads_per_rank(self, tp_size: int, tp_rank: int = 0) -> int:

@@ -46,6 +46,9 @@ class GenerateArgs(TypedDict, total=False):
     bootstrap_port: int | list[int] | None
     bootstrap_room: int | list[int] | None
     lora_path: str | list[str | None] | None
+    # a vision-language model's images: per prompt one or a list, each a data URL, base64, a file
+    # path, an http(s) URL (--allow-remote-media), raw bytes or a PIL image
+    image_data: Any
 
 
 def generate_request(

@@ -19,10 +19,13 @@ from __future__ import annotations
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from srt.managers.scheduler_state import SchedulerState
 from srt.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from srt.models.multimodal import MultimodalItem
 
 MAX_BATCH_SIZE = 2048  # prompts in one /generate call
 
@@ -81,6 +84,12 @@ class GenerateReqInput:
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    # images (a vision-language model): for one prompt an image or a list of them, for a batch one
+    # such entry per prompt; each a data URL, base64, a file path or an http(s) URL (SGLang's shape).
+    # The prompt carries one image placeholder token per image, in order.
+    image_data: Any = None
+    # what error messages call each image (the chat API names its content parts); default image_data[i]
+    media_labels: list[str] | None = None
 
     @classmethod
     def from_dict(cls, body: Any) -> GenerateReqInput:
@@ -129,6 +138,9 @@ class GenerateReqInput:
                 raise InvalidRequest(f"`{name}` is a list of {len(v)} but the request has {n} prompt(s)")
         if not isinstance(self.stream, bool):
             raise InvalidRequest(f"`stream` must be a boolean, got {self.stream!r}")
+        if self.is_batch and self.image_data is not None:
+            if not isinstance(self.image_data, list) or len(self.image_data) != n:
+                raise InvalidRequest(f"`image_data` of a batch must be a list with one entry per prompt ({n})")
         ids = self.token_ids_logprob
         if self._token_ids_per_prompt and (not self.is_batch or len(ids or ()) != n):
             raise InvalidRequest(
@@ -142,7 +154,32 @@ class GenerateReqInput:
             text = text[i] if text is not None else None
             input_ids = cast("list[list[int]]", input_ids)[i] if input_ids is not None else None
         per_prompt = {name: _item(getattr(self, name), i, b) for name in PER_PROMPT_FIELDS}
-        return replace(self, text=text, input_ids=input_ids, token_ids_logprob=self._token_ids_item(i), **per_prompt)
+        images = self.image_data[i] if b and self.image_data is not None else self.image_data
+        labels = self.media_labels
+        if b and images is not None:
+            labels = [
+                f"image_data[{i}]" if not isinstance(images, list) else f"image_data[{i}][{j}]"
+                for j in range(len(images) if isinstance(images, list) else 1)
+            ]
+        return replace(
+            self,
+            text=text,
+            input_ids=input_ids,
+            token_ids_logprob=self._token_ids_item(i),
+            image_data=images,
+            media_labels=labels,
+            **per_prompt,
+        )
+
+    def images(self) -> tuple[list, list[str]]:
+        """One prompt's images (an item of a batch, or a single request) and their labels."""
+        if self.image_data is None:
+            return [], []
+        images = self.image_data if isinstance(self.image_data, list) else [self.image_data]
+        labels = self.media_labels or (
+            [f"image_data[{j}]" for j in range(len(images))] if isinstance(self.image_data, list) else ["image_data"]
+        )
+        return images, labels
 
     @property
     def _token_ids_per_prompt(self) -> bool:
@@ -245,6 +282,8 @@ class TokenizedGenerateReqInput:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # images: one item per image, its rows' pad values in input_ids (srt/models/multimodal.py)
+    mm_items: list[MultimodalItem] | None = None
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from srt.managers.io_struct import (
     BaseFinishReason,
 )
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.models.multimodal import MultimodalItem, mm_runs, model_ids
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 
@@ -57,6 +58,9 @@ class Req:
     # LoRA (srt/lora): the adapter it runs under (None: the base model) and, once admitted, its pool slot
     lora_name: str | None = None
     lora_slot: int = -1
+    # images (a vision-language model): their rows hold pad values in origin_input_ids, the radix
+    # key; the forward embeds the placeholder token there and overwrites the rows (srt/models/multimodal.py)
+    mm_items: list[MultimodalItem] | None = None
 
     output_ids: list[int] = field(default_factory=list)
     # memory
@@ -116,6 +120,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    def model_ids(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] as the model embeds them: an image row is its placeholder token."""
+        ids = self.fill_ids[start:end]
+        return model_ids(ids, self.mm_items) if self.mm_items else ids
 
     @property
     def deadline(self) -> float | None:
@@ -312,8 +321,14 @@ class BatchBuilder:
         for r, p, s in zip(reqs, prefix_lens, seq_lens):
             self.req_to_token_pool.write(r.req_pool_idx, p, loc[offset : offset + s - p])
             offset += s - p
-        input_ids = [t for r, p, s in zip(reqs, prefix_lens, seq_lens) for t in r.fill_ids[p:s]]
+        input_ids = [t for r, p, s in zip(reqs, prefix_lens, seq_lens) for t in r.model_ids(p, s)]
         extra = self._logprob_fields(reqs, prefix_lens, seq_lens)
+        if any(r.mm_items for r in reqs):
+            runs, offset = [], 0
+            for r, p, s in zip(reqs, prefix_lens, seq_lens):
+                runs += mm_runs(r.mm_items or (), p, s, offset)
+                offset += s - p
+            extra["mm_inputs"] = runs or None
         for r, s in zip(reqs, seq_lens):
             r.kv_len = s
         return ForwardBatch.build(
@@ -337,7 +352,7 @@ class BatchBuilder:
             else:
                 first_row = s  # no rows
             starts.append(min(first_row, s) - p)
-            ids = r.fill_ids
+            ids = r.model_ids(0, r.seq_len) if r.mm_items else r.fill_ids
             next_tokens.extend(ids[j + 1] if j + 1 < len(ids) else 0 for j in range(min(first_row, s), s))
         return dict(
             return_logprob=True,

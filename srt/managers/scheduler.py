@@ -171,6 +171,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             "max_running_requests": self.max_running_requests,
             "context_len": self.model_config.context_len,
             "vocab_size": self.model_config.vocab_size,
+            # what prompts may carry besides text (a vision-language model: images)
+            "modalities": list(getattr(self.runner.model, "modalities", ("text",))),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": self.runner.device,
             # the weights as loaded: method (resolved from --quantization), format per layer type,
@@ -324,6 +326,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             bootstrap_host=recv.bootstrap_host,
             bootstrap_port=recv.bootstrap_port,
             bootstrap_room=recv.bootstrap_room,
+            mm_items=recv.mm_items,
         )
         self.track_deadline(req)
         try:

@@ -104,7 +104,7 @@ class SchedulerOutputProcessorMixin:
         vals, top_vals, top_ids, asked = rows
         if not req.wants_input_logprobs:
             return
-        prompt = req.origin_input_ids
+        prompt = req.model_ids(0, len(req.origin_input_ids)) if req.mm_items else req.origin_input_ids
         first_row = chunk_end - len(vals)
         if req.logprob_start_len == 0 and not req.input_token_logprobs:
             req.input_token_logprobs.append((None, prompt[0]))

@@ -43,6 +43,9 @@ from srt.managers.io_struct import (
     new_rid,
 )
 from srt.managers.scheduler_state import SchedulerState
+from srt.models.multimodal import MultimodalItem
+from srt.multimodal.media import MediaError
+from srt.multimodal.processors import ImagePrompts, image_prompts_for
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import zmq_socket
@@ -96,6 +99,7 @@ class ReqState:
     cached_tokens: int = 0
     cached_tokens_details: tuple[int, int, int] = (0, 0, 0)
     retractions: int = 0
+    image_tokens: int = 0  # prompt rows the request's images fill
     input_token_logprobs: list = dataclasses.field(default_factory=list)
     input_top_logprobs: list = dataclasses.field(default_factory=list)
     output_token_logprobs: list = dataclasses.field(default_factory=list)
@@ -116,6 +120,10 @@ class TokenizerManager:
         self.context_len = scheduler_info["context_len"]
         self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
         self.vocab_size = scheduler_info["vocab_size"]
+        self.modalities: list[str] = scheduler_info.get("modalities", ["text"])
+        self.image_prompts: ImagePrompts | None = None
+        if "image" in self.modalities:
+            self.image_prompts = image_prompts_for(server_args, self.tokenizer)
         self.zmq_ctx = zmq.asyncio.Context(2)
         self.recv_from_detokenizer = zmq_socket(self.zmq_ctx, zmq.PULL, port_args.tokenizer_input, bind=True)
         self.send_to_scheduler = zmq_socket(self.zmq_ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
@@ -182,17 +190,45 @@ class TokenizerManager:
         if self.draining:
             raise ServiceUnavailable("the server is shutting down and accepts no new requests")
 
-    def tokenize(self, obj: GenerateReqInput, tenant: str | None = None) -> TokenizedGenerateReqInput:
-        """One prompt (obj.item(i)) -> a validated, tokenized request."""
-        # An item of a validated request holds one prompt (text or ids) and one sampling_params dict.
+    def prompt_ids(self, obj: GenerateReqInput) -> list[int]:
+        """One prompt's token ids (an item of a validated request holds one prompt, text or ids)."""
         text = cast("str | None", obj.text)
-        if text is None:
-            ids = list(cast("list[int]", obj.input_ids))
-            for i, t in enumerate(ids):
-                if not 0 <= t < self.vocab_size:
-                    raise InvalidRequest(f"input_ids[{i}] = {t} is out of range [0, {self.vocab_size})")
-        else:
-            ids = self.tokenizer.encode(text)
+        if text is not None:
+            return self.tokenizer.encode(text)
+        ids = list(cast("list[int]", obj.input_ids))
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequest(f"input_ids[{i}] = {t} is out of range [0, {self.vocab_size})")
+        return ids
+
+    async def expand_images(self, obj: GenerateReqInput) -> tuple[list[int], list[MultimodalItem]] | None:
+        """The prompt with its images' placeholders expanded (pad values at the image rows) and the
+        images' items; None for a prompt without images. Files, fetches and preprocessing run in a
+        worker thread."""
+        images, labels = obj.images()
+        if not images:
+            return None
+        if self.image_prompts is None:
+            raise InvalidRequest(
+                f"{labels[0]}: this model ({self.server_args.served_model_name or self.server_args.model_path}) "
+                "accepts text only, not images"
+            )
+        ids = self.prompt_ids(obj)
+        try:
+            return await asyncio.to_thread(self.image_prompts.expand, ids, images, labels)
+        except MediaError as e:
+            raise InvalidRequest(str(e)) from None
+
+    def tokenize(
+        self,
+        obj: GenerateReqInput,
+        tenant: str | None = None,
+        prompt: tuple[list[int], list[MultimodalItem]] | None = None,
+    ) -> TokenizedGenerateReqInput:
+        """One prompt (obj.item(i)) -> a validated, tokenized request (`prompt`: its ids and images
+        from expand_images)."""
+        text = cast("str | None", obj.text)
+        ids, mm_items = prompt if prompt is not None else (self.prompt_ids(obj), None)
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenization")
         params = SamplingParams.from_dict(cast("dict | None", obj.sampling_params))
@@ -270,6 +306,7 @@ class TokenizerManager:
             bootstrap_host=host,
             bootstrap_port=port,
             bootstrap_room=room,
+            mm_items=mm_items,
         )
 
     def _bootstrap(self, obj: GenerateReqInput) -> tuple[str | None, int | None, int | None]:
@@ -340,7 +377,7 @@ class TokenizerManager:
         obj.validate()
         tenant = getattr(request.state, "tenant", None) if request is not None else None
         items = [obj.item(i) for i in range(obj.batch_size)]
-        tokenized = [self.tokenize(item, tenant) for item in items]
+        tokenized = [self.tokenize(item, tenant, await self.expand_images(item)) for item in items]
         n = tokenized[0].sampling_params.n
         if any(t.sampling_params.n != n for t in tokenized):
             raise InvalidRequest("all prompts of a batch must use the same sampling_params.n")
@@ -418,7 +455,7 @@ class TokenizerManager:
     async def _wait_one(
         self, obj: GenerateReqInput, tok: TokenizedGenerateReqInput, request
     ) -> AsyncGenerator[dict, None]:
-        state = ReqState(obj, time.time())
+        state = ReqState(obj, time.time(), image_tokens=sum(it.num_rows for it in tok.mm_items or ()))
         self.rid_to_state[tok.rid] = state
         self.inflight_prompt_tokens += len(tok.input_ids)
         self.send_to_scheduler.send_pyobj(tok)
@@ -460,6 +497,7 @@ class TokenizerManager:
             "cached_tokens": s.cached_tokens,
             "cached_tokens_details": dict(zip(("device", "host", "storage"), s.cached_tokens_details)),
             "num_retractions": s.retractions,
+            **({"image_tokens": s.image_tokens} if s.image_tokens else {}),
             "total_retractions": s.retractions,  # this server's earlier name
             "weight_version": self.server_args.weight_version,
             "e2e_latency": time.time() - s.created,

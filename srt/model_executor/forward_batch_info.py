@@ -11,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from srt.layers.attention.base_attn_backend import AttentionBackend
     from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from srt.models.multimodal import MMRun
     from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -59,6 +60,9 @@ class ForwardBatch:
     spec_hidden: torch.Tensor | None = None
     # LoRA: each request's adapter slot in the pool (-1: the base model); None when none uses one
     lora_slots_cpu: list[int] | None = None
+    # images (extend only): (batch row, count, item, first embedding row) runs whose rows the
+    # items' encoder outputs replace (srt/models/multimodal.py); None when the batch has none
+    mm_inputs: list[MMRun] | None = None
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None

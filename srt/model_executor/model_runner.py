@@ -37,6 +37,7 @@ from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_e
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.gguf_loader import gguf_source
 from srt.model_loader.loader import load_model
+from srt.models.registry import get_model_class
 from srt.utils import available_memory_bytes, cpu_has_fast_bf16, resolve_dtype, set_random_seed, set_torch_threads
 
 if TYPE_CHECKING:
@@ -105,6 +106,15 @@ def has_experts(model_config: ModelConfig) -> bool:
 def unsupported_with_model(model_config: ModelConfig, args: ServerArgs) -> str | None:
     """Why these server flags cannot serve this model (MoE / MLA models with features not built
     for them yet), or None."""
+    if "image" in getattr(get_model_class(model_config.architecture), "modalities", ()):
+        for flag, on in (
+            ("--speculative-algorithm", args.speculative_algorithm is not None),
+            ("--enable-lora", args.enable_lora),
+            ("--disaggregation-mode", args.disaggregation_mode != "null"),
+            ("--quantization", args.quantization not in (None, "none")),
+        ):
+            if on:
+                return f"{flag} is not supported with vision-language models ({model_config.architecture}) yet"
     moe = has_experts(model_config)
     kinds = [k for k, on in (("MLA", model_config.is_mla), ("mixture-of-experts", moe)) if on]
     if not kinds:
@@ -183,6 +193,8 @@ class ModelRunner:
             self.quantization, cpu_ops, self.dtype, self.device, server_args.quantization_group_size
         )
         self.model = load_model(model_config, self.dtype, self.device, server_args.load_format, quant_config)
+        if (encoder_cache := getattr(self.model, "encoder_cache", None)) is not None:  # a vision-language model
+            encoder_cache.capacity = server_args.mm_cache_size_mb << 20
         if cpu_ops is not None and self.dtype == torch.bfloat16 and bf16_weight_kernels_wanted():
             logger.info(
                 "bfloat16 weights without fast bf16 matmuls on this CPU: %d layers run on the C++ kernels "

@@ -17,6 +17,7 @@ import torch
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
+from srt.models.multimodal import MultimodalItem, mm_runs, model_ids
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class StaticReq:
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    mm_items: list[MultimodalItem] | None = None  # images: pad values at their rows of origin_input_ids
 
     @property
     def seq_len(self) -> int:
@@ -53,10 +55,13 @@ class StaticBatchGenerator:
         params: SamplingParams | list[SamplingParams],
         chunk_size: int | None = None,
         return_logprob: bool = False,
+        mm_items: list[list[MultimodalItem] | None] | None = None,
     ) -> list[StaticReq]:
+        """`mm_items[i]`: prompt i's images (its image rows hold their pad values)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        reqs = [StaticReq(list(p), sp) for p, sp in zip(prompts, params)]
+        images = mm_items or [None] * len(prompts)
+        reqs = [StaticReq(list(p), sp, mm_items=m) for p, sp, m in zip(prompts, params, images)]
         self._alloc_slots(reqs)
         try:
             start = time.perf_counter()
@@ -76,9 +81,12 @@ class StaticBatchGenerator:
             self.free(reqs)
         return reqs
 
-    def prefill_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill_logits(
+        self, prompts: list[list[int]], mm_items: list[list[MultimodalItem] | None] | None = None
+    ) -> torch.Tensor:
         """Next-token logits [B, V] at the last position of each prompt."""
-        reqs = [StaticReq(list(p), SamplingParams(max_new_tokens=0)) for p in prompts]
+        images = mm_items or [None] * len(prompts)
+        reqs = [StaticReq(list(p), SamplingParams(max_new_tokens=0), mm_items=m) for p, m in zip(prompts, images)]
         self._alloc_slots(reqs)
         try:
             fb = self._extend_batch(reqs, [len(p) for p in prompts], return_logprob=False)
@@ -121,17 +129,19 @@ class StaticBatchGenerator:
     def _extend_batch(self, reqs: list[StaticReq], ends: list[int], return_logprob: bool) -> ForwardBatch:
         prefix_lens = [r.prefix_len for r in reqs]
         loc = self._alloc_kv(prefix_lens, ends, reqs)
-        input_ids = [t for r, p, e in zip(reqs, prefix_lens, ends) for t in r.origin_input_ids[p:e]]
+        input_ids = [t for r, p, e in zip(reqs, prefix_lens, ends) for t in self._ids(r)[p:e]]
         extra: dict[str, Any] = {}
+        runs, offset = [], 0
+        for r, p, e in zip(reqs, prefix_lens, ends):
+            runs += mm_runs(r.mm_items or (), p, e, offset)
+            offset += e - p
+        if runs:
+            extra["mm_inputs"] = runs
         if return_logprob:
             # Row j reads the logprob of the prompt token after it; the final row has none (its
             # next token is sampled), so any id will do there and the value is dropped.
-            nxt = [
-                t
-                for r, p, e in zip(reqs, prefix_lens, ends)
-                for t in (r.origin_input_ids[p + 1 : e + 1] + [0])[: e - p]
-            ]
-            extra = dict(
+            nxt = [t for r, p, e in zip(reqs, prefix_lens, ends) for t in (self._ids(r)[p + 1 : e + 1] + [0])[: e - p]]
+            extra |= dict(
                 return_logprob=True,
                 top_logprobs_nums=[0] * len(reqs),
                 extend_logprob_start_lens_cpu=[0] * len(reqs),
@@ -147,6 +157,10 @@ class StaticBatchGenerator:
             self.runner.device,
             **extra,
         )
+
+    @staticmethod
+    def _ids(r: StaticReq) -> list[int]:
+        return model_ids(r.origin_input_ids, r.mm_items) if r.mm_items else r.origin_input_ids
 
     def _prefill(self, reqs: list[StaticReq], chunk_size: int | None, return_logprob: bool) -> None:
         pending = list(reqs)

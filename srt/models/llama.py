@@ -175,17 +175,26 @@ class LlamaModel(nn.Module):
         # EAGLE-3 targets: the layers whose input (the residual stream) a capturing forward returns
         self.aux_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids, positions, forward_batch, aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids,
+        positions,
+        forward_batch,
+        aux: list[torch.Tensor] | None = None,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final norm's output; with `aux`, also appends to it the residual stream entering each
-        of `aux_layers` (in that order; index len(layers) is the stream before the final norm)."""
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        of `aux_layers` (in that order; index len(layers) is the stream before the final norm).
+        `input_embeds` replaces the token embeddings (a vision-language model's merged rows)."""
+        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual: torch.Tensor | None = None
         seen: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if aux is not None and i in self.aux_layers:
                 seen[i] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
         if aux is not None and len(self.layers) in self.aux_layers:
-            seen[len(self.layers)] = hidden_states + residual
+            seen[len(self.layers)] = hidden_states if residual is None else hidden_states + residual
         if aux is not None:
             aux.extend(seen[i] for i in self.aux_layers)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -258,16 +267,23 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 yield name, tensor
 
-        load_checkpoint(self, renamed(), self.stacked_params)
+        load_checkpoint(self, renamed(), self.stacked_params, self.loaded_apart)
+
+    # submodules whose weights a subclass loads itself (a vision-language model's image encoder)
+    loaded_apart: tuple[str, ...] = ()
 
 
 def load_checkpoint(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked_params: Sequence[tuple[str, str, str | int]]
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params: Sequence[tuple[str, str, str | int]],
+    loaded_apart: tuple[str, ...] = (),
 ) -> None:
     """Checkpoint tensors (our names) into `model`: layers with a weight format take their weight
     through `load_weight(tensor, shard_id)`, MoE experts through `load_expert(expert_id, shard,
     tensor)`, other parameters through their `weight_loader`; `stacked_params` maps a checkpoint
-    name fragment to our fused parameter and its shard. Every parameter must be filled."""
+    name fragment to our fused parameter and its shard. Every parameter must be filled, but those
+    under the submodules named in `loaded_apart`."""
     targets: dict[str, Callable] = {}
     experts: dict[str, Callable] = {}  # "<prefix>.experts" -> load_expert(expert_id, shard, tensor)
     for prefix, module in model.named_modules():
@@ -277,11 +293,13 @@ def load_checkpoint(
     def in_experts(name: str) -> bool:  # the experts' own storage, filled by load_expert
         return any(name.startswith(owner + ".") for owner in experts)
 
+    apart = tuple(f"{p}." for p in loaded_apart)
     for prefix, module in model.named_modules():
         if callable(load := getattr(module, "load_weight", None)) and not in_experts(prefix):
-            targets[f"{prefix}.weight"] = load
+            if not f"{prefix}.".startswith(apart):
+                targets[f"{prefix}.weight"] = load
     for name, param in model.named_parameters():
-        if name not in targets and not in_experts(name):
+        if name not in targets and not in_experts(name) and not name.startswith(apart):
             loader = getattr(param, "weight_loader", _default_loader)
             targets[name] = functools.partial(loader, param)
     loaded: set[str] = set()

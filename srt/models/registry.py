@@ -17,6 +17,7 @@ _MODULES = (
     "deepseek_v2",
     "llama_eagle",
     "deepseek_nextn",
+    "idefics3",
 )
 
 

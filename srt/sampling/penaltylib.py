@@ -18,6 +18,7 @@ def _counts(histories: list[list[int]], vocab_size: int, device) -> torch.Tensor
     ids = torch.full((len(histories), longest), vocab_size, dtype=torch.int64)
     for i, h in enumerate(histories):
         ids[i, : len(h)] = torch.tensor(h, dtype=torch.int64)
+    ids.clamp_(max=vocab_size)  # an image row's pad value (past the vocabulary) is no token seen
     counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
     return counts[:, :vocab_size]
 

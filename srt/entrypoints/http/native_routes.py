@@ -165,6 +165,8 @@ async def model_info(request: Request) -> dict:
         "eos_token": getattr(tm.tokenizer, "eos_token", None),
         "tool_call_parser": server_args.tool_call_parser,
         "reasoning_parser": server_args.reasoning_parser,
+        "modalities": list(tm.modalities),
+        "has_image_understanding": "image" in tm.modalities,  # SGLang's flag
     }
 
 

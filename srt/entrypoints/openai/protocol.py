@@ -141,15 +141,42 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
 
     def text(self) -> str | None:
-        """Text content; a list of parts must be text parts (this server serves text-only models)."""
+        """Text content (a text-only model); a list of parts must be text parts."""
         if not isinstance(self.content, list):
             return self.content
         out = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
+        for j, part in enumerate(self.content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                raise ValueError(f"content[{j}] is an image; this model accepts text only, not images")
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"content[{j}] of type {kind!r} is not supported (text and image_url parts are)")
             out.append(part["text"])
         return "".join(out)
+
+    def parts(self) -> tuple[list[dict], list[tuple[int, str]]]:
+        """Content as a vision-language chat template reads it (text parts and `{"type": "image"}`
+        where an image goes) and the images' (part index, url) in order."""
+        if not isinstance(self.content, list):
+            return [{"type": "text", "text": self.content or ""}], []
+        parts, images = [], []
+        for j, part in enumerate(self.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                ref = part.get("image_url")
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                if not isinstance(url, str) or not url:
+                    raise ValueError(f"content[{j}].image_url must be an object with a non-empty `url`")
+                detail = ref.get("detail", "auto") if isinstance(ref, dict) else "auto"
+                if detail not in ("auto", "low", "high"):
+                    raise ValueError(f"content[{j}].image_url.detail = {detail!r} must be auto, low or high")
+                parts.append({"type": "image"})
+                images.append((j, url))
+            else:
+                raise ValueError(f"content[{j}] of type {kind!r} is not supported (text and image_url parts are)")
+        return parts, images
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -173,6 +173,7 @@ class OpenAIServing:
             "owned_by": "radixserve",
             "root": self.model_name,
             "max_model_len": self.tm.context_len,
+            "modalities": list(self.tm.modalities),  # what prompts may carry: text, and image for a VLM
         }
 
     async def completions(self, body: Any, request: Request) -> Response:
@@ -257,11 +258,20 @@ class OpenAIServing:
             )
         fcp = req._tool_calling = self.tool_calling(req)
         messages = []
+        images: list[str] = []
+        labels: list[str] = []
+        vision = self.tm.image_prompts is not None
         for i, m in enumerate(req.messages):
             try:
-                msg: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
+                if vision:
+                    content, found = m.parts()
+                    images += [url for _, url in found]
+                    labels += [f"messages[{i}].content[{j}].image_url" for j, _ in found]
+                else:
+                    content = m.text() or ""
+                msg: dict[str, Any] = {"role": m.role, "content": content}
             except ValueError as e:
-                raise OpenAIError(400, f"messages[{i}].content: {e}", f"messages[{i}].content") from None
+                raise OpenAIError(400, f"messages[{i}].{e}", f"messages[{i}].content") from None
             for key in ("name", "tool_call_id"):
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
@@ -304,6 +314,8 @@ class OpenAIServing:
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
             bootstrap_room=req.bootstrap_room,
+            image_data=images or None,
+            media_labels=labels or None,
         )
 
     async def _serve(self, body: Any, request: Request, cls, to_input, responder_cls) -> Response:
@@ -350,11 +362,14 @@ class OpenAIServing:
         prompt = sum(m["prompt_tokens"] for m in metas[::n])  # n samples share one prompt
         completion = sum(m["completion_tokens"] for m in metas)
         cached = sum(m["cached_tokens"] for m in metas[::n])
+        details = {"cached_tokens": cached}
+        if image_tokens := sum(m.get("image_tokens", 0) for m in metas[::n]):
+            details["image_tokens"] = image_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": details,
         }
 
     @staticmethod

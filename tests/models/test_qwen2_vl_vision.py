@@ -1,0 +1,124 @@
+"""Qwen2-VL's image encoder (2D-rotary vision tower + patch merger) and M-RoPE positions against
+HF transformers on a tiny random model: two images of different sizes, patched by HF's processor and
+encoded in one call, give HF's image features (float32, 1e-4); prompts with none, one and two images
+give HF's `get_rope_index`."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+IMAGE, START, END = 297, 295, 296
+
+
+def tiny_qwen2_vl(path: str) -> str:
+    cfg = transformers.Qwen2VLConfig(
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=48,
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        text_config=dict(
+            vocab_size=300,
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters=dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=10000.0),
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        image_token_id=IMAGE,
+        video_token_id=298,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # random init is tiny; norms and biases matter here
+        for p in model.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from safetensors.torch import load_file
+
+    from srt.models.qwen2_vl_vision import Qwen2VLImageEncoder
+
+    path = tiny_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+    hf = transformers.Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ours = Qwen2VLImageEncoder(hf.config).eval()
+    ours.load_weights(load_file(os.path.join(path, "model.safetensors")).items())
+    return hf, ours
+
+
+def test_image_features_match_hf(models):
+    hf, ours = models
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(40, 24), (30, 50)]]
+    processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=8 * 8 * 4, max_pixels=8 * 8 * 36, patch_size=4, temporal_patch_size=2, merge_size=2
+    )
+    inputs = processor(images=images, return_tensors="pt")
+    pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+    assert grid.tolist() == [[1, 10, 6], [1, 8, 12]]  # 40 x 24 and 32 x 48 pixels, in 4 x 4 patches
+    with torch.no_grad():
+        want = torch.cat(hf.model.get_image_features(pixels, grid).pooler_output)
+    got = ours(pixels, grid)
+    assert got.shape == (15 + 24, 48)  # merged 2 x 2: 60 / 4 and 96 / 4 tokens of the text width
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the second image alone gives its tokens of the pair: a patch attends to its own image only
+    torch.testing.assert_close(ours(pixels[60:], grid[1:]), got[15:], atol=1e-5, rtol=1e-5)
+
+
+def test_load_weights_rejects_unknown_and_missing(models):
+    from srt.models.qwen2_vl_vision import Qwen2VLImageEncoder
+
+    hf, ours = models
+    state = [(f"model.visual.{k}", v) for k, v in ours.state_dict().items()]  # the newer layout loads too
+    fresh = Qwen2VLImageEncoder(hf.config)
+    text = [("model.language_model.norm.weight", torch.ones(48)), ("lm_head.weight", torch.ones(300, 48))]
+    fresh.load_weights(text + state)  # the text model's tensors are skipped
+    assert all(torch.equal(p, ours.state_dict()[k]) for k, p in fresh.state_dict().items())
+    with pytest.raises(KeyError, match="visual.blocks.9"):
+        fresh.load_weights(state + [("visual.blocks.9.norm1.weight", torch.ones(32))])
+    with pytest.raises(KeyError, match="merger"):
+        fresh.load_weights([(k, v) for k, v in state if "merger" not in k])
+
+
+@pytest.mark.parametrize(
+    "grids,prompt",
+    [
+        ([], [5, 6, 7, 8]),
+        ([(1, 10, 6)], [5, START, *[IMAGE] * 15, END, 6, 7]),
+        ([(1, 10, 6), (1, 8, 12)], [5, 6, START, *[IMAGE] * 15, END, 7, 8, 9, START, *[IMAGE] * 24, END, 10]),
+    ],
+    ids=["text", "one_image", "two_images"],
+)
+def test_rope_index_matches_hf(models, grids, prompt):
+    from srt.models.qwen2_vl_vision import get_rope_index, tokens_for_grid
+
+    hf, _ = models
+    assert sum(tokens_for_grid(g, hf.config) for g in grids) == prompt.count(IMAGE)
+    ids = torch.tensor([prompt])
+    want, want_delta = hf.model.get_rope_index(
+        ids, mm_token_type_ids=(ids == IMAGE).int(), image_grid_thw=torch.tensor(grids) if grids else None
+    )
+    got, delta = get_rope_index(prompt, grids, hf.config)
+    assert torch.equal(got, want[:, 0])
+    assert delta == int(want_delta)

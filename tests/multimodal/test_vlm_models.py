@@ -1,0 +1,82 @@
+"""Vision-language models in process against HF transformers (float32), through the tokenizer
+side's prompt expansion and the model runner: the expanded prompt equals HF's processor's, the
+last position's logits agree within 1e-4 and greedy tokens are identical, for one image, several
+images of different sizes and images between chat turns, over chunk sizes and page sizes 1 and 16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multimodal.vlm_models import data_url, hf_processor, random_image
+
+from srt.model_executor.static_batch import StaticBatchGenerator
+from srt.models.multimodal import model_ids
+from srt.multimodal.media import MediaLimits
+from srt.multimodal.processors import ImagePrompts
+from srt.sampling.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+LIMITS = MediaLimits(max_bytes=1 << 24, max_pixels=1 << 24, allow_remote=False, fetch_timeout=5.0)
+
+
+def ours(path: str, prompt: str, images: list) -> tuple[list[int], list]:
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    prompts = ImagePrompts(cfg.architectures[0], path, cfg, tok, LIMITS, max_images=8, cache_bytes=1 << 26)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    return prompts.expand(ids, [data_url(im) for im in images], [f"image_data[{i}]" for i in range(len(images))])
+
+
+CASES = {
+    "one image": ("User:<image>What is in the picture?<end_of_utterance>\nAssistant:", [(100, 150)]),
+    "two sizes": ("User:<image>and<image>: compare them.<end_of_utterance>\nAssistant:", [(150, 100), (40, 48)]),
+    "between turns": (
+        "User:<image>Describe it.<end_of_utterance>\nAssistant: A cat.<end_of_utterance>\n"
+        "User:<image>And this one?<end_of_utterance>\nAssistant:",
+        [(64, 64), (90, 30)],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_idefics3(idefics3_path):
+    return transformers.Idefics3ForConditionalGeneration.from_pretrained(idefics3_path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_idefics3_matches_hf(case, idefics3_path, hf_idefics3, runner_factory):
+    prompt, sizes = CASES[case]
+    images = [random_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
+    ids, items = ours(idefics3_path, prompt, images)
+    ref = hf_processor(idefics3_path)(text=prompt, images=[images], return_tensors="pt")
+    assert model_ids(ids, items) == ref["input_ids"][0].tolist()  # the expansion is HF's
+    assert all(t >= 1 << 30 for it in items for s, n in it.spans for t in ids[s : s + n])  # pads at image rows
+    with torch.no_grad():
+        want_logits = hf_idefics3(**ref).logits[0, -1]
+        want = hf_idefics3.generate(**ref, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = want[0, len(ids) :].tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    for page_size in (1, 16):
+        gen = StaticBatchGenerator(runner_factory(idefics3_path, page_size=page_size))
+        torch.testing.assert_close(gen.prefill_logits([ids], [items])[0], want_logits, atol=1e-4, rtol=1e-4)
+        for chunk in (None, 37):  # 37 splits image runs across chunks
+            out = gen.generate([ids], params, chunk_size=chunk, mm_items=[items])
+            assert out[0].output_ids == want, (page_size, chunk)
+        allocator = gen.runner.token_to_kv_pool_allocator
+        assert allocator.available_size() == allocator.size
+
+
+def test_idefics3_batch_mixes_images_and_text(idefics3_path, runner_factory):
+    """A batch of a text prompt and two image prompts gives each what it gives alone."""
+    tok = transformers.AutoTokenizer.from_pretrained(idefics3_path)
+    a = ours(idefics3_path, CASES["one image"][0], [random_image(100, 150, 0)])
+    b = ours(idefics3_path, CASES["two sizes"][0], [random_image(150, 100, 0), random_image(40, 48, 1)])
+    text = tok.encode("User: hello there<end_of_utterance>\nAssistant:", add_special_tokens=False)
+    gen = StaticBatchGenerator(runner_factory(idefics3_path))
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    together = gen.generate([a[0], text, b[0]], params, chunk_size=50, mm_items=[a[1], None, b[1]])
+    alone = [
+        gen.generate([p], params, mm_items=[m])[0].output_ids for p, m in ((a[0], a[1]), (text, None), (b[0], b[1]))
+    ]
+    assert [r.output_ids for r in together] == alone

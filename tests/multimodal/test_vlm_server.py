@@ -1,0 +1,175 @@
+"""Images over HTTP on a tiny random SmolVLM-shaped (Idefics3) model, with the official `openai`
+client: data-URL images give HF's greedy tokens (with prefill chunks that split image runs), the same
+image twice hits the radix cache and answers the same, a different image with the same text hits
+only the text before it; /generate's image_data forms; every bad image is a 400 naming the part,
+and the server keeps serving with its pools back at baseline."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import openai
+import pytest
+import requests
+import torch
+from conftest import at_baseline
+from multimodal.vlm_models import data_url, hf_processor, random_image
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "What is in the picture?"
+
+
+@pytest.fixture(scope="module")
+def server(shared_server, idefics3_path):
+    return shared_server(
+        "--model-path",
+        idefics3_path,
+        "--max-total-tokens",
+        "8192",
+        "--chunked-prefill-size",
+        "48",
+        "--max-images-per-request",
+        "3",
+        "--max-image-pixels",
+        "100000",
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def chat(client, images: list[str], text: str = PROMPT, **kw):
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in images] + [{"type": "text", "text": text}]
+    return client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0, **kw
+    )
+
+
+def hf_greedy(path: str, images, text: str, n: int) -> str:
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = hf_processor(path)(text=prompt, images=[images], return_tensors="pt")
+    hf = transformers.Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return tok.decode(out[0, inputs["input_ids"].shape[1] :])
+
+
+def test_chat_images_match_hf_and_share_the_cache(server, client, idefics3_path):
+    server.flush_cache()
+    image = random_image(100, 150, seed=0)
+    first = chat(client, [data_url(image)])
+    assert first.choices[0].message.content == hf_greedy(idefics3_path, [image], PROMPT, 8)
+    details = first.usage.prompt_tokens_details
+    assert details.cached_tokens == 0 and details.image_tokens == 80  # 2 x 2 tiles + the global one, 16 each
+    again = chat(client, [data_url(image)])
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    other = chat(client, [data_url(random_image(100, 150, seed=1))])
+    # the text before the image's first row is shared (<|im_start|>User:<fake_token_around_image>
+    # <row_1_col_1>); no image row is
+    assert other.usage.prompt_tokens_details.cached_tokens == 5
+    assert other.choices[0].message.content != first.choices[0].message.content
+    # two images of different sizes, streamed: the same text as unstreamed
+    images = [data_url(random_image(150, 100, seed=2)), data_url(random_image(40, 48, seed=3))]
+    whole = chat(client, images).choices[0].message.content
+    stream = chat(client, images, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.prompt_tokens_details.image_tokens == 80 + 80  # both are resized to 2 x 2 tiles
+    at_baseline(server)
+
+
+def test_generate_image_data_forms(server, tmp_path):
+    image = random_image(64, 64, seed=4)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    path = tmp_path / "cat.png"
+    path.write_bytes(buf.getvalue())
+    text = "User:<image>Describe it.<end_of_utterance>\nAssistant:"
+    outs = [
+        server.generate(text=text, image_data=src, sampling_params={"max_new_tokens": 6, "temperature": 0})
+        for src in (data_url(image), base64.b64encode(buf.getvalue()).decode(), str(path), [str(path)])
+    ]
+    assert len({o["text"] for o in outs}) == 1 and outs[0]["meta_info"]["image_tokens"] == 80
+    batch = server.generate(
+        text=[text, "User: plain text<end_of_utterance>\nAssistant:"],
+        image_data=[str(path), None],
+        sampling_params={"max_new_tokens": 6, "temperature": 0},
+    )
+    assert batch[0]["text"] == outs[0]["text"] and "image_tokens" not in batch[1]["meta_info"]
+    info = requests.get(server.url + "/model_info", timeout=30).json()
+    assert info["modalities"] == ["text", "image"] and info["has_image_understanding"]
+    at_baseline(server)
+
+
+def _png(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    random_image(width, height, seed=5).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("data:image/png;base64,not*base64", "not valid base64"),
+        ("data:image/png;base64," + base64.b64encode(_png(40, 40)[:200]).decode(), "corrupt or truncated"),
+        ("data:image/png;base64," + base64.b64encode(b"GIF89a nonsense").decode(), "not a readable image"),
+        ("data:image/png;base64," + base64.b64encode(_png(1, 1)).decode(), "at least 2 pixels"),
+        ("data:image/png;base64," + base64.b64encode(_png(400, 400)).decode(), "--max-image-pixels"),
+        ("http://127.0.0.1:9/cat.png", "--allow-remote-media"),
+        ("/no/such/file.png", "no such file"),
+        ("data:text/plain;base64,aGk=", "is not an image"),
+    ],
+    ids=["bad-base64", "truncated-png", "not-an-image", "1x1", "huge", "remote", "missing-file", "not-image-type"],
+)
+def test_bad_images_are_400s_naming_the_part(server, client, source, expected):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="m",
+            max_tokens=4,
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": source}}],
+                },
+            ],
+        )
+    assert "messages[1].content[1].image_url" in e.value.message and expected in e.value.message, e.value.message
+    r = server.post("/generate", {"text": "User:<image>hi", "image_data": source})
+    assert r.status_code == 400 and "image_data" in r.json()["error"]["message"], r.text
+    at_baseline(server)
+
+
+def test_counts_and_placeholders(server, client):
+    url = data_url(random_image(20, 20, seed=6))
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, [url] * 4)
+    assert "4 images, more than the limit of 3 (--max-images-per-request)" in e.value.message
+    assert "messages[0].content[3].image_url" in e.value.message
+    r = server.post("/generate", {"text": "no placeholder here", "image_data": url})
+    assert r.status_code == 400 and "0 image placeholder(s) ('<image>'" in r.json()["error"]["message"]
+    r = server.post("/generate", {"text": ["a<image>", "b<image>"], "image_data": [url]})
+    assert r.status_code == 400 and "one entry per prompt" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="m",
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "max"}}]}],
+        )
+    assert "detail" in e.value.message
+    assert chat(client, [url]).choices[0].finish_reason == "length"  # and it still serves
+    at_baseline(server)
+
+
+def test_text_only_model_refuses_images(tiny_server):
+    r = tiny_server.post("/generate", {"text": "hi", "image_data": data_url(random_image(8, 8, seed=0))})
+    assert r.status_code == 400 and "accepts text only" in r.json()["error"]["message"]
+    models = requests.get(tiny_server.url + "/v1/models", timeout=30).json()
+    assert models["data"][0]["modalities"] == ["text"]
