@@ -211,6 +211,22 @@ def idefics3_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def llava_path(tmp_path_factory) -> str:
+    """A tiny random LLaVA-1.5-shaped model with its tokenizer and image processor."""
+    from multimodal.vlm_models import build_llava
+
+    return build_llava(str(tmp_path_factory.mktemp("llava")))
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_path(tmp_path_factory) -> str:
+    """A tiny random Qwen2-VL-shaped model (M-RoPE) with its tokenizer and image processor."""
+    from multimodal.vlm_models import build_qwen2_vl
+
+    return build_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+
+
+@pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The embedded SmolLM2-135M-Instruct, converted once into the user's cache."""
     from srt.model_loader.default_model import resolve_default_model

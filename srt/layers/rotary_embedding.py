@@ -174,3 +174,28 @@ class RotaryEmbedding(nn.Module):
         if rest.shape[-1]:
             out = torch.cat((out, rest), dim=-1)
         return out.reshape(shape)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): the rotated pairs fall into three sections (`mrope_section`, in pairs)
+    that turn with the temporal, height and width positions of [3, T] positions. 1-D positions
+    (text, decode) mean all three alike, which is plain RoPE (and the fused kernels)."""
+
+    axis: torch.Tensor
+
+    def __init__(self, *args, mrope_section: list[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        half = self.rotary_dim // 2
+        if sum(mrope_section) != half or len(mrope_section) != 3:
+            raise ValueError(f"mrope_section {mrope_section} must be three sizes summing to rotary_dim / 2 = {half}")
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section), output_size=half)
+        # the tables' columns: the pairs twice over (NeoX layout), or once
+        self.register_buffer("axis", torch.cat((axis, axis)) if self.is_neox_style else axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        index = self.axis.expand(1, positions.shape[1], -1)
+        cos = self.cos_cache[positions].gather(0, index)[0].to(q.dtype)  # [3, T, D] -> each column's axis
+        sin = self.sin_cache[positions].gather(0, index)[0].to(q.dtype)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)

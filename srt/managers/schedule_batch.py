@@ -23,7 +23,7 @@ from srt.managers.io_struct import (
     BaseFinishReason,
 )
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from srt.models.multimodal import MultimodalItem, mm_runs, model_ids
+from srt.models.multimodal import MultimodalItem, mm_runs, model_ids, mrope_positions
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 
@@ -120,6 +120,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def position_delta(self) -> int:
+        """How far positions run ahead of token indices after this request's images (M-RoPE)."""
+        return sum(it.position_delta for it in self.mm_items) if self.mm_items else 0
 
     def model_ids(self, start: int, end: int) -> list[int]:
         """fill_ids[start:end] as the model embeds them: an image row is its placeholder token."""
@@ -329,6 +334,9 @@ class BatchBuilder:
                 runs += mm_runs(r.mm_items or (), p, s, offset)
                 offset += s - p
             extra["mm_inputs"] = runs or None
+            if any(it.grid is not None for r in reqs for it in r.mm_items or ()):
+                positions = [mrope_positions(r.mm_items or (), p, s) for r, p, s in zip(reqs, prefix_lens, seq_lens)]
+                extra["mrope_positions"] = torch.cat(positions, dim=1).to(self.device)
         for r, s in zip(reqs, seq_lens):
             r.kv_len = s
         return ForwardBatch.build(
@@ -430,6 +438,9 @@ class BatchBuilder:
         input_ids = [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs]
         for r in reqs:
             r.kv_len += 1
+        positions = None
+        if any(r.mm_items for r in reqs):  # after M-RoPE images, positions run ahead of indices
+            positions = [p + r.position_delta for r, p in zip(reqs, prefix_lens)]
         return ForwardBatch.build(
             ForwardMode.DECODE,
             input_ids,
@@ -438,5 +449,6 @@ class BatchBuilder:
             prefix_lens,
             loc,
             self.device,
+            positions=positions,
             **_output_logprob_fields(reqs),
         )

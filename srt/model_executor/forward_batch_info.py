@@ -63,6 +63,9 @@ class ForwardBatch:
     # images (extend only): (batch row, count, item, first embedding row) runs whose rows the
     # items' encoder outputs replace (srt/models/multimodal.py); None when the batch has none
     mm_inputs: list[MMRun] | None = None
+    # M-RoPE (Qwen2-VL), extend only: [3, T] positions when a request of the batch has images (the
+    # model's rotary reads them instead of `positions`); decode positions carry the images' shift
+    mrope_positions: torch.Tensor | None = None
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None

@@ -17,7 +17,7 @@ import torch
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
-from srt.models.multimodal import MultimodalItem, mm_runs, model_ids
+from srt.models.multimodal import MultimodalItem, mm_runs, model_ids, mrope_positions
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
 
@@ -137,6 +137,9 @@ class StaticBatchGenerator:
             offset += e - p
         if runs:
             extra["mm_inputs"] = runs
+        if any(it.grid is not None for r in reqs for it in r.mm_items or ()):
+            positions = [mrope_positions(r.mm_items or (), p, e) for r, p, e in zip(reqs, prefix_lens, ends)]
+            extra["mrope_positions"] = torch.cat(positions, dim=1).to(self.runner.device)
         if return_logprob:
             # Row j reads the logprob of the prompt token after it; the final row has none (its
             # next token is sampled), so any id will do there and the value is dropped.
@@ -203,6 +206,7 @@ class StaticBatchGenerator:
             [s - 1 for s in seq_lens],
             loc,
             self.runner.device,
+            positions=[s - 1 + sum(it.position_delta for it in r.mm_items or ()) for r, s in zip(reqs, seq_lens)],
             return_logprob=return_logprob,
             top_logprobs_nums=[0] * len(reqs),
         )

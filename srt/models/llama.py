@@ -15,7 +15,7 @@ from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.radix_attention import RadixAttention
-from srt.layers.rotary_embedding import RotaryEmbedding
+from srt.layers.rotary_embedding import MRotaryEmbedding, RotaryEmbedding
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -76,7 +76,11 @@ class LlamaAttention(nn.Module):
         )
         theta, scaling = rope_parameters(config)
         rotary_dim = int(self.head_dim * getattr(config, "partial_rotary_factor", 1.0))
-        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling)
+        rope_args = (self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling)
+        if section := mrope_section(config):  # Qwen2-VL's text model
+            self.rotary_emb = MRotaryEmbedding(*rope_args, mrope_section=section)
+        else:
+            self.rotary_emb = RotaryEmbedding(*rope_args)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -90,6 +94,14 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), forward_batch))
+
+
+def mrope_section(config) -> list[int] | None:
+    """M-RoPE's rotary sections from rope_parameters (transformers 5) or rope_scaling (4.x)."""
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return list(params["mrope_section"])
+    return None
 
 
 # (config, layer_id, quant_config, prefix) -> the layer's MLP (dense, or a mixture of experts)
@@ -213,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj", ".gate_up_proj", 1),
     ]
 
-    def __init__(self, config, quant_config=None):
+    def __init__(self, config, quant_config=None, tie_word_embeddings: bool | None = None):
+        """`tie_word_embeddings` overrides the config's (a vision-language model's top-level config
+        decides it, as in HF)."""
         super().__init__()
         self.config = config
         qkv_bias, o_bias = self.attention_bias(config)
@@ -226,7 +240,9 @@ class LlamaForCausalLM(nn.Module):
             make_mlp=self.make_mlp,
             make_attention=self.make_attention,
         )
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if tie_word_embeddings is None:
+            tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = tie_word_embeddings
         self.lm_head = (
             self.model.embed_tokens
             if self.tie_word_embeddings

@@ -36,6 +36,9 @@ class MultimodalItem:
     token_id: int  # the model's placeholder token at those positions
     spans: list[tuple[int, int]]
     data: dict[str, torch.Tensor] = field(default_factory=dict)
+    # M-RoPE (Qwen2-VL): the rows' (frames, rows, columns) grid; its rows take 3-D positions and
+    # the text after the image resumes max(grid) positions on, not num_rows. None: one position a row
+    grid: tuple[int, int, int] | None = None
 
     @property
     def pad_value(self) -> int:
@@ -44,6 +47,11 @@ class MultimodalItem:
     @property
     def num_rows(self) -> int:
         return sum(n for _, n in self.spans)
+
+    @property
+    def position_delta(self) -> int:
+        """How far the positions of what follows run ahead of its token index."""
+        return max(self.grid) - self.num_rows if self.grid is not None else 0
 
     def rows_in(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """(prompt position, count, first embedding row) of this item's rows in [start, end)."""
@@ -66,6 +74,30 @@ def mm_runs(items: Sequence[MultimodalItem], start: int, end: int, batch_offset:
     return [
         (batch_offset + pos - start, count, item, row) for item in items for pos, count, row in item.rows_in(start, end)
     ]
+
+
+def mrope_positions(items: Sequence[MultimodalItem], start: int, end: int) -> torch.Tensor:
+    """The M-RoPE positions [3, end - start] of token indices [start, end) of a sequence with these
+    images: text (and generated tokens) count up alike on the three axes, shifted by the deltas of
+    the images before it; an image's rows sit at its first row's position plus their (frame, row,
+    column) in its grid."""
+    pos = torch.arange(start, end).repeat(3, 1)
+    shift = 0
+    for item in sorted(items, key=lambda it: it.spans[0][0]):
+        if item.grid is None:
+            continue
+        (first, n), t, h, w = item.spans[0], *item.grid
+        assert len(item.spans) == 1 and t * h * w == n, "an M-RoPE image is one run of t * h * w rows"
+        lo, hi = max(first, start), min(first + n, end)
+        if lo < hi:
+            k = torch.arange(lo - first, hi - first)
+            grid = torch.stack((k // (h * w), k // w % h, k % w))
+            pos[:, lo - start : hi - start] = first + shift + grid
+        shift += item.position_delta
+        if first + n < end:
+            after = max(first + n, start)
+            pos[:, after - start :] += item.position_delta
+    return pos
 
 
 def model_ids(ids: list[int], items: Sequence[MultimodalItem]) -> list[int]:

@@ -1,6 +1,6 @@
 """Qwen2-VL's image side: a vision transformer over the patches of variable-size images with 2D
-rotary positions, then the patch merger into the text model's embedding space; and the M-RoPE
-positions (temporal, height, width) of a prompt whose image placeholder tokens the features replace.
+rotary positions, then the patch merger into the text model's embedding space. (The text side's
+M-RoPE positions are srt/models/multimodal.py's `mrope_positions`.)
 
 Weights keep the HF names under `visual.*` (what `save_pretrained` writes; `model.visual.*` of the
 newer layout is accepted too): `patch_embed.proj`, `blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,
@@ -39,32 +39,6 @@ def tokens_for_grid(grid_thw: tuple[int, int, int], config) -> int:
     """Placeholder tokens of one image whose patch grid is (t, h, w)."""
     t, h, w = grid_thw
     return t * h * w // config.vision_config.spatial_merge_size**2
-
-
-def get_rope_index(input_ids: list[int], grid_thws: list[tuple[int, int, int]], config) -> tuple[torch.Tensor, int]:
-    """The M-RoPE positions [3, len(input_ids)] of one prompt whose images (their grids in order)
-    are runs of `config.image_token_id`, and the delta a decode token at index i adds to i."""
-    m, image = config.vision_config.spatial_merge_size, config.image_token_id
-    chunks, pos, i, images = [], 0, 0, 0
-    while i < len(input_ids):
-        if input_ids[i] == image:
-            if images == len(grid_thws):
-                raise ValueError(f"input_ids hold more images than the {len(grid_thws)} grids given")
-            t, h, w = grid_thws[images]
-            n = tokens_for_grid((t, h, w), config)
-            if list(input_ids[i : i + n]) != [image] * n:
-                raise ValueError(f"image {images} of grid {(t, h, w)} needs a run of {n} image tokens")
-            axes = torch.meshgrid(torch.arange(t), torch.arange(h // m), torch.arange(w // m), indexing="ij")
-            chunks.append(torch.stack(axes).reshape(3, -1) + pos)
-            pos, i, images = pos + max(h, w) // m, i + n, images + 1  # as HF: t does not push the text on
-        else:
-            j = next((j for j in range(i, len(input_ids)) if input_ids[j] == image), len(input_ids))
-            chunks.append(torch.arange(pos, pos + j - i).expand(3, -1))
-            pos, i = pos + j - i, j
-    if images != len(grid_thws):
-        raise ValueError(f"input_ids hold {images} images, but {len(grid_thws)} grids were given")
-    positions = torch.cat(chunks, dim=1)
-    return positions, int(positions.max()) + 1 - len(input_ids)
 
 
 class Segments(NamedTuple):

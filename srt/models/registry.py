@@ -18,6 +18,8 @@ _MODULES = (
     "llama_eagle",
     "deepseek_nextn",
     "idefics3",
+    "llava",
+    "qwen2_vl",
 )
 
 

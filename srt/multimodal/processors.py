@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 class Processed:
     ids: list[int]  # the placeholder's expansion
     data: dict[str, torch.Tensor]  # what the model's encoder reads
+    grid: tuple[int, int, int] | None = None  # M-RoPE: the rows' (frames, rows, columns)
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +103,39 @@ class LlavaImages:
         return Processed([self.token_id] * self.count, {"pixel_values": out["pixel_values"].float().contiguous()})
 
 
+class Qwen2VLImages:
+    """Qwen2-VL: the image resized (keeping its aspect) to a multiple of patch x merge pixels within
+    the processor's pixel bounds, cut into patches; one `<|image_pad|>` row per merge window. The
+    rows' grid gives their M-RoPE positions."""
+
+    def __init__(self, path: str, config, tokenizer):
+        from transformers import Qwen2VLImageProcessorPil
+
+        self.tokenizer = tokenizer
+        self.token_id = config.image_token_id
+        self.merge = config.vision_config.spatial_merge_size
+        if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+            self.pixels = Qwen2VLImageProcessorPil.from_pretrained(path)
+        else:
+            vc = config.vision_config
+            self.pixels = Qwen2VLImageProcessorPil(
+                patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=self.merge
+            )
+
+    def placeholder(self) -> str:
+        return self.tokenizer.convert_ids_to_tokens(self.token_id)
+
+    def process(self, image: Image.Image) -> Processed:
+        out = self.pixels(images=[image], return_tensors="pt")
+        grid = out["image_grid_thw"]
+        t, h, w = (int(x) for x in grid[0])
+        rows = t * h * w // self.merge**2
+        data = {"pixel_values": out["pixel_values"].float().contiguous(), "image_grid_thw": grid.long()}
+        return Processed([self.token_id] * rows, data, (t, h // self.merge, w // self.merge))
+
+
 PROCESSORS = {
+    "Qwen2VLForConditionalGeneration": Qwen2VLImages,
     "Idefics3ForConditionalGeneration": Idefics3Images,
     "LlavaForConditionalGeneration": LlavaImages,
 }
@@ -187,8 +220,9 @@ class ImagePrompts:
                 self.cache.put(key, processed)
             out += ids[prev:slot]
             start = len(out)
+            spans = _runs(processed.ids, self.token_id, start)
             item = MultimodalItem(
-                key=key, token_id=self.token_id, spans=_runs(processed.ids, self.token_id, start), data=processed.data
+                key=key, token_id=self.token_id, spans=spans, data=processed.data, grid=processed.grid
             )
             out += [item.pad_value if t == self.token_id else t for t in processed.ids]
             items.append(item)

@@ -1,7 +1,7 @@
 """Qwen2-VL's image encoder (2D-rotary vision tower + patch merger) and M-RoPE positions against
 HF transformers on a tiny random model: two images of different sizes, patched by HF's processor and
 encoded in one call, give HF's image features (float32, 1e-4); prompts with none, one and two images
-give HF's `get_rope_index`."""
+give HF's `get_rope_index` (srt/models/multimodal.py's `mrope_positions`)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,9 @@ def test_load_weights_rejects_unknown_and_missing(models):
     ids=["text", "one_image", "two_images"],
 )
 def test_rope_index_matches_hf(models, grids, prompt):
-    from srt.models.qwen2_vl_vision import get_rope_index, tokens_for_grid
+    """srt/models/multimodal.py's M-RoPE positions of the whole prompt, and the decode delta."""
+    from srt.models.multimodal import MultimodalItem, mrope_positions
+    from srt.models.qwen2_vl_vision import tokens_for_grid
 
     hf, _ = models
     assert sum(tokens_for_grid(g, hf.config) for g in grids) == prompt.count(IMAGE)
@@ -119,6 +121,18 @@ def test_rope_index_matches_hf(models, grids, prompt):
     want, want_delta = hf.model.get_rope_index(
         ids, mm_token_type_ids=(ids == IMAGE).int(), image_grid_thw=torch.tensor(grids) if grids else None
     )
-    got, delta = get_rope_index(prompt, grids, hf.config)
-    assert torch.equal(got, want[:, 0])
-    assert delta == int(want_delta)
+    items, start = [], 0
+    for t, h, w in grids:
+        first = prompt.index(IMAGE, start)
+        n = tokens_for_grid((t, h, w), hf.config)
+        items.append(MultimodalItem(key=first, token_id=IMAGE, spans=[(first, n)], grid=(t, h // 2, w // 2)))
+        start = first + n
+    assert torch.equal(mrope_positions(items, 0, len(prompt)), want[:, 0])
+    assert sum(it.position_delta for it in items) == int(want_delta)
+    # any window of the sequence (a prefill chunk, decode steps past the prompt) is the same slice
+    whole = mrope_positions(items, 0, len(prompt) + 4)
+    for lo, hi in [(0, 3), (3, len(prompt)), (len(prompt) - 2, len(prompt) + 4)]:
+        assert torch.equal(mrope_positions(items, lo, hi), whole[:, lo:hi])
+    assert torch.equal(
+        whole[:, len(prompt) :], torch.arange(len(prompt), len(prompt) + 4).repeat(3, 1) + int(want_delta)
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multimodal.vlm_models import data_url, hf_processor, random_image
+from multimodal.vlm_models import data_url, hf_llava_processor, hf_processor, hf_qwen2_vl_processor, random_image
 
 from srt.model_executor.static_batch import StaticBatchGenerator
 from srt.models.multimodal import model_ids
@@ -39,26 +39,39 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def hf_idefics3(idefics3_path):
-    return transformers.Idefics3ForConditionalGeneration.from_pretrained(idefics3_path, dtype=torch.float32).eval()
+# architecture -> (the path fixture, HF's model class, HF's processor over the folder, HF's
+# images argument for one prompt's images)
+MODELS = {
+    "idefics3": ("idefics3_path", "Idefics3ForConditionalGeneration", hf_processor, lambda ims: [ims]),
+    "llava": ("llava_path", "LlavaForConditionalGeneration", hf_llava_processor, lambda ims: ims),
+    "qwen2_vl": ("qwen2_vl_path", "Qwen2VLForConditionalGeneration", hf_qwen2_vl_processor, lambda ims: ims),
+}
+PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+HF_MODELS: dict = {}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_idefics3_matches_hf(case, idefics3_path, hf_idefics3, runner_factory):
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_matches_hf(arch, case, request, runner_factory):
+    fixture, hf_class, processor, hf_images = MODELS[arch]
+    path = request.getfixturevalue(fixture)
+    if path not in HF_MODELS:
+        HF_MODELS[path] = getattr(transformers, hf_class).from_pretrained(path, dtype=torch.float32).eval()
+    hf = HF_MODELS[path]
     prompt, sizes = CASES[case]
+    prompt = prompt.replace("<image>", PLACEHOLDERS.get(arch, "<image>"))
     images = [random_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
-    ids, items = ours(idefics3_path, prompt, images)
-    ref = hf_processor(idefics3_path)(text=prompt, images=[images], return_tensors="pt")
+    ids, items = ours(path, prompt, images)
+    ref = processor(path)(text=prompt, images=hf_images(images), return_tensors="pt")
     assert model_ids(ids, items) == ref["input_ids"][0].tolist()  # the expansion is HF's
     assert all(t >= 1 << 30 for it in items for s, n in it.spans for t in ids[s : s + n])  # pads at image rows
     with torch.no_grad():
-        want_logits = hf_idefics3(**ref).logits[0, -1]
-        want = hf_idefics3.generate(**ref, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want_logits = hf(**ref).logits[0, -1]
+        want = hf.generate(**ref, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     want = want[0, len(ids) :].tolist()
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     for page_size in (1, 16):
-        gen = StaticBatchGenerator(runner_factory(idefics3_path, page_size=page_size))
+        gen = StaticBatchGenerator(runner_factory(path, page_size=page_size))
         torch.testing.assert_close(gen.prefill_logits([ids], [items])[0], want_logits, atol=1e-4, rtol=1e-4)
         for chunk in (None, 37):  # 37 splits image runs across chunks
             out = gen.generate([ids], params, chunk_size=chunk, mm_items=[items])

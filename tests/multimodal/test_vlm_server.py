@@ -14,7 +14,7 @@ import pytest
 import requests
 import torch
 from conftest import at_baseline
-from multimodal.vlm_models import data_url, hf_processor, random_image
+from multimodal.vlm_models import data_url, hf_llava_processor, hf_processor, hf_qwen2_vl_processor, random_image
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,12 +49,17 @@ def chat(client, images: list[str], text: str = PROMPT, **kw):
     )
 
 
-def hf_greedy(path: str, images, text: str, n: int) -> str:
+def hf_greedy(path: str, images, text: str, n: int, arch: str = "idefics3") -> str:
+    processor, hf_class, hf_images = {
+        "idefics3": (hf_processor, transformers.Idefics3ForConditionalGeneration, lambda ims: [ims]),
+        "llava": (hf_llava_processor, transformers.LlavaForConditionalGeneration, lambda ims: ims),
+        "qwen2_vl": (hf_qwen2_vl_processor, transformers.Qwen2VLForConditionalGeneration, lambda ims: ims),
+    }[arch]
     tok = transformers.AutoTokenizer.from_pretrained(path)
     messages = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = hf_processor(path)(text=prompt, images=[images], return_tensors="pt")
-    hf = transformers.Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = processor(path)(text=prompt, images=hf_images(images), return_tensors="pt")
+    hf = hf_class.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return tok.decode(out[0, inputs["input_ids"].shape[1] :])
@@ -82,6 +87,22 @@ def test_chat_images_match_hf_and_share_the_cache(server, client, idefics3_path)
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
     assert chunks[-1].usage.prompt_tokens_details.image_tokens == 80 + 80  # both are resized to 2 x 2 tiles
+    at_baseline(server)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_other_architectures_over_http(arch, request, shared_server):
+    """LLaVA and Qwen2-VL (M-RoPE: the scheduler's 3-D prefill positions, chunked, and its shifted
+    decode positions) give HF's greedy text; a repeated image is a cache hit with the same text."""
+    path = request.getfixturevalue(f"{arch}_path")
+    server = shared_server("--model-path", path, "--max-total-tokens", "4096", "--chunked-prefill-size", "24")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    images = [random_image(50, 40, seed=7), random_image(30, 60, seed=8)]
+    first = chat(client, [data_url(im) for im in images])
+    assert first.choices[0].message.content == hf_greedy(path, images, PROMPT, 8, arch)
+    again = chat(client, [data_url(im) for im in images])
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
     at_baseline(server)
 
 

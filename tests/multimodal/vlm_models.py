@@ -98,3 +98,136 @@ def data_url(image, fmt: str = "PNG") -> str:
     image.save(buf, format=fmt)
     mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp"}[fmt]
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# LLaVA-1.5's conversation format, in short
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<image>\n{% endif %}{% endfor %}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def build_llava(path: str, seed: int = 0) -> str:
+    """LLaVA-1.5's shape at toy size: a 32 px CLIP tower of 8 px patches (16 tokens an image, the
+    class token dropped), its second-to-last layer, a two-layer projector, a Llama."""
+    tok = _tokenizer(["<image>"], LLAVA_TEMPLATE)
+    cfg = transformers.LlavaConfig(
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tok),
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        ),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+    )
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).save_pretrained(path)
+    return path
+
+
+def hf_llava_processor(path: str):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    pixels = transformers.CLIPImageProcessorPil.from_pretrained(path)
+    return transformers.LlavaProcessor(
+        pixels, tok, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1
+    )
+
+
+# Qwen2-VL's chat format, in short: an image part is <|vision_start|><|image_pad|><|vision_end|>
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen2_vl_pixels():
+    """Small images: 4 px patches merged 2 x 2, between 4 and 36 merge windows an image."""
+    return transformers.Qwen2VLImageProcessorPil(
+        min_pixels=8 * 8 * 4, max_pixels=8 * 8 * 36, patch_size=4, temporal_patch_size=2, merge_size=2
+    )
+
+
+def build_qwen2_vl(path: str, seed: int = 0) -> str:
+    """Qwen2-VL's shape at toy size: a 2-block vision tower over 4 px patches, merged 2 x 2, and a
+    Qwen2 text model with M-RoPE sections [2, 2, 2] of its 12-dim heads."""
+    tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"], QWEN2_VL_TEMPLATE)
+    ids = tok.convert_tokens_to_ids
+    cfg = transformers.Qwen2VLConfig(
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=48,
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_parameters=dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=10000.0),
+            bos_token_id=None,
+            eos_token_id=ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None,
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen2VLForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    qwen2_vl_pixels().save_pretrained(path)
+    return path
+
+
+def hf_qwen2_vl_processor(path: str):
+    """HF's Qwen2VLProcessor wants a video processor (torchvision, not installed here): the same
+    call over HF's image processor, with its expansion (each <|image_pad|> repeated once per merge
+    window of its image)."""
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+
+    def process(text: str, images: list, return_tensors: str = "pt") -> dict:
+        inputs = dict(qwen2_vl_pixels()(images=images, return_tensors=return_tensors)) if images else {}
+        for t, h, w in inputs.get("image_grid_thw", torch.zeros(0, 3)).tolist():
+            text = text.replace("<|image_pad|>", "<|placeholder|>" * (t * h * w // 4), 1)
+        ids = tok(text.replace("<|placeholder|>", "<|image_pad|>"), return_tensors=return_tensors)
+        kinds = (ids["input_ids"] == tok.convert_tokens_to_ids("<|image_pad|>")).int()  # 1: an image row
+        return {**ids, **inputs, "mm_token_type_ids": kinds}
+
+    return process
