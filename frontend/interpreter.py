@@ -17,7 +17,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from frontend.backends.base import Backend
-from frontend.ir import Concat, Expr, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd, to_expr
+from frontend.ir import (
+    Concat,
+    Expr,
+    Gen,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    VarScopeBegin,
+    VarScopeEnd,
+    to_expr,
+)
 
 
 class ProgramError(RuntimeError):
@@ -37,6 +49,7 @@ class StateExecutor:
         self.defaults = defaults
         self.stream = stream
         self.text = ""
+        self.images: list[str] = []  # image_data of the text's image placeholders, in order
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.messages: list[dict] = []
@@ -84,6 +97,7 @@ class StateExecutor:
     def fork_copy(self) -> StateExecutor:
         child = StateExecutor(self.backend, self.defaults, self.stream)
         child.text = self.text
+        child.images = list(self.images)
         child.variables = dict(self.variables)
         child.meta_info = dict(self.meta_info)
         child.messages = copy.deepcopy(self.messages)
@@ -126,9 +140,13 @@ class StateExecutor:
         elif isinstance(expr, Gen):
             self._gen(expr)
         elif isinstance(expr, Select):
-            index, meta = self.backend.select(self.text, expr.choices, expr.method, self._neutral_context())
+            index, meta = self.backend.select(
+                self.text, expr.choices, expr.method, self._neutral_context(), images=self.images
+            )
             self._append(expr.choices[index], expr.name)
             self._set(expr.name, expr.choices[index], meta)
+        elif isinstance(expr, Image):
+            self._image(expr)
         elif isinstance(expr, RoleBegin):
             self._role_begin(expr.role)
         elif isinstance(expr, RoleEnd):
@@ -157,14 +175,16 @@ class StateExecutor:
         if self.stream:
             parts, meta = [], {}
             for delta, chunk_meta in self.backend.generate_stream(
-                self.text, sampling, expr.return_logprob, expr.top_logprobs_num
+                self.text, sampling, expr.return_logprob, expr.top_logprobs_num, images=self.images
             ):
                 parts.append(delta)
                 meta = chunk_meta
                 self._append(delta, expr.name)
             text = "".join(parts)
         else:
-            text, meta = self.backend.generate(self.text, sampling, expr.return_logprob, expr.top_logprobs_num)
+            text, meta = self.backend.generate(
+                self.text, sampling, expr.return_logprob, expr.top_logprobs_num, images=self.images
+            )
             self._append(text, expr.name)
         if calls is not None:  # the variable holds the calls; the text around them goes to meta_info
             normal, found = calls.detector.parse(text) if calls.detector is not None else (text, [])
@@ -172,6 +192,19 @@ class StateExecutor:
             self._set(expr.name, value, {**meta, "normal_text": normal})
             return
         self._set(expr.name, expr.parse(text), meta)
+
+    def _image(self, expr: Image) -> None:
+        token = self.backend.image_token
+        if token is None:
+            info = self.backend.model_info()
+            why = (
+                "does not report its image placeholder (image_token in /model_info)"
+                if info.get("has_image_understanding")
+                else "accepts text only, not images"
+            )
+            raise ValueError(f"image({expr.source!r}): the model {info.get('model_path')!r} on {self.backend!r} {why}")
+        self.images.append(expr.data)
+        self._append(token)
 
     def _role_begin(self, role: str) -> None:
         if self.role is not None:
@@ -299,7 +332,7 @@ class ProgramState:
         if ex.error is not None:
             raise ex.error
         if ex.text:
-            ex.backend.cache_prefix([ex.text])
+            ex.backend.cache_prefix([ex.text], [ex.images])
         return ProgramStateGroup([ProgramState(ex.fork_copy()) for _ in range(size)], self)
 
     # -- streaming -------------------------------------------------------------------------------

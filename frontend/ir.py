@@ -1,4 +1,4 @@
-"""The program's expressions: what `s += ...` appends, built by `gen`, `select`, roles and plain text.
+"""The program's expressions: what `s += ...` appends, built by `gen`, `select`, `image`, roles and plain text.
 
 Expressions are plain data; the interpreter (`frontend.interpreter`) executes them against a
 backend. `a + b` concatenates, so `s += "Q: " + question + "\\nA: " + gen("answer", stop="\\n")` works.
@@ -6,10 +6,15 @@ backend. `a + b` concatenates, so `s += "Q: " + question + "\\nA: " + gen("answe
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import json
+import os
 from collections.abc import Callable
 from typing import Any
+
+import PIL.Image
 
 from frontend.choices import ChoicesMethod, token_length_normalized
 
@@ -112,6 +117,15 @@ class Select(Expr):
     choices: list[str]
     method: ChoicesMethod
     temperature: float = 0.0
+
+
+@dataclasses.dataclass
+class Image(Expr):
+    """An image at this point of the prompt: the model's placeholder in the text, `data` (what
+    /generate's image_data takes) in the state's images."""
+
+    source: str  # what the program named (its data URL or URL cut short), for errors and repr
+    data: str = dataclasses.field(repr=False)
 
 
 @dataclasses.dataclass
@@ -237,6 +251,30 @@ def gen_string(name: str | None = None, **kwargs) -> Expr:
     """A double-quoted string without escapes or newlines (the quotes are part of the value), so
     that `'"key": ' + gen_string("key")` builds valid JSON."""
     return gen(name, regex=STRING_REGEX, **kwargs)
+
+
+def image(source: str | os.PathLike | bytes | PIL.Image.Image) -> Image:
+    """An image for a vision-language model, where it is appended: a file path (read now and sent
+    as base64, so a remote server needs no access to this machine's files), a data URL or an
+    http(s) URL (sent as given; the server fetches URLs only with --allow-remote-media), raw
+    encoded bytes, or a PIL image (sent as PNG)."""
+    if isinstance(source, PIL.Image.Image):
+        buf = io.BytesIO()
+        source.save(buf, format="PNG")
+        return Image(f"<PIL image {source.width}x{source.height}>", base64.b64encode(buf.getvalue()).decode())
+    if isinstance(source, (bytes, bytearray)):
+        return Image(f"<{len(source)} bytes>", base64.b64encode(source).decode())
+    if isinstance(source, str) and source.startswith(("data:", "http://", "https://")):
+        return Image(source[:64], source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(
+            f"image() takes a file path, a data URL, an http(s) URL, bytes or a PIL image, not {type(source).__name__}"
+        )
+    path = os.fsdecode(source).removeprefix("file://")
+    if not os.path.isfile(path):
+        raise ValueError(f"image({path!r}): no such file (nor a data URL or an http(s) URL)")
+    with open(path, "rb") as f:
+        return Image(path, base64.b64encode(f.read()).decode())
 
 
 def select(

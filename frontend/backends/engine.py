@@ -17,6 +17,7 @@ _ENGINE_ARGS = (
     "stream",
     "rid",
     "priority",
+    "image_data",
 )
 
 
@@ -37,13 +38,15 @@ class EngineBackend(Backend):
         return f"EngineBackend({self.engine.server_args.model_path!r})"
 
     def model_info(self) -> dict:
-        tok = self.engine.tokenizer_manager.tokenizer
+        tm = self.engine.tokenizer_manager
+        tok = tm.tokenizer
         return {
             "model_path": self.engine.server_args.model_path,
             "chat_template": getattr(tok, "chat_template", None),
             "bos_token": getattr(tok, "bos_token", None),
             "eos_token": getattr(tok, "eos_token", None),
             "tool_call_parser": self.engine.server_args.tool_call_parser,
+            "image_token": tm.image_prompts.processor.placeholder() if tm.image_prompts is not None else None,
         }
 
     def _kwargs(self, body: dict) -> dict:

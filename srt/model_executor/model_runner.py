@@ -111,7 +111,7 @@ def unsupported_with_model(model_config: ModelConfig, args: ServerArgs) -> str |
             ("--speculative-algorithm", args.speculative_algorithm is not None),
             ("--enable-lora", args.enable_lora),
             ("--disaggregation-mode", args.disaggregation_mode != "null"),
-            ("--quantization", args.quantization not in (None, "none")),
+            ("--quantization gguf", args.quantization == "gguf"),
         ):
             if on:
                 return f"{flag} is not supported with vision-language models ({model_config.architecture}) yet"

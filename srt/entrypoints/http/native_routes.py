@@ -167,6 +167,8 @@ async def model_info(request: Request) -> dict:
         "reasoning_parser": server_args.reasoning_parser,
         "modalities": list(tm.modalities),
         "has_image_understanding": "image" in tm.modalities,  # SGLang's flag
+        # the text of the placeholder a prompt carries per image (the frontend's image() writes it)
+        "image_token": tm.image_prompts.processor.placeholder() if tm.image_prompts is not None else None,
     }
 
 
