@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -194,3 +195,60 @@ def test_text_only_model_refuses_images(tiny_server):
     assert r.status_code == 400 and "accepts text only" in r.json()["error"]["message"]
     models = requests.get(tiny_server.url + "/v1/models", timeout=30).json()
     assert models["data"][0]["modalities"] == ["text"]
+
+
+def _generate_all(url: str, bodies: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: requests.post(url + "/generate", json=b, timeout=300).json(), bodies))
+
+
+def test_a_tight_pool_retracts_image_requests_and_outputs_match(shared_server, server, idefics3_path):
+    """Twelve image prompts (80 image rows each, four images shared by three prompts) in a KV pool
+    too small for them all: requests are retracted and resumed (their image rows recomputed) and
+    every output equals the roomy server's."""
+    text = "User:<image>Describe it at length.<end_of_utterance>\nAssistant:"
+    images = [data_url(random_image(100, 150, seed=20 + i % 4)) for i in range(12)]
+    bodies = [
+        {
+            "text": text,
+            "image_data": im,
+            "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
+        }
+        for im in images
+    ]
+    expect = _generate_all(server.url, bodies)
+    tight = shared_server("--model-path", idefics3_path, "--max-total-tokens", "700", "--chunked-prefill-size", "64")
+    before = tight.wait_idle()
+    got = _generate_all(tight.url, bodies)
+    assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expect]
+    assert tight.wait_idle()["total_retractions"] > before["total_retractions"]
+    at_baseline(tight)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--enable-overlap-schedule", "--kv-cache-dtype", "int8"),
+        ("--enable-hierarchical-cache",),
+        ("--tp-size", "2"),
+        ("--quantization", "w8a8_int8"),
+    ],
+    ids=["overlap-int8-kv", "hicache", "tp2", "w8a8"],
+)
+def test_works_with(flags, shared_server, idefics3_path):
+    """Image prompts under the overlap schedule with 8-bit KV, the hierarchical cache, tensor
+    parallelism (the encoder on every rank) and int8 text weights: a repeated image is a cache hit
+    with the same answer, a different one shares only the text before it."""
+    server = shared_server(
+        "--model-path", idefics3_path, "--max-total-tokens", "8192", "--chunked-prefill-size", "48", *flags
+    )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    server.flush_cache()
+    image = data_url(random_image(100, 150, seed=0))
+    first, again = chat(client, [image]), chat(client, [image])
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    other = chat(client, [data_url(random_image(100, 150, seed=1))])
+    assert other.usage.prompt_tokens_details.cached_tokens == 5
+    at_baseline(server)
