@@ -22,7 +22,8 @@ def server(shared_server, idefics3_path):
     return shared_server("--model-path", idefics3_path, "--max-total-tokens", "8192")
 
 
-@pytest.fixture(scope="module", params=["endpoint", "engine"])
+# the Engine's own start-up (about 10 s) is paid in make test-all only
+@pytest.fixture(scope="module", params=["endpoint", pytest.param("engine", marks=pytest.mark.full)])
 def backend(request, server, idefics3_path):
     if request.param == "endpoint":
         yield sgl.RuntimeEndpoint(server.url)

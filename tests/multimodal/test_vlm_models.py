@@ -50,8 +50,23 @@ PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 HF_MODELS: dict = {}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("arch", list(MODELS))
+# make test runs each architecture on several images of different sizes, Idefics3 and Qwen2-VL
+# (M-RoPE) on every case; the rest run in make test-all
+QUICK = {("idefics3", c) for c in CASES} | {
+    ("llava", "two sizes"),
+    ("qwen2_vl", "two sizes"),
+    ("qwen2_vl", "between turns"),
+}
+
+
+@pytest.mark.parametrize(
+    "arch,case",
+    [
+        pytest.param(a, c, id=f"{a}-{c}", marks=() if (a, c) in QUICK else pytest.mark.full)
+        for a in MODELS
+        for c in CASES
+    ],
+)
 def test_matches_hf(arch, case, request, runner_factory):
     fixture, hf_class, processor, hf_images = MODELS[arch]
     path = request.getfixturevalue(fixture)

@@ -91,7 +91,7 @@ def test_chat_images_match_hf_and_share_the_cache(server, client, idefics3_path)
     at_baseline(server)
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", [pytest.param("llava", marks=pytest.mark.full), "qwen2_vl"])
 def test_other_architectures_over_http(arch, request, shared_server):
     """LLaVA and Qwen2-VL (M-RoPE: the scheduler's 3-D prefill positions, chunked, and its shifted
     decode positions) give HF's greedy text; a repeated image is a cache hit with the same text."""
