@@ -7,7 +7,10 @@ and the server keeps serving with its pools back at baseline."""
 from __future__ import annotations
 
 import base64
+import http.server
 import io
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -252,3 +255,55 @@ def test_works_with(flags, shared_server, idefics3_path):
     other = chat(client, [data_url(random_image(100, 150, seed=1))])
     assert other.usage.prompt_tokens_details.cached_tokens == 5
     at_baseline(server)
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """A remote image host: /cat.png, /big.png (over the server's byte limit), /slow.png (past its
+    fetch timeout); anything else is a 404."""
+
+    files: dict[str, bytes] = {}
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/slow.png":
+            time.sleep(3)
+        body = self.files.get(self.path.replace("/slow", "/cat"))
+        try:
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server gave up on a slow fetch, as it should
+
+    def log_message(self, *args):
+        pass
+
+
+def test_remote_images_with_the_flag(shared_server, server, idefics3_path):
+    cat = random_image(100, 150, seed=0)
+    buf = io.BytesIO()
+    cat.save(buf, format="PNG")
+    _Images.files = {"/cat.png": buf.getvalue(), "/big.png": _png(200, 200) + bytes(100_000)}
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{host.server_address[1]}"
+    try:
+        remote = shared_server(
+            "--model-path", idefics3_path, "--max-total-tokens", "8192", "--allow-remote-media",
+            "--media-fetch-timeout", "1", "--max-image-bytes", "100000",
+        )  # fmt: skip
+        body = {
+            "text": "User:<image>Describe it.<end_of_utterance>\nAssistant:",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        }
+        fetched = remote.generate(**body, image_data=base + "/cat.png")
+        assert fetched["text"] == server.generate(**body, image_data=data_url(cat))["text"]
+        for path, expected in [
+            ("/big.png", "larger than the limit of 100000 bytes (--max-image-bytes)"),
+            ("/slow.png", "timed out"),
+            ("/missing.png", "404"),
+        ]:
+            r = remote.post("/generate", {**body, "image_data": base + path})
+            assert r.status_code == 400 and expected in r.json()["error"]["message"], r.text
+        at_baseline(remote)
+    finally:
+        host.shutdown()
