@@ -108,3 +108,57 @@ def test_idefics3_batch_mixes_images_and_text(idefics3_path, runner_factory):
         gen.generate([p], params, mm_items=[m])[0].output_ids for p, m in ((a[0], a[1]), (text, None), (b[0], b[1]))
     ]
     assert [r.output_ids for r in together] == alone
+
+
+def counted(fn, calls: list):
+    """fn, appending each call's first argument to `calls` first."""
+
+    def wrapper(arg):
+        calls.append(arg)
+        return fn(arg)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("capacity", [1 << 26, 0], ids=["cache-on", "cache-off"])
+def test_caches_skip_preprocessing_and_the_encoder(capacity, idefics3_path, runner_factory):
+    """A repeated image is not preprocessed again (tokenizer side) nor encoded again (model side);
+    an image split over prefill chunks is encoded once; with the caches off (0 bytes) each prefill
+    (each chunk) encodes. The outputs do not depend on it."""
+    tok = transformers.AutoTokenizer.from_pretrained(idefics3_path)
+    cfg = transformers.AutoConfig.from_pretrained(idefics3_path)
+    image = data_url(random_image(100, 150, seed=3))
+    ids = tok.encode(CASES["one image"][0], add_special_tokens=False)
+    prompts = ImagePrompts(cfg.architectures[0], idefics3_path, cfg, tok, LIMITS, max_images=8, cache_bytes=capacity)
+    processed, encoded = [], []
+    prompts.processor.process = counted(prompts.processor.process, processed)
+    (a, items_a), (b, items_b) = prompts.expand(ids, [image], ["a"]), prompts.expand(ids, [image], ["b"])
+    assert a == b and len(processed) == (1 if capacity else 2)
+    runner = runner_factory(idefics3_path)
+    model = runner.model
+    model.encoder_cache.capacity = capacity
+    model.encode_images = counted(model.encode_images, encoded)
+    gen = StaticBatchGenerator(runner)
+    first, second = gen.prefill_logits([a], [items_a]), gen.prefill_logits([b], [items_b])
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    assert len(encoded) == (1 if capacity else 2)
+    encoded.clear()
+    model.encoder_cache.entries.clear()
+    model.encoder_cache.bytes = 0
+    params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    gen.generate([a], params, chunk_size=40, mm_items=[items_a])  # 80 image rows over 3 chunks
+    assert len(encoded) == (1 if capacity else 3)
+
+
+def test_encoder_cache_is_bounded_in_bytes():
+    from srt.models.multimodal import EncoderCache
+
+    cache = EncoderCache(capacity_bytes=3 * 400)
+    for key in range(4):
+        cache.put(key, torch.zeros(100))  # 400 bytes each
+    assert list(cache.entries) == [1, 2, 3] and cache.bytes == 1200
+    assert cache.get(1) is not None  # now the most recent
+    cache.put(4, torch.zeros(100))
+    assert list(cache.entries) == [3, 1, 4]
+    cache.put(5, torch.zeros(1000))  # larger than the whole cache: not kept
+    assert 5 not in cache.entries and cache.get(5) is None
