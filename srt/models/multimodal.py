@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from srt.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
 # pad values live in [PAD_BASE, PAD_BASE + 2**30): past every vocabulary, inside int32 (req_to_token
 # and the radix tree hold Python ints; the forward never embeds a pad)
 PAD_BASE = 1 << 30
@@ -136,6 +138,37 @@ class EncoderCache:
         self.bytes += size
 
 
+def encode_shared(
+    items: list[MultimodalItem],
+    encode: Callable[[list[MultimodalItem]], list[torch.Tensor]],
+    hidden: int,
+    dtype: torch.dtype,
+    device,
+) -> list[torch.Tensor]:
+    """`encode(items)`, with tensor parallelism split by image over the ranks: each rank encodes its
+    share (dealt largest first to the rank with the fewest rows so far) and one all-reduce of the
+    rows (the others' zero) gives every rank all of them, exactly. Every rank sees the same batches
+    and keeps the same cache, so all decide alike."""
+    tp = get_tp_size()
+    if tp == 1 or len(items) < 2:
+        return encode(items)
+    load, owner = [0] * tp, [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: -items[i].num_rows):
+        owner[i] = min(range(tp), key=load.__getitem__)
+        load[owner[i]] += items[i].num_rows
+    rank = get_tp_rank()
+    mine = [i for i in range(len(items)) if owner[i] == rank]
+    starts = [0]
+    for it in items:
+        starts.append(starts[-1] + it.num_rows)
+    rows = torch.zeros(starts[-1], hidden, dtype=dtype, device=device)
+    if mine:
+        for i, out in zip(mine, encode([items[i] for i in mine])):
+            rows[starts[i] : starts[i + 1]] = out.to(dtype)
+    rows = tensor_model_parallel_all_reduce(rows)
+    return [rows[starts[i] : starts[i + 1]] for i in range(len(items))]
+
+
 def merge_image_embeddings(
     embeds: torch.Tensor,
     runs: list[MMRun],
@@ -154,7 +187,8 @@ def merge_image_embeddings(
         else:
             missing[item.key] = item
     if missing:
-        for item, out in zip(missing.values(), encode(list(missing.values()))):
+        todo = list(missing.values())
+        for item, out in zip(todo, encode_shared(todo, encode, embeds.shape[1], embeds.dtype, embeds.device)):
             if out.shape[0] != item.num_rows:
                 raise RuntimeError(
                     f"the encoder gave {out.shape[0]} rows for an image with {item.num_rows} placeholders"

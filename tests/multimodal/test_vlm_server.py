@@ -254,6 +254,9 @@ def test_works_with(flags, shared_server, idefics3_path):
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
     other = chat(client, [data_url(random_image(100, 150, seed=1))])
     assert other.usage.prompt_tokens_details.cached_tokens == 5
+    # two new images in one prefill: with TP each rank encodes one of them
+    pair = [data_url(random_image(150, 100, seed=2)), data_url(random_image(40, 48, seed=3))]
+    assert chat(client, pair).choices[0].message.content == chat(client, pair).choices[0].message.content
     at_baseline(server)
 
 
