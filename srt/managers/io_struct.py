@@ -95,7 +95,7 @@ class GenerateReqInput:
     def from_dict(cls, body: Any) -> GenerateReqInput:
         if not isinstance(body, dict):
             raise InvalidRequest("request body must be a JSON object")
-        names = cls.__dataclass_fields__.keys()
+        names = cls.__dataclass_fields__.keys() - {"media_labels"}  # set by the chat API, not by clients
         return cls(**{k: v for k, v in body.items() if k in names})
 
     @property
@@ -176,9 +176,13 @@ class GenerateReqInput:
         if self.image_data is None:
             return [], []
         images = self.image_data if isinstance(self.image_data, list) else [self.image_data]
-        labels = self.media_labels or (
-            [f"image_data[{j}]" for j in range(len(images))] if isinstance(self.image_data, list) else ["image_data"]
-        )
+        labels = self.media_labels
+        if labels is None or len(labels) != len(images):
+            labels = (
+                [f"image_data[{j}]" for j in range(len(images))]
+                if isinstance(self.image_data, list)
+                else ["image_data"]
+            )
         return images, labels
 
     @property

@@ -31,7 +31,10 @@ class MediaLimits:
 
 
 def load_image(src: object, what: str, limits: MediaLimits) -> Image.Image:
-    """The image `src` names, decoded: a string (see read_source), raw bytes, or (the Engine) a PIL image."""
+    """The image `src` names, decoded: a string (see read_source), `{"url": string}`, raw bytes, or
+    (the Engine) a PIL image."""
+    if isinstance(src, dict) and "url" in src:  # SGLang's ImageData shape, {"url": ...}
+        src = src["url"]
     if isinstance(src, Image.Image):
         check_size(src, what, limits)
         return src

@@ -170,6 +170,7 @@ def content_key(image: Image.Image) -> int:
     image; a different picture is, with overwhelming probability, a different key)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{image.mode}:{image.size}".encode())
+    h.update(bytes(image.getpalette() or ()))  # a palette image's colors are not in its pixels
     h.update(image.tobytes())
     return int.from_bytes(h.digest(), "little")
 
