@@ -12,42 +12,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_idefics3(path: str) -> str:
-    cfg = transformers.Idefics3Config(
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=64,
-            patch_size=8,
-        ),
-        text_config=dict(
-            vocab_size=300,
-            hidden_size=48,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
-        scale_factor=2,
-        image_token_id=299,
-    )
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(cfg)
-    with torch.no_grad():  # random init is tiny; position embeddings and norms matter here
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return path
-
-
 def test_image_features_match_hf(tmp_path):
+    from multimodal.vlm_models import idefics3_config, save_random
     from safetensors.torch import load_file
 
     from srt.models.idefics3_vision import Idefics3ImageEncoder
 
-    path = tiny_idefics3(str(tmp_path / "idefics3"))
+    cfg = idefics3_config(vocab_size=300, image_token_id=299)
+    path = save_random(transformers.Idefics3ForConditionalGeneration, cfg, str(tmp_path / "idefics3"))
     hf = transformers.Idefics3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     ours = Idefics3ImageEncoder(hf.config).eval()
     ours.load_weights(load_file(os.path.join(path, "model.safetensors")).items())

@@ -13,35 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def tiny_llava(path: str, **overrides) -> str:
-    cfg = transformers.LlavaConfig(
-        vision_config=dict(
-            model_type="clip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-        ),
-        text_config=dict(
-            model_type="llama",
-            vocab_size=300,
-            hidden_size=48,
-            intermediate_size=96,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        ),
-        image_token_id=299,
-        **{"vision_feature_layer": -2, **overrides},
-    )
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():  # random init is tiny; position embeddings and norms matter here
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return path
+    from multimodal.vlm_models import llava_config, save_random
+
+    return save_random(transformers.LlavaForConditionalGeneration, llava_config(300, 299, **overrides), path)
 
 
 @pytest.mark.parametrize(

@@ -17,50 +17,15 @@ Image = pytest.importorskip("PIL.Image")
 IMAGE, START, END = 297, 295, 296
 
 
-def tiny_qwen2_vl(path: str) -> str:
-    cfg = transformers.Qwen2VLConfig(
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=48,
-            num_heads=4,
-            mlp_ratio=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        text_config=dict(
-            vocab_size=300,
-            hidden_size=48,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rope_parameters=dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=10000.0),
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
-        image_token_id=IMAGE,
-        video_token_id=298,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(cfg)
-    with torch.no_grad():  # random init is tiny; norms and biases matter here
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    from multimodal.vlm_models import qwen2_vl_config, save_random
     from safetensors.torch import load_file
 
     from srt.models.qwen2_vl_vision import Qwen2VLImageEncoder
 
-    path = tiny_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+    cfg = qwen2_vl_config(300, image=IMAGE, video=298, start=START, end=END)
+    path = save_random(transformers.Qwen2VLForConditionalGeneration, cfg, str(tmp_path_factory.mktemp("qwen2_vl")))
     hf = transformers.Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     ours = Qwen2VLImageEncoder(hf.config).eval()
     ours.load_weights(load_file(os.path.join(path, "model.safetensors")).items())
@@ -71,9 +36,9 @@ def test_image_features_match_hf(models):
     hf, ours = models
     rng = np.random.default_rng(1)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(40, 24), (30, 50)]]
-    processor = transformers.Qwen2VLImageProcessorPil(
-        min_pixels=8 * 8 * 4, max_pixels=8 * 8 * 36, patch_size=4, temporal_patch_size=2, merge_size=2
-    )
+    from multimodal.vlm_models import qwen2_vl_pixels
+
+    processor = qwen2_vl_pixels()
     inputs = processor(images=images, return_tensors="pt")
     pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
     assert grid.tolist() == [[1, 10, 6], [1, 8, 12]]  # 40 x 24 and 32 x 48 pixels, in 4 x 4 patches

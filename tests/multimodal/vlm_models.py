@@ -32,20 +32,31 @@ def _randomize(model, seed: int) -> None:
             p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
 
 
+def save_random(model_class, cfg, path: str, seed: int = 0, extras=()) -> str:
+    """An HF model of `cfg` with random weights (scaled up), saved at path with `extras` (a
+    tokenizer, an image processor: anything with save_pretrained)."""
+    model = model_class(cfg)
+    _randomize(model, seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    for extra in extras:
+        extra.save_pretrained(path)
+    return path
+
+
 def _tokenizer(tokens: list[str], template: str):
     from srt.model_loader.default_model import resolve_default_model
 
-    tok = transformers.AutoTokenizer.from_pretrained(resolve_default_model(progress=False, weights=False))
+    # the folder's own tokenizer class, named directly: AutoTokenizer takes seconds longer to the same one
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(resolve_default_model(progress=False, weights=False))
     tok.add_special_tokens({"additional_special_tokens": tokens})
     tok.chat_template = template
     return tok
 
 
-def build_idefics3(path: str, seed: int = 0) -> str:
-    """SmolVLM's shape at toy size: 64 px tiles of 8 px patches, pixel shuffle 2 (16 tokens a tile),
-    images split into up to 2 x 2 tiles plus the global one."""
-    tok = _tokenizer(IDEFICS3_TOKENS, IDEFICS3_TEMPLATE)
-    cfg = transformers.Idefics3Config(
+def idefics3_config(vocab_size: int, image_token_id: int, eos_token_id: int | None = None):
+    """SmolVLM's shape at toy size: 64 px tiles of 8 px patches, pixel shuffle 2 (16 tokens a tile)."""
+    return transformers.Idefics3Config(
         vision_config=dict(
             hidden_size=32,
             intermediate_size=64,
@@ -55,27 +66,29 @@ def build_idefics3(path: str, seed: int = 0) -> str:
             patch_size=8,
         ),
         text_config=dict(
-            vocab_size=len(tok),
+            vocab_size=vocab_size,
             hidden_size=48,
             intermediate_size=96,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=4096,
-            eos_token_id=tok.convert_tokens_to_ids("<end_of_utterance>"),
+            eos_token_id=eos_token_id,
         ),
         scale_factor=2,
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        image_token_id=image_token_id,
         tie_word_embeddings=False,
     )
-    model = transformers.Idefics3ForConditionalGeneration(cfg)
-    _randomize(model, seed)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+
+
+def build_idefics3(path: str, seed: int = 0) -> str:
+    """idefics3_config with SmolVLM's tokens and template; images split into up to 2 x 2 tiles plus
+    the global one."""
+    tok = _tokenizer(IDEFICS3_TOKENS, IDEFICS3_TEMPLATE)
+    ids = tok.convert_tokens_to_ids
+    cfg = idefics3_config(len(tok), ids("<image>"), ids("<end_of_utterance>"))
     pixels = transformers.Idefics3ImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
-    pixels.save_pretrained(path)
-    return path
+    return save_random(transformers.Idefics3ForConditionalGeneration, cfg, path, seed, (tok, pixels))
 
 
 def hf_processor(path: str):
@@ -110,11 +123,10 @@ LLAVA_TEMPLATE = (
 )
 
 
-def build_llava(path: str, seed: int = 0) -> str:
+def llava_config(vocab_size: int, image_token_id: int, **overrides):
     """LLaVA-1.5's shape at toy size: a 32 px CLIP tower of 8 px patches (16 tokens an image, the
     class token dropped), its second-to-last layer, a two-layer projector, a Llama."""
-    tok = _tokenizer(["<image>"], LLAVA_TEMPLATE)
-    cfg = transformers.LlavaConfig(
+    return transformers.LlavaConfig(
         vision_config=dict(
             model_type="clip_vision_model",
             hidden_size=32,
@@ -126,7 +138,7 @@ def build_llava(path: str, seed: int = 0) -> str:
         ),
         text_config=dict(
             model_type="llama",
-            vocab_size=len(tok),
+            vocab_size=vocab_size,
             hidden_size=48,
             intermediate_size=96,
             num_hidden_layers=2,
@@ -134,18 +146,16 @@ def build_llava(path: str, seed: int = 0) -> str:
             num_key_value_heads=2,
             max_position_embeddings=4096,
         ),
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-2,
+        image_token_index=image_token_id,
+        **{"vision_feature_layer": -2, **overrides},
     )
-    model = transformers.LlavaForConditionalGeneration(cfg)
-    _randomize(model, seed)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    transformers.CLIPImageProcessorPil(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ).save_pretrained(path)
-    return path
+
+
+def build_llava(path: str, seed: int = 0) -> str:
+    tok = _tokenizer(["<image>"], LLAVA_TEMPLATE)
+    cfg = llava_config(len(tok), tok.convert_tokens_to_ids("<image>"))
+    pixels = transformers.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return save_random(transformers.LlavaForConditionalGeneration, cfg, path, seed, (tok, pixels))
 
 
 def hf_llava_processor(path: str):
@@ -173,12 +183,10 @@ def qwen2_vl_pixels():
     )
 
 
-def build_qwen2_vl(path: str, seed: int = 0) -> str:
+def qwen2_vl_config(vocab_size: int, image: int, video: int, start: int, end: int, eos: int | None = None):
     """Qwen2-VL's shape at toy size: a 2-block vision tower over 4 px patches, merged 2 x 2, and a
-    Qwen2 text model with M-RoPE sections [2, 2, 2] of its 12-dim heads."""
-    tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"], QWEN2_VL_TEMPLATE)
-    ids = tok.convert_tokens_to_ids
-    cfg = transformers.Qwen2VLConfig(
+    Qwen2 text model with M-RoPE sections [2, 2, 2] of its 12-dim heads (token ids as given)."""
+    return transformers.Qwen2VLConfig(
         vision_config=dict(
             depth=2,
             embed_dim=32,
@@ -190,7 +198,7 @@ def build_qwen2_vl(path: str, seed: int = 0) -> str:
             temporal_patch_size=2,
         ),
         text_config=dict(
-            vocab_size=len(tok),
+            vocab_size=vocab_size,
             hidden_size=48,
             intermediate_size=96,
             num_hidden_layers=2,
@@ -199,21 +207,22 @@ def build_qwen2_vl(path: str, seed: int = 0) -> str:
             max_position_embeddings=4096,
             rope_parameters=dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=10000.0),
             bos_token_id=None,
-            eos_token_id=ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None,
+            eos_token_id=eos,
         ),
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
         tie_word_embeddings=True,
     )
-    model = transformers.Qwen2VLForConditionalGeneration(cfg)
-    _randomize(model, seed)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    qwen2_vl_pixels().save_pretrained(path)
-    return path
+
+
+def build_qwen2_vl(path: str, seed: int = 0) -> str:
+    tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"], QWEN2_VL_TEMPLATE)
+    ids = tok.convert_tokens_to_ids
+    pads = ids("<|image_pad|>"), ids("<|video_pad|>"), ids("<|vision_start|>"), ids("<|vision_end|>")
+    cfg = qwen2_vl_config(len(tok), *pads, eos=ids("<|im_end|>"))
+    return save_random(transformers.Qwen2VLForConditionalGeneration, cfg, path, seed, (tok, qwen2_vl_pixels()))
 
 
 def hf_qwen2_vl_processor(path: str):
