@@ -128,9 +128,30 @@ def test_generate_image_data_forms(server, tmp_path):
         sampling_params={"max_new_tokens": 6, "temperature": 0},
     )
     assert batch[0]["text"] == outs[0]["text"] and "image_tokens" not in batch[1]["meta_info"]
+    # token ids with the placeholder, {"url": ...} items, and prompt logprobs (an image row reports
+    # the placeholder token, never a pad value)
+    ids = transformers.AutoTokenizer.from_pretrained(server_model(server)).encode(text, add_special_tokens=False)
+    out = server.generate(
+        input_ids=ids,
+        image_data=[{"url": str(path)}],
+        return_logprob=True,
+        logprob_start_len=0,
+        return_text_in_logprobs=True,
+        sampling_params={"max_new_tokens": 6, "temperature": 0},
+    )
+    assert out["text"] == outs[0]["text"]
+    prompt = out["meta_info"]["input_token_logprobs"]
+    assert len(prompt) == out["meta_info"]["prompt_tokens"] and sum(t[2] == "<image>" for t in prompt) == 80
+    # n = 2 samples share the image's prefill
+    pair = server.generate(text=text, image_data=str(path), sampling_params={"max_new_tokens": 4, "n": 2})
+    assert [o["meta_info"]["cached_tokens"] for o in pair] == [out["meta_info"]["prompt_tokens"] - 1] * 2
     info = requests.get(server.url + "/model_info", timeout=30).json()
     assert info["modalities"] == ["text", "image"] and info["has_image_understanding"]
     at_baseline(server)
+
+
+def server_model(server) -> str:
+    return requests.get(server.url + "/model_info", timeout=30).json()["model_path"]
 
 
 def _png(width: int, height: int) -> bytes:
