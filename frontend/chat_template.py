@@ -43,10 +43,21 @@ class ChatTemplate:
         self.special = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._affixes: dict[str, tuple[str, str]] = {}
         self._preambles: dict[str, str] = {}
+        # a template that reads content only as a list of parts (vision-language models' templates,
+        # e.g. SmolVLM's) gets each text as one text part
+        self.parts = False
         if template:
             self._derive()
+            if not self._affixes:
+                self.parts = True
+                self._derive()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if self.parts:
+            messages = [
+                {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+                for m in messages
+            ]
         return _compile(self.template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special
         )

@@ -89,6 +89,24 @@ def test_template_without_system_role_falls_back_per_role():
     assert t.affixes("system") == ("System: ", "\n")
 
 
+# SmolVLM's template: content is read as a list of parts only (a plain string renders nothing)
+PARTS_ONLY = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_template_that_reads_parts_only():
+    t = ChatTemplate(PARTS_ONLY)
+    assert t.parts
+    assert t.affixes("user") == ("User: ", "<end_of_utterance>\n")
+    assert t.affixes("assistant") == ("Assistant: ", "<end_of_utterance>\n")
+    assert t.preamble("user") == "<|im_start|>"
+
+
 def test_no_template_uses_plain_roles():
     t = ChatTemplate(None)
     assert t.affixes("user") == ("User: ", "\n") and t.preamble("user") == ""
