@@ -227,16 +227,17 @@ def _generate_all(url: str, bodies: list[dict]) -> list[dict]:
 
 
 def test_a_tight_pool_retracts_image_requests_and_outputs_match(shared_server, server, idefics3_path):
-    """Twelve image prompts (80 image rows each, four images shared by three prompts) in a KV pool
-    too small for them all: requests are retracted and resumed (their image rows recomputed) and
-    every output equals the roomy server's."""
+    """Twelve image prompts (80 image rows each, four images shared by three prompts) that grow by
+    150 tokens each in a 700-token KV pool: admission expects only part of that growth, so requests
+    are retracted and resumed (their image rows recomputed), and every output equals the roomy
+    server's."""
     text = "User:<image>Describe it at length.<end_of_utterance>\nAssistant:"
     images = [data_url(random_image(100, 150, seed=20 + i % 4)) for i in range(12)]
     bodies = [
         {
             "text": text,
             "image_data": im,
-            "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True},
         }
         for im in images
     ]
