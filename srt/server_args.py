@@ -52,6 +52,7 @@ LOGGING = OptionGroup("logging")
 SPECULATIVE = OptionGroup("speculative decoding")
 WIRE = OptionGroup("wire")
 MULTIMODAL = OptionGroup("images (vision-language models)")
+POOLING = OptionGroup("pooling (embeddings, rerank, score)")
 
 
 @dataclass
@@ -280,6 +281,25 @@ class ServerArgs:
         "segment-batched LoRA kernels: cpu (C++, one call per projection), torch_native (two GEMMs per "
         "adapter segment) or triton (SGMV, GPU); auto: triton on CUDA, cpu on a CPU",
         choices=LORA_BACKENDS,
+    )
+
+    is_embedding: bool = POOLING.opt(
+        False,
+        "serve the model for pooling: /v1/embeddings, /encode (and /v1/rerank, /classify for a cross-encoder). "
+        "Encoders (BertModel, BertForSequenceClassification) always pool; a decoder is pooled at its last "
+        "token and keeps generating",
+    )
+    max_pooling_batch_tokens: int = POOLING.opt(
+        16384,
+        "input tokens of pooling requests in one batch (an encoder's batch; a decoder's prefill round)",
+        ge=1,
+    )
+    rerank_response_format: str = POOLING.opt(
+        "sglang",
+        "the answer of /v1/rerank: sglang (a list of {score, document, index}, best first) or cohere "
+        "({results: [{index, relevance_score, document: {text}}]}, as Cohere, Jina, vLLM and llama.cpp); "
+        "/v2/rerank always answers cohere",
+        choices=("sglang", "cohere"),
     )
 
     max_images_per_request: int = MULTIMODAL.opt(8, "images one prompt may carry (more is a 400)", ge=1, le=256)

@@ -38,7 +38,9 @@ class GrammarComponent(SchedulerComponent):
         self.jump_forward_tokens = 0
 
     @classmethod
-    def build(cls, port: SchedulerPort) -> GrammarComponent:
+    def build(cls, port: SchedulerPort) -> GrammarComponent | None:
+        if not port.runner.generates:
+            return None  # an encoder: nothing is decoded, so nothing is constrained
         backend = None
         if port.server_args.grammar_backend == "xgrammar":
             config = port.runner.model_config

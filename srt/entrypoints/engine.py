@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import uvloop
 
+from srt.configs.model_config import load_hf_config
+from srt.entrypoints.pooling import PoolingServing
 from srt.entrypoints.processes import launch_subprocesses
 from srt.lora.adapter import LoRARef
 from srt.managers.io_struct import GenerateReqInput
@@ -79,6 +81,11 @@ class Engine:
             settled=lambda: tm.dead_reason is not None,
         )
         self._closed = False
+        model_path = self.server_args.model_path
+        assert model_path is not None
+        self.pooling = PoolingServing.of(
+            tm, self.server_args.served_model_name or model_path, load_hf_config(model_path)
+        )
 
     async def _start(self) -> None:
         self.tokenizer_manager.start()
@@ -157,6 +164,43 @@ class Engine:
                 yield item
         finally:
             future.cancel()
+
+    def encode(
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> dict | list[dict]:
+        """Embeddings (or a classifier's logits) as POST /encode answers: {"embedding", "meta_info"},
+        a list for a list of prompts. Text, or token ids."""
+        ids = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str)
+        body = {"input_ids" if ids else "text": prompt, "dimensions": dimensions, "truncate": truncate}
+        return self._run(self.pooling.encode(body))
+
+    def rerank(
+        self, query: str, documents: list[str], top_n: int | None = None, return_documents: bool = True
+    ) -> list[dict]:
+        """Documents by relevance to the query, best first, as POST /v1/rerank answers (SGLang's list)."""
+        body = {"query": query, "documents": documents, "top_n": top_n, "return_documents": return_documents}
+        return self._run(self.pooling.rerank(body))
+
+    def score(
+        self,
+        query: str | list[int],
+        items: list[str] | list[list[int]],
+        label_token_ids: list[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """SGLang's Engine.score: per item, the probabilities of label_token_ids as the next token."""
+        body = {
+            "query": query,
+            "items": items,
+            "label_token_ids": label_token_ids,
+            "apply_softmax": apply_softmax,
+            "item_first": item_first,
+        }
+        return self._run(self.pooling.score(body))["scores"]
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
         """Register a LoRA adapter (POST /load_lora_adapter): {success, error_message, loaded_adapters}."""

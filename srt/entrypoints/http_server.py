@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from srt.configs.model_config import load_hf_config
-from srt.entrypoints.http import admin_routes, load_routes, native_routes, openai_routes
+from srt.entrypoints.http import admin_routes, load_routes, native_routes, openai_routes, pooling_routes
 from srt.entrypoints.http.auth import Auth, AuthMiddleware
 from srt.entrypoints.http.errors import EXCEPTION_HANDLERS
 from srt.entrypoints.http.lifecycle import serve
 from srt.entrypoints.http.request import ServerContext
 from srt.entrypoints.openai.serving import OpenAIServing
+from srt.entrypoints.pooling import PoolingServing
 from srt.entrypoints.processes import Launch, launch_subprocesses
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
@@ -45,6 +46,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         exception_handlers=EXCEPTION_HANDLERS,
     )
     model_name = server_args.served_model_name or model_path
+    hf_config = load_hf_config(model_path)
     app.state.ctx = ServerContext(
         tokenizer_manager=tm,
         server_args=server_args,
@@ -52,10 +54,18 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         openai_serving=OpenAIServing(
             tm, model_name, model_path, chat_template, server_args.tool_call_parser, server_args.reasoning_parser
         ),
-        hf_config=load_hf_config(model_path),
+        hf_config=hf_config,
+        pooling_serving=PoolingServing.of(tm, model_name, hf_config),
     )
     app.add_middleware(AuthMiddleware, auth=Auth(server_args))
-    for router in (native_routes.router, load_routes.router, admin_routes.router, openai_routes.router):
+    routers = (
+        native_routes.router,
+        load_routes.router,
+        admin_routes.router,
+        openai_routes.router,
+        pooling_routes.router,
+    )
+    for router in routers:
         app.include_router(router)
     if server_args.enable_metrics:
         app.include_router(load_routes.metrics_router)

@@ -31,6 +31,9 @@ class LogitsProcessorOutput:
     # With `ForwardBatch.capture_hidden`: every row's hidden state (the final norm's output, or for a
     # model with `aux_layers` those layers' inputs side by side), [T, H] or [T, len(aux_layers) * H]
     hidden_states: torch.Tensor | None = None
+    # With `ForwardBatch.return_last_hidden` (extend): each request's last row's hidden state, the
+    # final norm's output the logits are computed from, [B, H]
+    last_hidden: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):
@@ -51,6 +54,8 @@ class LogitsProcessor(nn.Module):
         else:
             last = hidden_states.index_select(0, fb.extend_start_loc + fb.extend_seq_lens - 1)
         out = LogitsProcessorOutput(next_token_logits=self.compute_logits(last, lm_head))
+        if fb.return_last_hidden and fb.forward_mode.is_extend():
+            out.last_hidden = last
         if fb.forward_mode.is_extend() and fb.return_logprob:
             self._prompt_logprobs(hidden_states, lm_head, fb, out)
         return out

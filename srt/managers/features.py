@@ -16,6 +16,7 @@ from srt.lora.component import build_follower as lora_follower
 from srt.managers.scheduler_component import FollowerContext, FollowerHandler, SchedulerComponent, SchedulerPort
 from srt.mem_cache.hicache_component import HiCacheComponent
 from srt.mem_cache.hicache_component import build_follower as hicache_follower
+from srt.pooling.component import build_pooling
 from srt.speculative.component import SpeculativeDecoding
 from srt.speculative.component import build_follower as speculative_follower
 
@@ -36,6 +37,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("grammar", GrammarComponent.build),
     Feature("disaggregation", build_disaggregation, disaggregation_follower),
     Feature("speculative", SpeculativeDecoding.build, speculative_follower),
+    Feature("pooling", build_pooling),
 )
 
 

@@ -8,6 +8,7 @@ Scheduler -> TokenizerManager, two paths into the same socket:
       Detokenizer -> TokenizerManager BatchStrOutput. So does SchedulerCrashed, the scheduler's
       last words: it travels behind the outputs sent before it, so a request that finished before
       the crash still gets its final output, and every other request then fails with the reason.
+    - pooling requests' answers go directly: BatchEmbeddingOutput (there is no text to detokenize).
     - control replies go directly: FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput,
       LoRAUpdateOutput (one per data-parallel replica; they carry no request output, so their order
       against outputs does not matter).
@@ -288,6 +289,21 @@ class TokenizedGenerateReqInput:
     bootstrap_room: int | None = None
     # images: one item per image, its rows' pad values in input_ids (srt/models/multimodal.py)
     mm_items: list[MultimodalItem] | None = None
+    # pooling (srt/pooling): answer with the input's embedding (or a classifier's logits) in a
+    # BatchEmbeddingOutput instead of tokens; BERT's segment ids of a cross-encoder's pair
+    pooling: bool = False
+    token_type_ids: list[int] | None = None
+
+
+@dataclass(kw_only=True)
+class BatchEmbeddingOutput:
+    """Finished pooling requests, straight from the scheduler to the tokenizer manager: each one's
+    embedding (or logits) as float32, its prompt tokens and those found in the prefix cache."""
+
+    rids: list[str]
+    embeddings: list[Any]  # numpy float32 vectors
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
 
 
 @dataclass(kw_only=True)

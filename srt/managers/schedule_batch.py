@@ -61,6 +61,10 @@ class Req:
     # images (a vision-language model): their rows hold pad values in origin_input_ids, the radix
     # key; the forward embeds the placeholder token there and overwrites the rows (srt/models/multimodal.py)
     mm_items: list[MultimodalItem] | None = None
+    # pooling (srt/pooling): the request wants the last hidden state of its final prompt row (the
+    # final norm's output) instead of tokens; the prefill result leaves it in `last_hidden`
+    return_last_hidden: bool = False
+    last_hidden: torch.Tensor | None = None
 
     output_ids: list[int] = field(default_factory=list)
     # memory
@@ -337,6 +341,8 @@ class BatchBuilder:
             if any(it.grid is not None for r in reqs for it in r.mm_items or ()):
                 positions = [mrope_positions(r.mm_items or (), p, s) for r, p, s in zip(reqs, prefix_lens, seq_lens)]
                 extra["mrope_positions"] = torch.cat(positions, dim=1).to(self.device)
+        if any(r.return_last_hidden for r in reqs):
+            extra["return_last_hidden"] = True
         for r, s in zip(reqs, seq_lens):
             r.kv_len = s
         return ForwardBatch.build(

@@ -154,6 +154,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
 
     def warmup(self) -> None:
         """One tiny prefill and decode, so lazy initialization does not land on the first request."""
+        if not self.runner.generates:
+            return  # an encoder: the pooling component warms it up
         start = time.perf_counter()
         StaticBatchGenerator(self.runner, self.tp_worker.forward).generate(
             [[0, 1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_new_tokens=3)
@@ -170,6 +172,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             "kv_cache_layout": "mla" if self.model_config.is_mla else "mha",
             "max_running_requests": self.max_running_requests,
             "context_len": self.model_config.context_len,
+            # False: an encoder, served for pooling only (embeddings, scores); no generation
+            "is_generation": self.runner.generates,
             "vocab_size": self.model_config.vocab_size,
             # what prompts may carry besides text (a vision-language model: images)
             "modalities": list(getattr(self.runner.model, "modalities", ("text",))),
@@ -536,6 +540,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             chunk_end = batch.kv_ends[i]
             if res.input_logprobs is not None:
                 self.append_input_logprobs(req, res.input_logprobs[i], chunk_end)
+            if res.last_hidden is not None and req.return_last_hidden:
+                req.last_hidden = res.last_hidden[i]
             if chunk_end < req.seq_len and req.to_abort is None:  # more chunks to come
                 self.tree_cache.cache_unfinished_req(req)
                 continue

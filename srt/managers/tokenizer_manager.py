@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator
-from typing import cast
+from typing import Any, cast
 
 import orjson
 import zmq
@@ -24,8 +24,10 @@ from srt.hf_transformers_utils import get_tokenizer
 from srt.lora.adapter import LoRARef, not_loaded, parse_lora_paths
 from srt.managers.io_struct import (
     FINISH_ABORT,
+    FINISH_LENGTH,
     AbortReq,
     BaseFinishReason,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -46,6 +48,7 @@ from srt.managers.scheduler_state import SchedulerState
 from srt.models.multimodal import MultimodalItem
 from srt.multimodal.media import MediaError
 from srt.multimodal.processors import ImagePrompts, image_prompts_for
+from srt.pooling.inputs import Pooled, PoolingPrompt
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import zmq_socket
@@ -108,6 +111,7 @@ class ReqState:
     output_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     dp_rank: int = 0
     spec: tuple[int, list[int]] | None = None  # speculative: drafts proposed, steps by accepted drafts
+    embedding: Any = None  # a pooling request's vector (numpy float32)
 
 
 class TokenizerManager:
@@ -488,6 +492,73 @@ class TokenizerManager:
             if self.rid_to_state.pop(tok.rid, None) is not None:
                 self.inflight_prompt_tokens -= len(tok.input_ids)
 
+    async def pool(self, prompts: list[PoolingPrompt], request=None, tenant: str | None = None) -> list[Pooled]:
+        """Pool each prompt (an embedding, or a classifier's logits), as one batch of requests: every
+        one answers, or the first failure raises and the rest are aborted."""
+        self._check_accepting()
+        if not prompts:
+            raise InvalidRequest("the input is empty")
+        self._admit(len(prompts), sum(len(p.input_ids) for p in prompts))
+        toks = []
+        for p in prompts:
+            if len(p.input_ids) > self.max_req_input_len:
+                raise InvalidRequest(
+                    f"an input has {len(p.input_ids)} tokens, more than the maximum of {self.max_req_input_len}"
+                )
+            toks.append(
+                TokenizedGenerateReqInput(
+                    rid=new_rid(),
+                    input_text=p.text,
+                    input_ids=p.input_ids,
+                    sampling_params=SamplingParams(max_new_tokens=0),
+                    return_logprob=False,
+                    logprob_start_len=-1,
+                    top_logprobs_num=0,
+                    stream=False,
+                    priority=p.priority,
+                    extra_key=f"{tenant}\x00" if tenant is not None else None,
+                    created_time=time.time(),
+                    timeout=self._timeout(None),
+                    pooling=True,
+                    token_type_ids=p.token_type_ids,
+                )
+            )
+        tasks = [asyncio.ensure_future(self._wait_pooled(t, request)) for t in toks]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # after a failure: the others' requests are aborted as their waits end
+                t.cancel()
+
+    async def _wait_pooled(self, tok: TokenizedGenerateReqInput, request) -> Pooled:
+        state = ReqState(GenerateReqInput(input_ids=tok.input_ids), time.time())
+        self.rid_to_state[tok.rid] = state
+        self.inflight_prompt_tokens += len(tok.input_ids)
+        self.send_to_scheduler.send_pyobj(tok)
+        try:
+            while not state.finished:
+                try:
+                    await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        logger.info("client disconnected; aborting request %s", tok.rid)
+                        raise asyncio.CancelledError from None
+                    continue
+                state.event.clear()
+                if self.dead_reason and not state.finished:
+                    raise ServiceUnavailable(f"the server stopped serving: {self.dead_reason}")
+            reason = state.finish_reason
+            if isinstance(reason, FINISH_ABORT):
+                if reason.status_code == 400:
+                    raise InvalidRequest(reason.message)
+                raise ServiceUnavailable(f"the request was aborted: {reason.message}")
+            return Pooled(state.embedding, state.prompt_tokens, state.cached_tokens)
+        finally:
+            if not state.finished:
+                self.abort_request(tok.rid)
+            if self.rid_to_state.pop(tok.rid, None) is not None:
+                self.inflight_prompt_tokens -= len(tok.input_ids)
+
     def _make_output(self, rid: str, s: ReqState) -> dict:
         meta = {
             "id": rid,
@@ -565,6 +636,8 @@ class TokenizerManager:
             msg = await self.recv_from_detokenizer.recv_pyobj()
             if isinstance(msg, BatchStrOutput):
                 self._handle_batch_output(msg)
+            elif isinstance(msg, BatchEmbeddingOutput):
+                self._handle_embedding_output(msg)
             elif isinstance(msg, SchedulerCrashed):
                 logger.error("the scheduler crashed: %s", msg.message)
                 self.fail_all(f"the scheduler crashed: {msg.message}")
@@ -605,6 +678,16 @@ class TokenizerManager:
                 s.spec = tok.spec[i]
             if tok.finished_reasons[i] is not None:
                 s.finish_reason, s.finished = tok.finished_reasons[i], True
+            s.event.set()
+
+    def _handle_embedding_output(self, out: BatchEmbeddingOutput) -> None:
+        for i, rid in enumerate(out.rids):
+            s = self.rid_to_state.get(rid)
+            if s is None:
+                continue
+            s.embedding = out.embeddings[i]
+            s.prompt_tokens, s.cached_tokens = out.prompt_tokens[i], out.cached_tokens[i]
+            s.finish_reason, s.finished = FINISH_LENGTH(length=0), True
             s.event.set()
 
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "aborted") -> None:

@@ -39,6 +39,8 @@ class BatchResult:
     forward_end: float = 0.0
     # every row's hidden states, left on the device, when the runner captures them (EAGLE)
     hidden_states: torch.Tensor | None = None
+    # each request's last row's hidden state [B, H] in float32 on the host, when the batch asked (pooling)
+    last_hidden: torch.Tensor | None = None
 
 
 def to_batch_result(
@@ -146,5 +148,7 @@ class TpModelWorker:
         self.future_map.tokens[slots] = fed
         result = to_batch_result(logits_output, next_token_ids, fb)
         result.hidden_states = logits_output.hidden_states
+        if logits_output.last_hidden is not None:
+            result.last_hidden = logits_output.last_hidden.float().cpu()
         result.forward_start, result.forward_end = start, time.perf_counter()
         return result

@@ -66,6 +66,8 @@ class ForwardBatch:
     # M-RoPE (Qwen2-VL), extend only: [3, T] positions when a request of the batch has images (the
     # model's rotary reads them instead of `positions`); decode positions carry the images' shift
     mrope_positions: torch.Tensor | None = None
+    # Extend only: return each request's last row's hidden state (`LogitsProcessorOutput.last_hidden`)
+    return_last_hidden: bool = False
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None

@@ -104,8 +104,20 @@ def has_experts(model_config: ModelConfig) -> bool:
 
 
 def unsupported_with_model(model_config: ModelConfig, args: ServerArgs) -> str | None:
-    """Why these server flags cannot serve this model (MoE / MLA models with features not built
-    for them yet), or None."""
+    """Why these server flags cannot serve this model (encoders, MoE / MLA models with features not
+    built for them yet), or None."""
+    if getattr(get_model_class(model_config.architecture), "is_encoder", False):
+        for flag, on in (
+            ("--tp-size > 1 (use --dp-size for replicas of a small encoder)", args.tp_size > 1),
+            ("--speculative-algorithm", args.speculative_algorithm is not None),
+            ("--enable-lora", args.enable_lora),
+            ("--disaggregation-mode", args.disaggregation_mode != "null"),
+            ("--enable-hierarchical-cache", args.enable_hierarchical_cache),
+            ("--quantization", args.quantization not in (None, "none")),
+            ("--enable-torch-compile", args.enable_torch_compile),
+        ):
+            if on:
+                return f"{flag} is not supported with encoder models ({model_config.architecture})"
     if "image" in getattr(get_model_class(model_config.architecture), "modalities", ()):
         for flag, on in (
             ("--speculative-algorithm", args.speculative_algorithm is not None),
@@ -193,6 +205,8 @@ class ModelRunner:
             self.quantization, cpu_ops, self.dtype, self.device, server_args.quantization_group_size
         )
         self.model = load_model(model_config, self.dtype, self.device, server_args.load_format, quant_config)
+        # an encoder (BERT) pools its input in one pass: no KV cache, no decoding (srt/pooling runs it)
+        self.generates = not getattr(self.model, "is_encoder", False)
         if (encoder_cache := getattr(self.model, "encoder_cache", None)) is not None:  # a vision-language model
             encoder_cache.capacity = server_args.mm_cache_size_mb << 20
         if cpu_ops is not None and self.dtype == torch.bfloat16 and bf16_weight_kernels_wanted():
@@ -235,6 +249,8 @@ class ModelRunner:
         self.cuda_graph_off_reason = graph_unsupported_reason(
             self.device, server_args, self.attn_backend, model_config.is_mla or has_experts(model_config)
         )
+        if not self.generates:
+            self.cuda_graph_off_reason = "an encoder model does not decode"
         self.init_memory_pool(available_before, cpu_ops)
         self.sampler = Sampler()
         self.capture_hidden = False  # set by an EAGLE proposer: every forward returns its hidden states
@@ -288,7 +304,9 @@ class ModelRunner:
                 cfg.head_dim,
                 self.dtype.itemsize,
             )
-        if args.max_total_tokens is not None:
+        if not self.generates:
+            total = (cfg.context_len + self.page_size) // self.page_size * self.page_size  # a placeholder, never used
+        elif args.max_total_tokens is not None:
             total = args.max_total_tokens
         else:
             fraction = args.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device]

@@ -61,14 +61,34 @@ def check_config(config) -> None:
         )
 
 
+# a group's longest sequence may be up to this much longer than its shortest (padding is attended)
+GROUP_SLACK = 1.25
+GROUP_SLACK_TOKENS = 8
+
+
+@dataclass
+class SeqGroup:
+    """Sequences of similar lengths, attended together as one padded [count, heads, max_len, d] call."""
+
+    count: int
+    max_len: int
+    key_mask: torch.Tensor | None  # [count, 1, 1, max_len] 0 on a sequence's keys, -inf past its end
+
+
 @dataclass
 class PackedSeqs:
-    """Where each sequence's rows lie in a packed [T, ...] batch, and a padded [B, max_len] view of it."""
+    """Where each sequence's rows lie in a packed [T, ...] batch, and padded views of it by group.
+
+    Sequences are grouped by length (sorted; a group's longest at most GROUP_SLACK times plus
+    GROUP_SLACK_TOKENS its shortest), so attention pads each sequence only to its group's longest
+    rather than the batch's: with the 8-128 token inputs of an embedding workload that is most of
+    the attention's work."""
 
     seq_lens: list[int]
-    pad_index: torch.Tensor | None  # [B, max_len] the packed row of each padded slot; None when lengths are equal
-    unpad_index: torch.Tensor | None  # [T] each packed row's slot in the flattened padded view
-    key_mask: torch.Tensor | None  # [B, 1, 1, max_len] 0 on a sequence's keys, -inf past its end
+    groups: list[SeqGroup]
+    # [sum count * max_len] the packed row of each padded slot; None: one group of equal lengths
+    pad_index: torch.Tensor | None
+    unpad_index: torch.Tensor | None  # [T] each packed row's slot in the padded views, in order
 
     @property
     def max_len(self) -> int:
@@ -78,14 +98,39 @@ class PackedSeqs:
     def from_seq_lens(cls, seq_lens: list[int], device: torch.device, dtype: torch.dtype) -> PackedSeqs:
         assert seq_lens and min(seq_lens) > 0, f"every sequence needs a token: seq_lens={seq_lens}"
         if min(seq_lens) == max(seq_lens):
-            return cls(seq_lens, None, None, None)
-        lens = torch.tensor(seq_lens, device=device)
-        starts = torch.cumsum(lens, 0) - lens
-        slots = torch.arange(max(seq_lens), device=device)
-        valid = slots[None] < lens[:, None]
-        pad_index = torch.where(valid, starts[:, None] + slots, 0)
-        key_mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
-        return cls(seq_lens, pad_index, valid.flatten().nonzero().squeeze(1), key_mask[:, None, None])
+            return cls(seq_lens, [SeqGroup(len(seq_lens), seq_lens[0], None)], None, None)
+        starts = [0]
+        for n in seq_lens[:-1]:
+            starts.append(starts[-1] + n)
+        order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+        members: list[list[int]] = []
+        for i in order:
+            if members and seq_lens[i] <= seq_lens[members[-1][0]] * GROUP_SLACK + GROUP_SLACK_TOKENS:
+                members[-1].append(i)
+            else:
+                members.append([i])
+        groups, pad_rows, slot_of_row = [], [], [0] * sum(seq_lens)
+        for idx in members:
+            lens = [seq_lens[i] for i in idx]
+            width = max(lens)
+            mask = None
+            if min(lens) != width:
+                valid = torch.arange(width)[None] < torch.tensor(lens)[:, None]
+                mask = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))[:, None, None]
+                mask = mask.to(device)
+            groups.append(SeqGroup(len(idx), width, mask))
+            for i, n in zip(idx, lens):
+                base = len(pad_rows)
+                pad_rows.extend(range(starts[i], starts[i] + n))
+                pad_rows.extend([starts[i]] * (width - n))  # padding reads some row of its own sequence
+                for j in range(n):
+                    slot_of_row[starts[i] + j] = base + j
+        return cls(
+            seq_lens,
+            groups,
+            torch.tensor(pad_rows, dtype=torch.int64, device=device),
+            torch.tensor(slot_of_row, dtype=torch.int64, device=device),
+        )
 
 
 class BertEmbeddings(nn.Module):
@@ -130,11 +175,15 @@ class BertAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
         qkv = self.qkv(x)
-        b, n = len(seqs.seq_lens), seqs.max_len
-        padded = qkv.view(b, n, -1) if seqs.pad_index is None else qkv[seqs.pad_index]
-        q, k, v = padded.view(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seqs.key_mask)
-        out = out.transpose(1, 2).reshape(b * n, self.hidden_size)
+        padded = qkv if seqs.pad_index is None else qkv.index_select(0, seqs.pad_index)
+        outs, row = [], 0
+        for g in seqs.groups:
+            part = padded[row : row + g.count * g.max_len].view(g.count, g.max_len, 3, self.heads, self.head_dim)
+            row += g.count * g.max_len
+            q, k, v = part.permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.key_mask)
+            outs.append(out.transpose(1, 2).reshape(g.count * g.max_len, self.hidden_size))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if seqs.unpad_index is not None:
             out = out.index_select(0, seqs.unpad_index)
         return self.output(out, x)
@@ -180,6 +229,9 @@ class BertPooler(nn.Module):
 class BertModel(nn.Module):
     """The encoder's last hidden states, one row per packed token (pooled outside, as configured)."""
 
+    is_encoder = True  # no KV cache, no decoding: srt/pooling runs it
+    pooling_kind = "embed"
+
     def __init__(self, config, quant_config=None, add_pooling_layer: bool = False):
         super().__init__()
         if quant_config is not None:
@@ -220,6 +272,9 @@ class BertModel(nn.Module):
 
 class BertForSequenceClassification(nn.Module):
     """A cross-encoder: one row of `num_labels` logits per sequence (a relevance score when 1)."""
+
+    is_encoder = True
+    pooling_kind = "classify"
 
     def __init__(self, config, quant_config=None):
         super().__init__()

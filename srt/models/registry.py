@@ -20,6 +20,7 @@ _MODULES = (
     "idefics3",
     "llava",
     "qwen2_vl",
+    "bert",
 )
 
 

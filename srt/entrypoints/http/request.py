@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from srt.entrypoints.http.errors import route_error
 from srt.entrypoints.openai.serving import OpenAIServing
+from srt.entrypoints.pooling import PoolingServing
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
 
@@ -29,6 +30,7 @@ class ServerContext:
     model_name: str  # --served-model-name, else the model path
     openai_serving: OpenAIServing
     hf_config: PretrainedConfig
+    pooling_serving: PoolingServing
 
 
 def server_context(request: Request) -> ServerContext:
