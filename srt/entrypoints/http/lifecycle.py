@@ -49,10 +49,14 @@ def serve(app: FastAPI, tm: TokenizerManager, subs: Subprocesses, server_args: S
     _install_drain_handlers(server, tm, subs)
     url = f"http://{server_args.host}:{server_args.port}"
     logger.info("The server is fired up and ready to roll! %s", url)
+    if tm.scheduler_info.get("is_generation", True):
+        path = "generate"
+        body = '{"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
+    else:  # an encoder: embeddings (or a cross-encoder's rerank)
+        path, body = "v1/embeddings", '{"input": ["The capital of France is Paris."]}'
     print(
-        f"\nradixserve is serving {server_args.model_path} at {url}\n  curl {url}/generate -H 'Content-Type: "
-        f'application/json\' -d \'{{"text": "The capital of France is", "sampling_params": '
-        f'{{"max_new_tokens": 16, "temperature": 0}}}}\'\n',
+        f"\nradixserve is serving {server_args.model_path} at {url}\n"
+        f"  curl {url}/{path} -H 'Content-Type: application/json' -d '{body}'\n",
         flush=True,
     )
     try:

@@ -155,7 +155,9 @@ async def model_info(request: Request) -> dict:
     return {
         "model_path": server_args.model_path,
         "tokenizer_path": server_args.tokenizer_path,
-        "is_generation": True,
+        "is_generation": bool(tm.scheduler_info.get("is_generation", True)),
+        # what /v1/embeddings, /v1/rerank, /classify serve: "embed" or "classify" (a cross-encoder); None: no pooling
+        "pooling": ctx.pooling_serving.model.kind if ctx.pooling_serving.model is not None else None,
         "preferred_sampling_params": None,
         "model_type": ctx.hf_config.model_type,
         "architectures": ctx.hf_config.architectures,
