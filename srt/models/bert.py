@@ -134,8 +134,9 @@ class PackedSeqs:
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, position_offset: int = 0):
         super().__init__()
+        self.position_offset = position_offset  # RoBERTa: positions start after the padding index
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
@@ -144,6 +145,8 @@ class BertEmbeddings(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]
@@ -238,9 +241,15 @@ class BertModel(nn.Module):
             raise ValueError(f"{type(self).__name__} runs unquantized; got quantization {quant_config.get_name()!r}")
         check_config(config)
         self.config = config
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = BertEmbeddings(config, self.position_offset(config))
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+
+    checkpoint_prefix = "bert."
+
+    @staticmethod
+    def position_offset(config) -> int:
+        return 0
 
     @torch.no_grad()
     def forward(
@@ -259,10 +268,10 @@ class BertModel(nn.Module):
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF's tensor names, with or without the `bert.` prefix."""
+        """HF's tensor names, with or without the `bert.` (RoBERTa: `roberta.`) prefix."""
 
         def ours(name: str) -> str | None:
-            name = name.removeprefix("bert.")
+            name = name.removeprefix(self.checkpoint_prefix)
             if name in SKIPPED_BUFFERS or (self.pooler is None and name.startswith("pooler.")):
                 return None
             return name
@@ -340,4 +349,76 @@ def load_hf_weights(
         raise KeyError(f"checkpoint has no tensors for {missing[:6]}")
 
 
-EntryClass = [BertModel, BertForSequenceClassification]
+class RobertaModel(BertModel):
+    """RoBERTa / XLM-RoBERTa (bge-m3, multilingual-e5): BERT's encoder with positions counted from
+    `pad_token_id + 1` and checkpoint names under `roberta.`."""
+
+    checkpoint_prefix = "roberta."
+
+    @staticmethod
+    def position_offset(config) -> int:
+        return int(config.pad_token_id) + 1
+
+
+class XLMRobertaModel(RobertaModel):
+    pass
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, first_rows: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(first_rows)))
+
+
+class RobertaForSequenceClassification(nn.Module):
+    """A RoBERTa / XLM-R cross-encoder (bge-reranker-v2-m3): dense + tanh + projection on each
+    sequence's first (<s>) row, no pooler."""
+
+    is_encoder = True
+    pooling_kind = "classify"
+
+    def __init__(self, config, quant_config=None):
+        super().__init__()
+        self.config = config
+        self.num_labels = config.num_labels
+        self.roberta = RobertaModel(config, quant_config=quant_config)
+        self.classifier = RobertaClassificationHead(config)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int],
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.roberta(input_ids, positions, seq_lens, token_type_ids)
+        starts = torch.cumsum(torch.tensor([0, *seq_lens[:-1]], device=hidden.device), 0)
+        return self.classifier(hidden[starts])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF's tensor names: `roberta.*` (no pooler) and `classifier.{dense,out_proj}.*`."""
+
+        def ours(name: str) -> str | None:
+            inner = name.removeprefix("roberta.")
+            return None if inner in SKIPPED_BUFFERS or inner.startswith("pooler.") else name
+
+        load_hf_weights(self, weights, ours)
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    pass
+
+
+EntryClass = [
+    BertModel,
+    BertForSequenceClassification,
+    RobertaModel,
+    XLMRobertaModel,
+    RobertaForSequenceClassification,
+    XLMRobertaForSequenceClassification,
+]

@@ -119,7 +119,7 @@ class PromptBuilder:
         enc = self.tokenizer(query, doc, add_special_tokens=True, return_token_type_ids=True, **cut)
         ids = list(enc["input_ids"])
         self._check_len(len(ids), where)
-        types = enc.get("token_type_ids")
+        types = enc.get("token_type_ids") if self.model.segment_ids else None
         return PoolingPrompt(ids, list(types) if types is not None else None)
 
 

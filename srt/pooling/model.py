@@ -22,6 +22,7 @@ class PoolingModel:
     labels: tuple[str, ...] = ()  # "classify": each logit's label (config id2label)
     # Matryoshka widths the checkpoint names (config `matryoshka_dimensions`); None: any width up to dims
     matryoshka_dims: tuple[int, ...] | None = None
+    segment_ids: bool = False  # the encoder embeds token types (BERT's segments A and B of a pair)
 
     @classmethod
     def read(cls, model_path: str, hf_config, architecture: str, max_input_len: int) -> PoolingModel:
@@ -30,8 +31,12 @@ class PoolingModel:
         model_cls = get_model_class(architecture)
         encoder = bool(getattr(model_cls, "is_encoder", False))
         kind = getattr(model_cls, "pooling_kind", "embed")
+        segment_ids = encoder and int(getattr(hf_config, "type_vocab_size", 1)) > 1
         if encoder:
-            max_input_len = min(max_input_len, int(hf_config.max_position_embeddings))
+            # RoBERTa's positions start after its padding index
+            position_offset = getattr(model_cls, "position_offset", None)
+            offset = int(position_offset(hf_config)) if position_offset is not None else 0
+            max_input_len = min(max_input_len, int(hf_config.max_position_embeddings) - offset)
             st_config = os.path.join(model_path, "sentence_bert_config.json")
             if os.path.exists(st_config):
                 with open(st_config) as f:
@@ -40,7 +45,7 @@ class PoolingModel:
             num_labels = int(hf_config.num_labels)
             id2label = getattr(hf_config, "id2label", None) or {}
             labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
-            return cls(kind, encoder, None, num_labels, max_input_len, labels)
+            return cls(kind, encoder, None, num_labels, max_input_len, labels, segment_ids=segment_ids)
         try:
             pooling = load_pooling_config(model_path, causal=not encoder)
         except ValueError as e:
@@ -60,4 +65,5 @@ class PoolingModel:
             pooling.output_dim(text.hidden_size),
             max_input_len,
             matryoshka_dims=tuple(int(d) for d in matryoshka) if matryoshka else None,
+            segment_ids=segment_ids,
         )

@@ -285,3 +285,52 @@ def test_truncate_dims():
     for dims in (0, 4):
         with pytest.raises(ValueError, match=f"dimensions={dims}.*3 dimensions"):
             truncate_dims(emb, dims)
+
+
+def tiny_roberta(cls, path: str, **overrides) -> str:
+    config = transformers.XLMRobertaConfig(
+        vocab_size=101,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        type_vocab_size=1,
+        pad_token_id=1,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("seq_lens", SEQ_LENS[:2])
+def test_xlm_roberta_matches_hf(tmp_path, seq_lens):
+    """XLM-R (bge-m3, bge-reranker-v2-m3): positions after the padding index, `roberta.` names, the
+    classification head on the <s> row; inputs never hold the padding id (ids start at 2)."""
+    from srt.models.bert import XLMRobertaForSequenceClassification, XLMRobertaModel
+
+    packed, padded, mask = packed_inputs(seq_lens, with_types=False)
+    packed["input_ids"] = packed["input_ids"] + 1  # HF derives positions from the non-padding ids
+    padded["input_ids"] = torch.where(mask, padded["input_ids"] + 1, 1)
+    padded.pop("token_type_ids")
+    path = tiny_roberta(transformers.XLMRobertaModel, str(tmp_path / "xlmr"))
+    hf = transformers.XLMRobertaModel.from_pretrained(path, dtype=torch.float32).eval()
+    ours = XLMRobertaModel(hf.config).eval()
+    ours.load_weights(saved(path).items())
+    with torch.no_grad():
+        want = hf(**padded).last_hidden_state[mask]
+    torch.testing.assert_close(ours(**packed), want, atol=1e-5, rtol=1e-5)
+
+    cls = transformers.XLMRobertaForSequenceClassification
+    path = tiny_roberta(cls, str(tmp_path / "xlmr-reranker"), num_labels=1)
+    hf_cls = cls.from_pretrained(path, dtype=torch.float32).eval()
+    ours_cls = XLMRobertaForSequenceClassification(hf_cls.config).eval()
+    ours_cls.load_weights(saved(path).items())
+    with torch.no_grad():
+        want = hf_cls(**padded).logits
+    torch.testing.assert_close(ours_cls(**packed), want, atol=1e-5, rtol=1e-5)
