@@ -315,8 +315,10 @@ def test_xlm_roberta_matches_hf(tmp_path, seq_lens):
     from srt.models.bert import XLMRobertaForSequenceClassification, XLMRobertaModel
 
     packed, padded, mask = packed_inputs(seq_lens, with_types=False)
-    packed["input_ids"] = packed["input_ids"] + 1  # HF derives positions from the non-padding ids
-    padded["input_ids"] = torch.where(mask, padded["input_ids"] + 1, 1)
+    ids, padded_ids = packed["input_ids"], padded["input_ids"]
+    assert isinstance(ids, torch.Tensor) and isinstance(padded_ids, torch.Tensor)
+    packed["input_ids"] = ids + 1  # HF derives positions from the non-padding ids
+    padded["input_ids"] = torch.where(mask, padded_ids + 1, 1)
     padded.pop("token_type_ids")
     path = tiny_roberta(transformers.XLMRobertaModel, str(tmp_path / "xlmr"))
     hf = transformers.XLMRobertaModel.from_pretrained(path, dtype=torch.float32).eval()
