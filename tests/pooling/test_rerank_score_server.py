@@ -253,3 +253,26 @@ def test_engine_encode_rerank_score(tiny_chat_model):
     finally:
         engine.shutdown()
     time.sleep(0.1)
+
+
+@pytest.mark.full
+def test_decoder_embeddings_under_overlap_chunks_and_pages(shared_server, tiny_chat_model):
+    """The overlap scheduler, prefill chunks of 16 tokens and pages of 4 give the same embeddings."""
+    server = shared_server(
+        "--model-path",
+        tiny_chat_model,
+        "--is-embedding",
+        "--max-total-tokens",
+        "8192",
+        "--enable-overlap-schedule",
+        "--chunked-prefill-size",
+        "16",
+        "--page-size",
+        "4",
+    )
+    texts = [t * 3 for t in sentences(10)]  # 30-90 tokens: several chunks each
+    with ThreadPoolExecutor(5) as pool:
+        got = list(
+            pool.map(lambda t: server.post("/v1/embeddings", {"input": t}).json()["data"][0]["embedding"], texts)
+        )
+    assert np.abs(np.array(got) - hf_last_token(tiny_chat_model, texts)).max() < TOL
