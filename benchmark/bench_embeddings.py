@@ -246,7 +246,9 @@ def warmup_sentences(args) -> list[str]:
 
 def bench_ours(sentences: list[str], args) -> dict:
     flags = shlex.split(args.server_args)
-    with our_server(args.model_path, flags, args.threads) as server:
+    # OMP_NUM_THREADS is per process: replicas (--dp-size N) share the cores, a thread count each
+    replicas = int(flags[flags.index("--dp-size") + 1]) if "--dp-size" in flags[:-1] else 1
+    with our_server(args.model_path, flags, max(1, args.threads // replicas)) as server:
         info = httpx.get(server.url + "/server_info", timeout=60).json()
         result = serve_load(server.url, server.proc.pid, sentences, warmup_sentences(args), args, "radixserve")
     keys = ("dtype", "device", "kernel_isa", "max_pooling_batch_tokens", "attention_backend")

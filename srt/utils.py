@@ -82,10 +82,20 @@ def set_torch_threads(share: int = 1) -> None:
     An explicit OMP_NUM_THREADS wins."""
     import torch
 
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        return
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        threads = int(os.environ["OMP_NUM_THREADS"])
+        if threads * share > n:  # each of `share` processes runs that many: spinning threads then wait on each other
+            logging.getLogger(__name__).warning(
+                "OMP_NUM_THREADS=%d in each of %d computing processes oversubscribes the %d usable cores; "
+                "expect a slowdown (unset it, or give %d)",
+                threads,
+                share,
+                n,
+                max(1, n // share),
+            )
+        torch.set_num_threads(threads)
+        return
     torch.set_num_threads(max(1, n // share))
 
 
