@@ -279,18 +279,18 @@ class BertModel(nn.Module):
         load_hf_weights(self, weights, ours)
 
 
-class BertForSequenceClassification(nn.Module):
-    """A cross-encoder: one row of `num_labels` logits per sequence (a relevance score when 1)."""
+class SequenceClassifier(nn.Module):
+    """A cross-encoder: one row of `num_labels` logits per sequence (a relevance score when 1), from
+    a head over each sequence's first row ([CLS] / <s>)."""
 
     is_encoder = True
     pooling_kind = "classify"
 
-    def __init__(self, config, quant_config=None):
-        super().__init__()
-        self.config = config
-        self.num_labels = config.num_labels
-        self.bert = BertModel(config, quant_config=quant_config, add_pooling_layer=True)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+    def encode(self, input_ids, positions, seq_lens, token_type_ids) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, first_rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @torch.no_grad()
     def forward(
@@ -301,10 +301,27 @@ class BertForSequenceClassification(nn.Module):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions (and token_type_ids) [T] -> logits [B, num_labels]."""
-        hidden = self.bert(input_ids, positions, seq_lens, token_type_ids)
+        hidden = self.encode(input_ids, positions, seq_lens, token_type_ids)
         starts = torch.cumsum(torch.tensor([0, *seq_lens[:-1]], device=hidden.device), 0)
+        return self.head(hidden[starts])
+
+
+class BertForSequenceClassification(SequenceClassifier):
+    """BERT's: the pooler (dense + tanh), then `classifier`."""
+
+    def __init__(self, config, quant_config=None):
+        super().__init__()
+        self.config = config
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, quant_config=quant_config, add_pooling_layer=True)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def encode(self, input_ids, positions, seq_lens, token_type_ids) -> torch.Tensor:
+        return self.bert(input_ids, positions, seq_lens, token_type_ids)
+
+    def head(self, first_rows: torch.Tensor) -> torch.Tensor:
         assert self.bert.pooler is not None
-        return self.classifier(self.bert.pooler(hidden[starts]))
+        return self.classifier(self.bert.pooler(first_rows))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF's tensor names: `bert.*` and `classifier.*`."""
@@ -374,12 +391,9 @@ class RobertaClassificationHead(nn.Module):
         return self.out_proj(torch.tanh(self.dense(first_rows)))
 
 
-class RobertaForSequenceClassification(nn.Module):
+class RobertaForSequenceClassification(SequenceClassifier):
     """A RoBERTa / XLM-R cross-encoder (bge-reranker-v2-m3): dense + tanh + projection on each
     sequence's first (<s>) row, no pooler."""
-
-    is_encoder = True
-    pooling_kind = "classify"
 
     def __init__(self, config, quant_config=None):
         super().__init__()
@@ -388,17 +402,11 @@ class RobertaForSequenceClassification(nn.Module):
         self.roberta = RobertaModel(config, quant_config=quant_config)
         self.classifier = RobertaClassificationHead(config)
 
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        seq_lens: list[int],
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden = self.roberta(input_ids, positions, seq_lens, token_type_ids)
-        starts = torch.cumsum(torch.tensor([0, *seq_lens[:-1]], device=hidden.device), 0)
-        return self.classifier(hidden[starts])
+    def encode(self, input_ids, positions, seq_lens, token_type_ids) -> torch.Tensor:
+        return self.roberta(input_ids, positions, seq_lens, token_type_ids)
+
+    def head(self, first_rows: torch.Tensor) -> torch.Tensor:
+        return self.classifier(first_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF's tensor names: `roberta.*` (no pooler) and `classifier.{dense,out_proj}.*`."""

