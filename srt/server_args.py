@@ -368,6 +368,11 @@ class ServerArgs:
     enable_metrics: bool = LOGGING.opt(
         False, "serve Prometheus metrics at /metrics (SGLang's names, a model_name label)"
     )
+    enable_cache_report: bool = LOGGING.opt(
+        False,
+        "accepted for SGLang compatibility: usage.prompt_tokens_details.cached_tokens (the prompt tokens "
+        "served from the prefix cache) is always reported, on chat and completions, streamed usage too",
+    )
     debug_integrity_check: bool = LOGGING.opt(
         False, "exit the scheduler when the KV accounting invariant is violated (tests)"
     )

@@ -57,6 +57,14 @@ def test_flag_spellings():
     )
     assert namespace.lora_paths == ["a=/x", "b=/y"] and namespace.log_requests_level == 3
     assert namespace.disable_radix_cache is True
+    # SGLang's flags for features that are always on here are accepted
+    assert _parser().parse_args(["--enable-cache-report"]).enable_cache_report is True
+    pooling = parse_args(["--is-embedding", "--rerank-response-format", "cohere", "--max-pooling-batch-tokens", "64"])
+    assert (pooling.is_embedding, pooling.rerank_response_format, pooling.max_pooling_batch_tokens) == (
+        True,
+        "cohere",
+        64,
+    )
 
 
 @pytest.mark.parametrize(
