@@ -74,6 +74,15 @@ class ServerArgs:
         "take the cache tenant from this request header (set by a trusted gateway) "
         "instead of from the API key; tenants never share cached KV",
     )
+    max_stored_responses: int = HTTP.opt(
+        1000,
+        "/v1/responses kept for retrieval and previous_response_id (store: true), per server, oldest "
+        "evicted first; each tenant sees only its own",
+        ge=1,
+    )
+    max_stored_responses_mb: int = HTTP.opt(
+        256, "memory the stored /v1/responses may take, in MiB (oldest evicted first)", ge=1
+    )
 
     max_queued_requests: int | None = OVERLOAD.opt(
         None, "requests allowed to wait beyond --max-running-requests; more get 503 with Retry-After", ge=0

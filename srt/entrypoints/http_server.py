@@ -11,11 +11,21 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from srt.configs.model_config import load_hf_config
-from srt.entrypoints.http import admin_routes, load_routes, native_routes, openai_routes, pooling_routes
+from srt.entrypoints.anthropic.serving import AnthropicServing
+from srt.entrypoints.http import (
+    admin_routes,
+    anthropic_routes,
+    load_routes,
+    native_routes,
+    openai_routes,
+    pooling_routes,
+    responses_routes,
+)
 from srt.entrypoints.http.auth import Auth, AuthMiddleware
 from srt.entrypoints.http.errors import EXCEPTION_HANDLERS
 from srt.entrypoints.http.lifecycle import serve
 from srt.entrypoints.http.request import ServerContext
+from srt.entrypoints.openai.responses import ResponsesServing
 from srt.entrypoints.openai.serving import OpenAIServing
 from srt.entrypoints.pooling import PoolingServing
 from srt.entrypoints.processes import Launch, launch_subprocesses
@@ -47,15 +57,20 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     )
     model_name = server_args.served_model_name or model_path
     hf_config = load_hf_config(model_path)
+    openai_serving = OpenAIServing(
+        tm, model_name, model_path, chat_template, server_args.tool_call_parser, server_args.reasoning_parser
+    )
     app.state.ctx = ServerContext(
         tokenizer_manager=tm,
         server_args=server_args,
         model_name=model_name,
-        openai_serving=OpenAIServing(
-            tm, model_name, model_path, chat_template, server_args.tool_call_parser, server_args.reasoning_parser
-        ),
+        openai_serving=openai_serving,
         hf_config=hf_config,
         pooling_serving=PoolingServing.of(tm, model_name, hf_config),
+        responses_serving=ResponsesServing(
+            openai_serving, server_args.max_stored_responses, server_args.max_stored_responses_mb * 2**20
+        ),
+        anthropic_serving=AnthropicServing(openai_serving),
     )
     app.add_middleware(AuthMiddleware, auth=Auth(server_args))
     routers = (
@@ -64,6 +79,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         admin_routes.router,
         openai_routes.router,
         pooling_routes.router,
+        responses_routes.router,
+        anthropic_routes.router,
     )
     for router in routers:
         app.include_router(router)

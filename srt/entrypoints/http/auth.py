@@ -7,7 +7,7 @@ import hmac
 
 from fastapi import Request
 
-from srt.entrypoints.http.errors import route_error
+from srt.entrypoints.http.errors import ANTHROPIC_PATHS, route_error
 from srt.server_args import ServerArgs
 
 # Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
@@ -70,10 +70,15 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         request = Request(scope)
-        who = self.auth.identify(request.headers.get("authorization", ""))
+        header = request.headers.get("authorization", "")
+        if not header and scope["path"].startswith(ANTHROPIC_PATHS) and "x-api-key" in request.headers:
+            header = "Bearer " + request.headers["x-api-key"]  # how Anthropic's clients send the key
+        who = self.auth.identify(header)
         error = None
         if who is None:
-            error = "missing or invalid API key (send 'Authorization: Bearer <key>')"
+            error = "missing or invalid API key (send 'Authorization: Bearer <key>'" + (
+                " or 'x-api-key: <key>')" if scope["path"].startswith(ANTHROPIC_PATHS) else ")"
+            )
         elif scope["path"] in ADMIN_ROUTES and not self.auth.is_admin(who):
             error = f"{scope['path']} needs the admin API key (--admin-api-key)"
         if error is not None:

@@ -8,6 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from srt.entrypoints.anthropic.serving import anthropic_error
 from srt.entrypoints.openai.serving import openai_error_response, with_retry_after
 from srt.lora.adapter import LoRAError
 from srt.managers.io_struct import InvalidRequest
@@ -28,8 +29,14 @@ def error_response(status: int, message: str) -> Response:
     return json_response({"error": {"message": message, "code": status}}, status)
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
 def route_error(request: Request, status: int, message: str, **openai_fields) -> Response:
-    """An error in the route's shape: OpenAI's under /v1/, the native one elsewhere."""
+    """An error in the route's shape: Anthropic's under /v1/messages, OpenAI's elsewhere under /v1/,
+    the native one elsewhere."""
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error(status, message)
     if request.url.path.startswith("/v1/"):
         return openai_error_response(status, message, **openai_fields)
     return error_response(status, message)

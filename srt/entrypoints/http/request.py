@@ -9,7 +9,9 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from srt.entrypoints.anthropic.serving import AnthropicServing
 from srt.entrypoints.http.errors import route_error
+from srt.entrypoints.openai.responses import ResponsesServing
 from srt.entrypoints.openai.serving import OpenAIServing
 from srt.entrypoints.pooling import PoolingServing
 from srt.managers.tokenizer_manager import TokenizerManager
@@ -31,6 +33,8 @@ class ServerContext:
     openai_serving: OpenAIServing
     hf_config: PretrainedConfig
     pooling_serving: PoolingServing
+    responses_serving: ResponsesServing
+    anthropic_serving: AnthropicServing
 
 
 def server_context(request: Request) -> ServerContext:

@@ -180,7 +180,7 @@ class OpenAIServing:
         return await self._serve(body, request, CompletionRequest, self._completion_input, _CompletionResponder)
 
     async def chat(self, body: Any, request: Request) -> Response:
-        return await self._serve(body, request, ChatCompletionRequest, self._chat_input, _ChatResponder)
+        return await self._serve(body, request, ChatCompletionRequest, self.chat_input, _ChatResponder)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class OpenAIServing:
                 )
         return fcp
 
-    def _chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
+    def chat_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
         tok = self.tm.tokenizer
         template = self.chat_template or getattr(tok, "chat_template", None)
         if not template:
