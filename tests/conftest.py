@@ -981,6 +981,23 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<|im_start|>system\nno thinking<|im_end|>\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def think_template(tmp_path_factory) -> str:
+    """A chat template that shows `enable_thinking: false` in the prompt, for reasoning tests (with
+    `--reasoning-parser qwen3`; the tiny model thinks when a regex makes it write <think>...</think>)."""
+    path = os.path.join(tmp_path_factory.mktemp("think"), "think.jinja")
+    with open(path, "w") as f:
+        f.write(THINK_TEMPLATE)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory, default_model_path) -> str:
     """A tiny random Llama with the default model's tokenizer and an 8k context, for fast server tests."""

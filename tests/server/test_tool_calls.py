@@ -8,7 +8,6 @@ are 400s naming the field; the native parse routes. Reasoning on a test template
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -311,18 +310,10 @@ def test_native_parse_routes(default_server):
     assert r.json() == {"reasoning_text": "plan", "text": "answer"}
 
 
-THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if enable_thinking is defined and not enable_thinking %}<|im_start|>system\nno thinking<|im_end|>\n{% endif %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def test_reasoning_separated_streamed_and_template_kwargs(shared_server, tiny_chat_model, tmp_path_factory):
-    path = os.path.join(tmp_path_factory.mktemp("think"), "think.jinja")
-    with open(path, "w") as f:
-        f.write(THINK_TEMPLATE)
-    server = shared_server("--model-path", tiny_chat_model, "--chat-template", path, "--reasoning-parser", "qwen3")
+def test_reasoning_separated_streamed_and_template_kwargs(shared_server, tiny_chat_model, think_template):
+    server = shared_server(
+        "--model-path", tiny_chat_model, "--chat-template", think_template, "--reasoning-parser", "qwen3"
+    )
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     body = dict(
         model="m",

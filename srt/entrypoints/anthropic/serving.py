@@ -274,7 +274,7 @@ class AnthropicServing:
         try:
             req = self._parse(MessagesRequest, body)
             assert isinstance(req, MessagesRequest)
-            chat_req = self._chat(req)
+            chat_req = self._chat(req, body)
             obj = self._input(chat_req)
         except AnthropicError as e:
             return anthropic_error(e.status, e.message)
@@ -297,7 +297,7 @@ class AnthropicServing:
     async def count_tokens(self, body: Any, request: Request) -> Response:
         try:
             req = self._parse(CountTokensRequest, body)
-            obj = self._input(self._chat(req))
+            obj = self._input(self._chat(req, body))
         except AnthropicError as e:
             return anthropic_error(e.status, e.message)
         assert obj.input_ids is not None and isinstance(obj.input_ids[0], int), "a chat prompt is one list of ids"
@@ -327,7 +327,7 @@ class AnthropicServing:
                 logger.warning("/v1/messages: `%s` is not supported and is ignored", name)
         return req
 
-    def _chat(self, req: CountTokensRequest) -> ChatCompletionRequest:
+    def _chat(self, req: CountTokensRequest, body: dict) -> ChatCompletionRequest:
         messages = chat_messages(req, self.tm.image_prompts is not None)
         tools, choice, parallel = chat_tools(req)
         chat: dict[str, Any] = {
@@ -359,9 +359,8 @@ class AnthropicServing:
                 stream=req.stream,
                 user=(req.metadata or {}).get("user_id"),
             )
-            extra = req.model_extra or {}
-            chat.update({k: extra[k] for k in EXTENSIONS if extra.get(k) is not None})
-            kwargs = {**kwargs, **(extra.get("chat_template_kwargs") or {})}
+            chat.update({k: body[k] for k in EXTENSIONS if body.get(k) is not None})
+            kwargs = {**kwargs, **(body.get("chat_template_kwargs") or {})}
         if kwargs:
             chat["chat_template_kwargs"] = kwargs
         try:
@@ -443,7 +442,7 @@ class _Reply:
         if turn.reasoning:
             shown = "" if self.omit_thinking else turn.reasoning
             content.append({"type": "thinking", "thinking": shown, "signature": ""})
-        if turn.text or not (turn.calls or turn.reasoning):
+        if turn.text:
             content.append({"type": "text", "text": turn.text})
         for call in turn.calls:
             content.append(
@@ -470,8 +469,6 @@ class _Reply:
         for piece in self.turn.feed(delta, done):
             events += self._piece(piece)
         if done:
-            if not self.blocks:
-                events += self._piece(Piece("text", ""))
             events += self._close()
             called = any(b["type"] == "tool_use" for b in self.blocks)
             stop_reason, stop_sequence = self._stop(meta, called)

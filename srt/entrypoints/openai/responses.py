@@ -307,7 +307,7 @@ class ResponsesServing:
         tenant = getattr(request.state, "tenant", None)
         try:
             req = self._parse(body)
-            job = self._job(req, tenant)
+            job = self._job(req, body, tenant)
         except OpenAIError as e:
             return openai_error_response(e.status, e.message, e.param, e.code)
         if req.background:
@@ -424,7 +424,7 @@ class ResponsesServing:
             raise OpenAIError(400, "`input` must not be empty", "input")
         return req
 
-    def _job(self, req: ResponsesRequest, tenant: str | None) -> _Job:
+    def _job(self, req: ResponsesRequest, body: dict, tenant: str | None) -> _Job:
         history: list[dict] = []
         if req.previous_response_id is not None:
             prev = self.store.get(tenant, req.previous_response_id)
@@ -460,8 +460,7 @@ class ResponsesServing:
             "stream": req.stream,
             "user": req.user,
         }
-        extra = req.model_extra or {}
-        chat.update({k: extra[k] for k in EXTENSIONS if extra.get(k) is not None})
+        chat.update({k: body[k] for k in EXTENSIONS if body.get(k) is not None})
         fmt = req.text.format if req.text is not None else None
         if fmt is not None and fmt.type == "json_object":
             chat["response_format"] = {"type": "json_object"}
