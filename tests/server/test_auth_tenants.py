@@ -126,3 +126,42 @@ def test_tenant_header(shared_server, tiny_chat_model):
         return r.json()["meta_info"]["cached_tokens"]
 
     assert [cached("acme"), cached("acme"), cached("globex"), cached("globex")] == [0, 79, 0, 79]
+
+
+def test_stored_responses_and_messages_are_per_key(server):
+    """A stored response is its key's: another key gets a 404 for it (retrieve, continue, cancel,
+    delete). /v1/messages takes Anthropic's `x-api-key` (and only it takes it) and answers 401 in
+    Anthropic's shape."""
+    import anthropic
+    import openai
+
+    a = openai.OpenAI(base_url=server.url + "/v1", api_key=USER_A, max_retries=0)
+    b = openai.OpenAI(base_url=server.url + "/v1", api_key=USER_B, max_retries=0)
+    r = a.responses.create(model="m", input="hi", max_output_tokens=4)
+    attempts = (
+        lambda: b.responses.retrieve(r.id),
+        lambda: b.responses.create(model="m", input="more", previous_response_id=r.id, max_output_tokens=2),
+        lambda: b.responses.cancel(r.id),
+        lambda: b.responses.delete(r.id),
+    )
+    for attempt in attempts:
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert a.responses.retrieve(r.id).id == r.id  # B's delete removed nothing
+    assert a.responses.create(model="m", input="more", previous_response_id=r.id, max_output_tokens=2).status
+
+    ask = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    m = anthropic.Anthropic(base_url=server.url, api_key=USER_A, max_retries=0).messages.create(**ask)
+    assert m.usage.output_tokens <= 3 and m.id.startswith("msg_")
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0).messages.create(**ask)
+    r = requests.post(server.url + "/v1/messages", headers={"x-api-key": "sk-wrong"}, json=ask, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error" and r.json()["type"] == "error"
+    assert requests.post(server.url + "/v1/messages", headers=auth(USER_B), json=ask, timeout=60).status_code == 200
+    counted = requests.post(
+        server.url + "/v1/messages/count_tokens", headers={"x-api-key": USER_B}, json=ask, timeout=30
+    )
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    chat = {"model": "m", "max_tokens": 2, "messages": ask["messages"]}
+    r = requests.post(server.url + "/v1/chat/completions", headers={"x-api-key": USER_A}, json=chat, timeout=30)
+    assert r.status_code == 401, "x-api-key is Anthropic's header: the OpenAI routes want a bearer token"

@@ -49,19 +49,26 @@ class Router:
         policy: str = "cache_aware",
         timeout: float = 60,
         workers: list[str] | None = None,
+        module: str = "sglang_router.launch_router",
+        extra: tuple[str, ...] = (),
+        api_key: str | None = None,
     ):
         """workers: the worker flags instead of `--worker-urls worker_urls --policy policy` (e.g.
         `--pd-disaggregation --prefill URL PORT --decode URL`); worker_urls are still the workers
-        it must report healthy."""
+        it must report healthy. module: `smg.launch_router` for smg (same flags); extra: more flags;
+        api_key: the router's --api-key (its /workers needs it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.log = open(log_path, "w")
         cmd = [
             sys.executable,
             "-m",
-            "sglang_router.launch_router",
+            module,
             *(workers if workers is not None else ["--worker-urls", *worker_urls, "--policy", policy]),
+            *extra,
+            *(["--api-key", api_key] if api_key else []),
             "--host",
             "127.0.0.1",
             "--port",
@@ -88,12 +95,13 @@ class Router:
         raise RuntimeError(f"router did not register {worker_urls} in {timeout} s:\n{self.tail()}")
 
     def tail(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log_path) as f:
             return f.read()[-4000:]
 
     def healthy_workers(self) -> list[dict]:
-        workers = requests.get(self.url + "/workers", timeout=5).json()["workers"]
+        workers = requests.get(self.url + "/workers", headers=self.headers, timeout=5).json()["workers"]
         return [w for w in workers if w["is_healthy"]]
 
     def stop(self) -> None:
