@@ -12,7 +12,6 @@ cache, `cache_read_input_tokens` those that were (their sum is what count_tokens
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
@@ -22,14 +21,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, ValidationError
 
-from srt.entrypoints.chat_turn import Piece, TurnStream, split_turn
+from srt.entrypoints.openai.chat_turn import Piece, TurnStream, parse_body, split_turn
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, _Body, format_validation_error
 from srt.entrypoints.openai.serving import EventStream, OpenAIError, OpenAIServing
 from srt.managers.io_struct import InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable
 from srt.sampling.sampling_params import InvalidSamplingParams
-
-logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -75,7 +72,6 @@ IGNORED_FIELDS = (
     "workspace_id",
 )
 EXTENSIONS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "regex", "ebnf", "rid")
-_warned: set[str] = set()
 
 
 def anthropic_error(status: int, message: str, retry_after: Any = None) -> Response:
@@ -314,18 +310,7 @@ class AnthropicServing:
 
     @staticmethod
     def _parse(model: type[CountTokensRequest], body: Any) -> CountTokensRequest:
-        if not isinstance(body, dict):
-            raise AnthropicError(400, "request body must be a JSON object")
-        body = {k: v for k, v in body.items() if v is not None}  # null means not given (routers send nulls)
-        try:
-            req = model.model_validate(body)
-        except ValidationError as e:
-            raise AnthropicError(400, format_validation_error(e)) from None
-        for name in IGNORED_FIELDS:
-            if body.get(name) is not None and name not in _warned:
-                _warned.add(name)
-                logger.warning("/v1/messages: `%s` is not supported and is ignored", name)
-        return req
+        return parse_body(model, body, "/v1/messages", IGNORED_FIELDS, lambda message: AnthropicError(400, message))
 
     def _chat(self, req: CountTokensRequest, body: dict) -> ChatCompletionRequest:
         messages = chat_messages(req, self.tm.image_prompts is not None)

@@ -13,7 +13,6 @@ included, and the radix cache reuses the earlier turns' KV.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -24,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, ValidationError
 
-from srt.entrypoints.chat_turn import Piece, TurnStream, split_turn
+from srt.entrypoints.openai.chat_turn import Piece, TurnStream, parse_body, split_turn, warn_once
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, _Body, format_validation_error
 from srt.entrypoints.openai.response_store import ResponseStore, Stored
 from srt.entrypoints.openai.serving import (
@@ -37,8 +36,6 @@ from srt.entrypoints.openai.serving import (
 from srt.managers.io_struct import InvalidRequest
 from srt.managers.tokenizer_manager import ServiceUnavailable
 from srt.sampling.sampling_params import InvalidSamplingParams
-
-logger = logging.getLogger(__name__)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The request fields of OpenAI's client (ResponseCreateParams), and what this server does with each;
@@ -113,13 +110,7 @@ EXTENSIONS = (
     "chat_template_kwargs",
     "skip_special_tokens",
 )
-_warned: set[str] = set()
-
-
-def _warn_ignored(what: str) -> None:
-    if what not in _warned:
-        _warned.add(what)
-        logger.warning("/v1/responses: %s is not supported and is ignored", what)
+ROUTE = "/v1/responses"
 
 
 class TextFormat(_Body):
@@ -382,16 +373,7 @@ class ResponsesServing:
         return openai_error_response(404, f"No response found with id '{response_id}'.", "response_id", "not_found")
 
     def _parse(self, body: Any) -> ResponsesRequest:
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "request body must be a JSON object")
-        body = {k: v for k, v in body.items() if v is not None}  # null means not given (routers send nulls)
-        try:
-            req = ResponsesRequest.model_validate(body)
-        except ValidationError as e:
-            raise OpenAIError(400, format_validation_error(e)) from None
-        for name in IGNORED_FIELDS:
-            if body.get(name) is not None:
-                _warn_ignored(f"`{name}`")
+        req = parse_body(ResponsesRequest, body, ROUTE, IGNORED_FIELDS, lambda message: OpenAIError(400, message))
         if req.conversation is not None:
             raise OpenAIError(
                 400, "`conversation` is not supported; continue with `previous_response_id`", "conversation"
@@ -406,7 +388,7 @@ class ResponsesServing:
             raise OpenAIError(400, "`background` together with `stream` is not supported", "background")
         for value in req.include or []:
             if value in IGNORED_INCLUDES:
-                _warn_ignored(f"include {value!r}")
+                warn_once(ROUTE, f"include {value!r}")
             elif value != LOGPROBS_INCLUDE:
                 raise OpenAIError(
                     400, f"include = {value!r} is not supported (only {LOGPROBS_INCLUDE!r} is)", "include"
@@ -419,7 +401,7 @@ class ResponsesServing:
                 "metadata",
             )
         if req.truncation == "auto":
-            _warn_ignored("truncation 'auto' (a prompt over the context is a 400)")
+            warn_once(ROUTE, "truncation 'auto' (a prompt over the context is a 400)")
         if req.input == "" or req.input == []:
             raise OpenAIError(400, "`input` must not be empty", "input")
         return req

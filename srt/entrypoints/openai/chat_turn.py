@@ -9,12 +9,44 @@ before its call marker); a stream holds whitespace-only text back until it knows
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
+from pydantic import BaseModel, ValidationError
+
+from srt.entrypoints.openai.protocol import format_validation_error
 from srt.function_call import FunctionCallParser, ToolCallStream
 from srt.function_call.core import new_call_id
 from srt.parser.reasoning_parser import ReasoningParser
+
+logger = logging.getLogger(__name__)
+_warned: set[tuple[str, str]] = set()
+M = TypeVar("M", bound=BaseModel)
+
+
+def warn_once(route: str, what: str) -> None:
+    """Log that `what` (a field, a value) is ignored by `route`, once per server process."""
+    if (route, what) not in _warned:
+        _warned.add((route, what))
+        logger.warning("%s: %s is not supported and is ignored", route, what)
+
+
+def parse_body(model: type[M], body: Any, route: str, ignored: Iterable[str], error: Callable[[str], Exception]) -> M:
+    """Validate an agent API's JSON body. A null field counts as not given (routers send nulls);
+    fields in `ignored` are logged once; `error(message)` is what a bad body raises."""
+    if not isinstance(body, dict):
+        raise error("request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise error(format_validation_error(e)) from None
+    for name in ignored:
+        if name in body:
+            warn_once(route, f"`{name}`")
+    return req
 
 
 @dataclass
