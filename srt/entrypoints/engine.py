@@ -19,8 +19,9 @@ from srt.configs.model_config import load_hf_config
 from srt.entrypoints.pooling import PoolingServing
 from srt.entrypoints.processes import launch_subprocesses
 from srt.lora.adapter import LoRARef
-from srt.managers.io_struct import GenerateReqInput
+from srt.managers.io_struct import GenerateReqInput, WeightsReqOutput
 from srt.managers.tokenizer_manager import TokenizerManager
+from srt.rl import serialization
 from srt.server_args import ServerArgs
 from srt.utils import configure_logger
 from srt.version import __version__
@@ -212,6 +213,125 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success
+
+    # -- reinforcement-learning rollouts (srt/rl, docs/rl.md) ---------------------------------------
+
+    def _weights(self, op: str, **args: Any) -> WeightsReqOutput:
+        args = {k: v for k, v in args.items() if v is not None}
+        return self._run(self.tokenizer_manager.weights_control(op, args))
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> tuple[bool, str]:
+        """Load a checkpoint of the same model in place of the served weights: (success, message)."""
+        out = self._weights(
+            "update_weights_from_disk",
+            model_path=model_path,
+            load_format=load_format,
+            weight_version=weight_version,
+            abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache,
+        )
+        return out.success, out.message
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, Any]],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str]:
+        """Replace these checkpoint tensors (any subset, HF names): (success, message). The tensors
+        reach the scheduler processes through shared memory, not copied through a socket."""
+        payloads = [serialization.dumps(list(named_tensors)) for _ in range(self.server_args.tp_size)]
+        out = self._weights(
+            "update_weights_from_tensor",
+            serialized_named_tensors=payloads,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+            abort_all_requests=abort_all_requests,
+        )
+        return out.success, out.message
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+    ) -> tuple[bool, str]:
+        out = self._weights(
+            "init_weights_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        return out.success, out.message
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
+        out = self._weights(
+            "update_weights_from_distributed",
+            names=names,
+            dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+            shapes=[list(s) for s in shapes],
+            group_name=group_name,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+        )
+        return out.success, out.message
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        out = self._weights("destroy_weights_update_group", group_name=group_name)
+        return out.success, out.message
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        out = self._weights("get_weights_by_name", name=name, truncate_size=truncate_size)
+        if not out.success:
+            raise ValueError(out.message)
+        return out.data["parameter"]
+
+    def get_weight_version(self) -> str:
+        return self._weights("get_weight_version").data["weight_version"]
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> tuple[bool, str]:
+        out = self._weights("update_weight_version", new_version=new_version, abort_all_requests=abort_all_requests)
+        return out.success, out.message
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        out = self._weights("pause_generation", mode=mode)
+        if not out.success:
+            raise ValueError(out.message)
+
+    def continue_generation(self) -> None:
+        self._weights("continue_generation")
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        out = self._weights("release_memory_occupation", tags=tags)
+        return out.success, out.message
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        out = self._weights("resume_memory_occupation", tags=tags)
+        return out.success, out.message
 
     def clear_hicache_storage(self) -> bool:
         """Delete the hierarchical cache's stored pages (--hicache-storage-backend)."""

@@ -20,6 +20,7 @@ from srt.entrypoints.http import (
     openai_routes,
     pooling_routes,
     responses_routes,
+    weights_routes,
 )
 from srt.entrypoints.http.auth import Auth, AuthMiddleware
 from srt.entrypoints.http.errors import EXCEPTION_HANDLERS
@@ -81,6 +82,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         pooling_routes.router,
         responses_routes.router,
         anthropic_routes.router,
+        weights_routes.router,
     )
     for router in routers:
         app.include_router(router)

@@ -17,6 +17,8 @@ from srt.managers.scheduler_component import FollowerContext, FollowerHandler, S
 from srt.mem_cache.hicache_component import HiCacheComponent
 from srt.mem_cache.hicache_component import build_follower as hicache_follower
 from srt.pooling.component import build_pooling
+from srt.rl.component import WeightsComponent
+from srt.rl.component import build_follower as weights_follower
 from srt.speculative.component import SpeculativeDecoding
 from srt.speculative.component import build_follower as speculative_follower
 
@@ -29,11 +31,13 @@ class Feature:
 
 
 # The hierarchical cache decides admission before LoRA loads an adapter for it; LoRA sets a
-# request's cache namespace before the hierarchical cache prefetches under it; a request waiting
+# request's cache namespace before the hierarchical cache prefetches under it (and the weights'
+# namespace wraps LoRA's); a request waiting
 # for its grammar is held before disaggregation queues it.
 FEATURES: tuple[Feature, ...] = (
     Feature("hicache", HiCacheComponent.build, hicache_follower),
     Feature("lora", LoRAComponent.build, lora_follower),
+    Feature("weights", WeightsComponent.build, weights_follower),
     Feature("grammar", GrammarComponent.build),
     Feature("disaggregation", build_disaggregation, disaggregation_follower),
     Feature("speculative", SpeculativeDecoding.build, speculative_follower),

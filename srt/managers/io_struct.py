@@ -379,6 +379,25 @@ class LoRAUpdateOutput:
 
 
 @dataclass(kw_only=True)
+class WeightsReq:
+    """A call on the served weights or on generation itself (srt/rl): `op` is its route's name
+    (update_weights_from_disk, update_weights_from_tensor, get_weights_by_name, pause_generation,
+    continue_generation, release_memory_occupation, ...) and `args` its body."""
+
+    rid: str = field(default_factory=new_rid)
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class WeightsReqOutput:
+    rid: str
+    success: bool
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)  # the call's answer (weight_version, a parameter, ...)
+
+
+@dataclass(kw_only=True)
 class ProfileReq:
     """/start_profile (`start=True`, with SGLang's ProfileReqInput fields) or /stop_profile."""
 
@@ -437,6 +456,8 @@ class BatchTokenIDOutput:
     dp_rank: int = 0  # the data-parallel replica whose scheduler sent it
     # speculative servers: per request (drafts proposed, steps by accepted drafts: Req.spec_histogram)
     spec: list[tuple[int, list[int]]] = field(default_factory=list)
+    # per request: meta_info set by a component since the last output (Req.meta), else None
+    meta: list[dict | None] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

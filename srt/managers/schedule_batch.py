@@ -66,6 +66,11 @@ class Req:
     return_last_hidden: bool = False
     last_hidden: torch.Tensor | None = None
 
+    # meta_info a component reports with the request's outputs (the weights' version); replaced,
+    # never mutated, so an output carries it only when it changed (`meta_sent`: the one last sent)
+    meta: dict | None = None
+    meta_sent: dict | None = None
+
     output_ids: list[int] = field(default_factory=list)
     # memory
     req_pool_idx: int | None = None

@@ -255,7 +255,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
     def recv_requests(self) -> list:
         msgs = []
         wait_ms = 0
-        if not self.has_runnable_work():  # idle, or only components' work pending: block briefly instead of spinning
+        # idle, paused, or only components' work pending: block briefly instead of spinning
+        if not self.has_runnable_work() or self.batches_held():
             wait_ms = min([IDLE_POLL_MS] + [ms for c in self.components if (ms := c.wait_ms()) is not None])
         if wait_ms and self.recv_from_tokenizer not in dict(self.poller.poll(wait_ms)):
             return msgs
@@ -385,6 +386,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         if any(r.future_slot is not None and r.needs_fresh_history for r in self.running_batch.reqs):
             self.sync_pending()
         self.running_batch.filter_finished()
+        if self.batches_held():
+            return None
         batch = self.get_new_batch_prefill()
         if batch is not None:
             self.last_prefill = batch
@@ -394,6 +397,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             if self.running_batch.reqs:
                 return self.decoder.plan(list(self.running_batch.reqs))
         return None
+
+    def batches_held(self) -> bool:
+        return any(c.holds_batches() for c in self.components)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
@@ -621,6 +627,29 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             self.running_batch.reqs.remove(req)
         self.park(req, retraction=False)
         self.waiting_queue.insert(0, req)
+
+    def sync_launched(self) -> None:
+        self.sync_pending()
+
+    def retract_running(self) -> list[Req]:
+        self.sync_pending()
+        if self.last_prefill is not None:  # launched prefills whose requests have not joined the running batch
+            self.running_batch.reqs.extend(r for r in self.last_prefill.reqs if r not in self.running_batch.reqs)
+            self.last_prefill = None
+        if self.chunked_req is not None:
+            if self.chunked_req not in self.running_batch.reqs:
+                self.running_batch.reqs.append(self.chunked_req)
+            self.chunked_req = None
+        self.running_batch.filter_finished()
+        retracted, self.running_batch.reqs = self.running_batch.reqs, []
+        for req in retracted:
+            self.park(req, retraction=True)
+        self.waiting_queue[:0] = retracted
+        self.total_retractions += len(retracted)
+        return retracted
+
+    def abort_all(self, message: str) -> None:
+        self.abort_request(AbortReq(abort_all=True, message=message))
 
     def park(self, req: Req, retraction: bool) -> None:
         """Take a running request off the device: its computed KV goes into the prefix cache, which

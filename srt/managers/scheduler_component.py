@@ -112,6 +112,20 @@ class SchedulerPort(Protocol):
         """Let launched batches finish before slots are written from outside the forward sequence."""
         ...
 
+    def sync_launched(self) -> None:
+        """Process every launched batch's results: afterwards no forward is in flight and every
+        request's tokens are on the host."""
+        ...
+
+    def retract_running(self) -> list[Req]:
+        """Take every running request off the device (its KV goes to the prefix cache) and back to
+        the front of the waiting queue; returns them."""
+        ...
+
+    def abort_all(self, message: str) -> None:
+        """Abort every request: waiting ones now, running and held ones at their next step or poll."""
+        ...
+
     def join_decoding(self, req: Req, first: BatchResult) -> None:
         """req's prompt KV is in its slots (written by another server): continue decoding it with
         its first token (and its logprobs) as if it had been prefilled here."""
@@ -158,6 +172,10 @@ class SchedulerComponent:
 
     def pending(self) -> bool:
         """Work in progress that keeps the scheduler from being idle (queues, I/O, transfers)."""
+        return False
+
+    def holds_batches(self) -> bool:
+        """True: no batch runs now (generation is paused); requests stay where they are."""
         return False
 
     def queued_reqs(self) -> list[Req]:

@@ -157,6 +157,8 @@ class SchedulerOutputProcessorMixin:
             out.output_token_ids_logprobs.append(r.output_token_ids_logprobs[r.sent_output_logprob_len :])
             if self.decoder.reports_spec_stats:
                 out.spec.append((r.spec_proposed, list(r.spec_histogram)))
+            out.meta.append(r.meta if r.meta is not r.meta_sent else None)
+            r.meta_sent = r.meta
             r.sent_output_len = len(r.output_ids)
             r.sent_input_logprob_len = len(r.input_token_logprobs)
             r.sent_output_logprob_len = len(r.output_token_logprobs)

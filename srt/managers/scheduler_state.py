@@ -55,6 +55,7 @@ class SchedulerState:
     lora: dict[str, Any] | None = None
     hicache: dict[str, Any] | None = None
     disagg: dict[str, Any] | None = None
+    weights: dict[str, Any] | None = None  # srt/rl: the weights' version, paused generation, updates
     pooling: dict[str, Any] | None = None  # srt/pooling: what it serves and how many requests it pooled
 
     @property

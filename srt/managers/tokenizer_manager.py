@@ -42,6 +42,8 @@ from srt.managers.io_struct import (
     SchedulerCrashed,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
+    WeightsReq,
+    WeightsReqOutput,
     new_rid,
 )
 from srt.managers.scheduler_state import SchedulerState
@@ -82,6 +84,9 @@ def _clip(text: str | None) -> str | None:
     return f"{text[:LOG_CLIP_CHARS]}...({len(text) - 2 * LOG_CLIP_CHARS} characters)...{text[-LOG_CLIP_CHARS:]}"
 
 
+ControlReply = FlushCacheReqOutput | GetInternalStateReqOutput | ProfileReqOutput | LoRAUpdateOutput | WeightsReqOutput
+
+
 def _merged(replies: list) -> dict:
     """success and message of one control call from every replica's reply (distinct failures joined)."""
     failed = [r.message for r in replies if not r.success]
@@ -110,6 +115,7 @@ class ReqState:
     input_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     output_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     dp_rank: int = 0
+    meta: dict = dataclasses.field(default_factory=dict)  # what the scheduler's components report (Req.meta)
     spec: tuple[int, list[int]] | None = None  # speculative: drafts proposed, steps by accepted drafts
     embedding: Any = None  # a pooling request's vector (numpy float32)
 
@@ -144,6 +150,9 @@ class TokenizerManager:
         self.lora_adapters: dict[str, str] = {}
         if server_args.enable_lora:
             self.lora_adapters = {r.name: r.path for r in parse_lora_paths(server_args.lora_paths)}
+        # the weights' version (--weight-version, then each update's): meta_info of outputs that
+        # carry none of their own
+        self.weight_version = server_args.weight_version
         # /configure_logging changes these at run time
         self.log_requests = server_args.log_requests
         self.log_requests_level = server_args.log_requests_level
@@ -570,8 +579,9 @@ class TokenizerManager:
             "num_retractions": s.retractions,
             **({"image_tokens": s.image_tokens} if s.image_tokens else {}),
             "total_retractions": s.retractions,  # this server's earlier name
-            "weight_version": self.server_args.weight_version,
+            "weight_version": self.weight_version,
             "e2e_latency": time.time() - s.created,
+            **s.meta,
         }
         if self.server_args.dp_size > 1:
             meta["dp_rank"] = s.dp_rank
@@ -641,12 +651,10 @@ class TokenizerManager:
             elif isinstance(msg, SchedulerCrashed):
                 logger.error("the scheduler crashed: %s", msg.message)
                 self.fail_all(f"the scheduler crashed: {msg.message}")
-            elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput, ProfileReqOutput, LoRAUpdateOutput)):
+            elif isinstance(msg, ControlReply):
                 self._handle_control_reply(msg)
 
-    def _handle_control_reply(
-        self, reply: FlushCacheReqOutput | GetInternalStateReqOutput | ProfileReqOutput | LoRAUpdateOutput
-    ) -> None:
+    def _handle_control_reply(self, reply: ControlReply) -> None:
         waiter = self.control_waiters.get(reply.rid)
         if waiter is None:
             return  # its call timed out (a replica was silent); a later call must not take it
@@ -676,6 +684,8 @@ class TokenizerManager:
             s.dp_rank = tok.dp_rank
             if tok.spec:
                 s.spec = tok.spec[i]
+            if tok.meta and (meta := tok.meta[i]) is not None:
+                s.meta = meta
             if tok.finished_reasons[i] is not None:
                 s.finish_reason, s.finished = tok.finished_reasons[i], True
             s.event.set()
@@ -695,7 +705,7 @@ class TokenizerManager:
 
     async def _control(
         self,
-        req: FlushCacheReq | GetInternalStateReq | ProfileReq | LoadLoRAAdapterReq | UnloadLoRAAdapterReq,
+        req: FlushCacheReq | GetInternalStateReq | ProfileReq | LoadLoRAAdapterReq | UnloadLoRAAdapterReq | WeightsReq,
         timeout: float,
     ) -> list:
         """Send a control request; every data-parallel replica answers it, in any order. Raises
@@ -746,6 +756,18 @@ class TokenizerManager:
             raise
         out = LoRAUpdateOutput(rid=req.rid, **_merged(replies))
         out.loaded_adapters = dict(self.lora_adapters)
+        return out
+
+    async def weights_control(self, op: str, args: dict, timeout: float = 600.0) -> WeightsReqOutput:
+        """A weights call (srt/rl: updates, reads, pause, continue, memory release) on every
+        data-parallel replica; it succeeds when every replica's does."""
+        req = WeightsReq(op=op, args=args)
+        replies: list[WeightsReqOutput] = await self._control(req, timeout)
+        out = WeightsReqOutput(rid=req.rid, **_merged(replies), data=replies[0].data)
+        if out.success:
+            out.message = replies[0].message
+        if (version := out.data.get("weight_version")) is not None:
+            self.weight_version = version
         return out
 
     async def get_internal_states(self, timeout: float = 10.0) -> list[SchedulerState]:

@@ -125,8 +125,16 @@ def load_model(
         weights = iterate_weights(model_config.path, progress=True)
         source = model_config.path
     if load_format != "dummy":
+        manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+        def recorded():  # each checkpoint tensor's name, shape and dtype: what a weight update must match
+            for name, tensor in weights:  # pyright: ignore[reportPossiblyUnbound]
+                manifest[name] = (tuple(tensor.shape), tensor.dtype)
+                yield name, tensor
+
+        model.checkpoint_manifest = manifest  # pyright: ignore[reportAttributeAccessIssue]
         try:
-            model.load_weights(weights)  # pyright: ignore[reportPossiblyUnbound]
+            model.load_weights(recorded())
         except KeyError as e:
             raise ModelLoadError(f"weights in {source} do not match {cls.__name__}: {e}") from e
     if callable(after := getattr(model, "after_loading", None)):

@@ -272,8 +272,9 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> ours (a module named otherwise in the checkpoint)
     checkpoint_renames: list[tuple[str, str]] = []
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Checkpoint tensors (HF names) into place (see `load_checkpoint`)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        """Checkpoint tensors (HF names) into place (see `load_checkpoint`); `partial`: some of them
+        (a weight update), the other parameters keep their values."""
 
         def renamed():
             for name, tensor in weights:
@@ -283,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 yield name, tensor
 
-        load_checkpoint(self, renamed(), self.stacked_params, self.loaded_apart)
+        load_checkpoint(self, renamed(), self.stacked_params, self.loaded_apart, partial)
 
     # submodules whose weights a subclass loads itself (a vision-language model's image encoder)
     loaded_apart: tuple[str, ...] = ()
@@ -294,6 +295,7 @@ def load_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]],
     stacked_params: Sequence[tuple[str, str, str | int]],
     loaded_apart: tuple[str, ...] = (),
+    partial: bool = False,
 ) -> None:
     """Checkpoint tensors (our names) into `model`: layers with a weight format take their weight
     through `load_weight(tensor, shard_id)`, MoE experts through `load_expert(expert_id, shard,
@@ -336,7 +338,7 @@ def load_checkpoint(
             targets[target](tensor)
         loaded.add(target)
     missing = (set(targets) | set(experts)) - loaded
-    if missing:
+    if missing and not partial:
         raise KeyError(f"checkpoint has no tensors for {sorted(missing)[:6]}")
 
 

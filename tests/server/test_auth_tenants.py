@@ -17,6 +17,17 @@ ADMIN_PATHS = {
     "/configure_logging",
     "/load_lora_adapter",
     "/unload_lora_adapter",
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+    "/get_weights_by_name",
+    "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
 }
 
 
@@ -65,6 +76,9 @@ def test_every_route_but_the_probes_needs_a_key(server):
         right = ADMIN if path in ADMIN_PATHS else USER_A
         r = requests.request(method, server.url + path, headers=auth(right), json={}, timeout=30)
         assert r.status_code != 401, (method, path)
+    # the sweep paused generation and released memory with empty bodies; the routes after them undo it
+    for path in ("/continue_generation", "/resume_memory_occupation"):
+        assert requests.post(server.url + path, headers=auth(ADMIN), json={}, timeout=30).status_code == 200
 
 
 def test_admin_routes_need_the_admin_key(server):

@@ -22,6 +22,17 @@ ADMIN_ROUTES = frozenset(
         "/configure_logging",
         "/load_lora_adapter",
         "/unload_lora_adapter",
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/get_weights_by_name",
+        "/update_weight_version",
+        "/pause_generation",
+        "/continue_generation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
     }
 )
 # Probes answer without a key (load balancers and orchestrators call them unauthenticated).

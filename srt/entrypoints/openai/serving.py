@@ -433,6 +433,9 @@ class _Responder(abc.ABC):
             "model": self.serving.model_name,
             "choices": choices,
             "usage": self.serving.usage(outs, self.req.n),
+            # SGLang's: the weights that made the answer (srt/rl; a request spanning an update
+            # names the version of its last token)
+            "metadata": {"weight_version": outs[0]["meta_info"].get("weight_version")},
         }
 
     def chunk(self, out: dict) -> bytes:
