@@ -929,6 +929,7 @@ LONGEST_MODULES = [
     "tests/server/test_structured_output.py",
     "tests/server/test_tool_calls.py",
     "tests/server/test_retraction.py",
+    "tests/rl/test_weight_updates.py",
     "tests/lora/test_lora_serving.py",
     "tests/server/test_speculative.py",
     "tests/server/test_lifecycle.py",

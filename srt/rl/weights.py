@@ -118,7 +118,7 @@ class _Unpacked:
             del module.load_weight
         for module in self.touched + self.kept:
             weight = module.weight.detach()
-            module.packed_weight.copy_(torch.ops.mkldnn._reorder_linear_weight(weight, None))
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # read at each call
         for module in self.touched:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
