@@ -125,11 +125,12 @@ def load_model(
         weights = iterate_weights(model_config.path, progress=True)
         source = model_config.path
     if load_format != "dummy":
-        manifest: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        manifest: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
 
         def recorded():  # each checkpoint tensor's name, shape and dtype: what a weight update must match
             for name, tensor in weights:  # pyright: ignore[reportPossiblyUnbound]
-                manifest[name] = (tuple(tensor.shape), tensor.dtype)
+                # a GGUF block tensor kept quantized has a shape (its dense one) but no torch dtype
+                manifest[name] = (tuple(tensor.shape), getattr(tensor, "dtype", None))
                 yield name, tensor
 
         model.checkpoint_manifest = manifest  # pyright: ignore[reportAttributeAccessIssue]

@@ -28,7 +28,7 @@ from srt.model_loader.default_model import resolve_model_path
 from srt.model_loader.gguf_loader import gguf_source, write_weights
 from srt.model_loader.loader import safetensors_files
 
-Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
+Manifest = dict[str, tuple[tuple[int, ...], torch.dtype | None]]
 
 
 class WeightUpdateError(ValueError):
