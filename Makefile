@@ -90,6 +90,16 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	    echo "note: PD disaggregation (Mooncake) needs libibverbs1: sudo apt-get install libibverbs1"; \
 	  fi; \
 	fi
+	@# Chromium and ChromeDriver for the browser tests of the playground and dashboard (tests/webui, issue 44)
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1) || \
+	    echo "note: could not install chromium; the browser tests (tests/webui) will skip"; \
+	  else \
+	    echo "note: the browser tests (tests/webui) need: sudo apt-get install chromium chromium-driver"; \
+	  fi; \
+	fi
 	@touch $(STAMP)
 
 clean:

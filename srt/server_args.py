@@ -74,6 +74,9 @@ class ServerArgs:
         "take the cache tenant from this request header (set by a trusted gateway) "
         "instead of from the API key; tenants never share cached KV",
     )
+    no_webui: bool = HTTP.opt(
+        False, "serve no pages: the playground at / and the dashboard at /dashboard are left out (docs/webui.md)"
+    )
     max_stored_responses: int = HTTP.opt(
         1000,
         "/v1/responses kept for retrieval and previous_response_id (store: true), per server, oldest "

@@ -20,6 +20,7 @@ from srt.entrypoints.http import (
     openai_routes,
     pooling_routes,
     responses_routes,
+    webui_routes,
     weights_routes,
 )
 from srt.entrypoints.http.auth import Auth, AuthMiddleware
@@ -83,11 +84,14 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         responses_routes.router,
         anthropic_routes.router,
         weights_routes.router,
+        webui_routes.router,
     )
     for router in routers:
         app.include_router(router)
     if server_args.enable_metrics:
         app.include_router(load_routes.metrics_router)
+    if not server_args.no_webui:
+        app.include_router(webui_routes.pages)
     return app
 
 

@@ -240,6 +240,8 @@ class SchedulerOutputProcessorMixin:
             metrics=self.metrics.state() if self.metrics is not None else None,
             idle=not self.has_work(),
             pid=os.getpid(),
+            prompt_tokens_total=self.total_prompt_tokens,
+            generated_tokens_total=self.num_generated_tokens,
         )
         for c in self.components:
             c.fill_state(state)

@@ -49,6 +49,8 @@ class SchedulerState:
     metrics: dict[str, Any] | None  # the scheduler's metrics (--enable-metrics)
     idle: bool
     pid: int
+    prompt_tokens_total: int = 0  # prompt tokens admitted so far (cached ones included)
+    generated_tokens_total: int = 0  # output tokens so far
     # one part per feature, filled by its component (`SchedulerComponent.fill_state`)
     grammar: GrammarState | None = None
     speculative: SpeculativeState | None = None

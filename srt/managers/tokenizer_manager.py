@@ -116,6 +116,8 @@ class ReqState:
     output_token_ids_logprobs: list = dataclasses.field(default_factory=list)
     dp_rank: int = 0
     meta: dict = dataclasses.field(default_factory=dict)  # what the scheduler's components report (Req.meta)
+    tenant: str | None = None  # the cache tenant (API key or --tenant-header), for the dashboard
+    input_len: int = 0
     spec: tuple[int, list[int]] | None = None  # speculative: drafts proposed, steps by accepted drafts
     embedding: Any = None  # a pooling request's vector (numpy float32)
 
@@ -469,6 +471,8 @@ class TokenizerManager:
         self, obj: GenerateReqInput, tok: TokenizedGenerateReqInput, request
     ) -> AsyncGenerator[dict, None]:
         state = ReqState(obj, time.time(), image_tokens=sum(it.num_rows for it in tok.mm_items or ()))
+        state.tenant = getattr(request.state, "tenant", None) if request is not None else None
+        state.input_len = len(tok.input_ids)
         self.rid_to_state[tok.rid] = state
         self.inflight_prompt_tokens += len(tok.input_ids)
         self.send_to_scheduler.send_pyobj(tok)
@@ -768,6 +772,15 @@ class TokenizerManager:
             out.message = replies[0].message
         if (version := out.data.get("weight_version")) is not None:
             self.weight_version = version
+        return out
+
+    def tenant_load(self) -> dict[str, dict[str, int]]:
+        """Requests in flight and their prompt tokens, by tenant ("default": no tenant)."""
+        out: dict[str, dict[str, int]] = {}
+        for s in self.rid_to_state.values():
+            t = out.setdefault(s.tenant or "default", {"requests": 0, "prompt_tokens": 0})
+            t["requests"] += 1
+            t["prompt_tokens"] += s.input_len
         return out
 
     async def get_internal_states(self, timeout: float = 10.0) -> list[SchedulerState]:

@@ -11,6 +11,7 @@ WIRE_KEYS = {
     "forward_busy_s", "forward_wait_s", "forward_idle_fraction", "overlap_schedule", "avg_spec_accept_length",
     "spec_accept_rate", "speculative", "hicache", "disagg", "lora", "attention_backend", "torch_compile",
     "cuda_graph", "metrics", "idle", "pid", "pooling", "weights",
+    "prompt_tokens_total", "generated_tokens_total",
 }  # fmt: skip
 
 

@@ -37,6 +37,9 @@ ADMIN_ROUTES = frozenset(
 )
 # Probes answer without a key (load balancers and orchestrators call them unauthenticated).
 OPEN_PATHS = frozenset({"/health", "/ready", "/ping"})
+# The built-in pages load without a key (they hold nothing); they ask for it and send it with every call.
+PAGE_PATHS = frozenset({"/", "/dashboard"})
+PAGE_PREFIX = "/webui/"
 
 
 class Auth:
@@ -78,7 +81,8 @@ class AuthMiddleware:
         self.app, self.auth = app, auth
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path in PAGE_PATHS or path.startswith(PAGE_PREFIX):
             return await self.app(scope, receive, send)
         request = Request(scope)
         header = request.headers.get("authorization", "")

@@ -179,6 +179,7 @@ async def model_info(request: Request) -> dict:
 async def server_info(request: Request) -> dict:
     ctx = server_context(request)
     tm = ctx.tokenizer_manager
+    ctx.server_info_calls += 1
     try:
         states = await tm.get_internal_states()
     except asyncio.TimeoutError:
@@ -189,6 +190,8 @@ async def server_info(request: Request) -> dict:
         "max_req_input_len": tm.max_req_input_len,
         "version": __version__,
         "internal_states": [st.to_json() for st in states],  # one per data-parallel replica
+        "tenants": tm.tenant_load(),  # requests in flight by tenant (the dashboard's table)
+        "server_info_calls": ctx.server_info_calls,
     }
 
 

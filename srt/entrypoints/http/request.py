@@ -35,6 +35,7 @@ class ServerContext:
     pooling_serving: PoolingServing
     responses_serving: ResponsesServing
     anthropic_serving: AnthropicServing
+    server_info_calls: int = 0  # /server_info answered so far (what the dashboard costs: bench_dashboard.py)
 
 
 def server_context(request: Request) -> ServerContext:
