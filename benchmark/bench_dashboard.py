@@ -74,7 +74,7 @@ async def workload(url: str, n: int, input_len: int, output_len: int, vocab: int
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of each (alternating)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of each (alternating); 0: only the cost of a poll")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -97,6 +97,10 @@ def main() -> None:
     call_ms = 0.0
     with our_server(model, flags, args.threads) as server, tempfile.TemporaryDirectory() as profile:
         asyncio.run(workload(server.url, 8, args.input_len, 8, vocab, seed=999))  # warm-up
+        call_ms = poll_cpu_ms(server.proc.pid, server.url)
+        print(
+            f"one /server_info call costs the server {call_ms:.2f} ms of CPU time (idle server, 50 calls)", flush=True
+        )
         for r in range(2 * args.rounds):
             with_page = r % 2 == 1
             browser = chromium(server.url + "/dashboard", profile) if with_page else None
@@ -119,13 +123,8 @@ def main() -> None:
                 f" ({res['tokens']} tokens in {res['seconds']:.1f} s; /server_info calls {res['server_info_calls']})",
                 flush=True,
             )
-            if r == 2 * args.rounds - 1:  # the price of one poll, on the idle server: a tighter bound than the rounds'
-                times = []
-                for _ in range(50):
-                    t0 = time.perf_counter()
-                    httpx.get(server.url + "/server_info", timeout=30).raise_for_status()
-                    times.append(time.perf_counter() - t0)
-                call_ms = 1000 * statistics.median(times)
+    if not rounds:
+        return
     without = statistics.median(x["tok_s"] for x in rounds if not x["dashboard"])
     with_ = statistics.median(x["tok_s"] for x in rounds if x["dashboard"])
     ratio = with_ / without
@@ -137,8 +136,7 @@ def main() -> None:
         "machine's noise)"
     )
     print(
-        f"one /server_info call on the idle server: {call_ms:.1f} ms median; one a second is "
-        f"{call_ms / 10:.2f}% of the time"
+        f"one poll a second costs {call_ms / 10:.2f}% of one core's time (2 cores: {call_ms / 20:.2f}% of the machine)"
     )
     out = {"command": shlex.join([os.path.basename(sys.executable), *sys.argv]), "cpu": cpu, "rounds": rounds,
            "without_tok_s": without, "with_tok_s": with_, "ratio": ratio, "server_info_ms": call_ms}  # fmt: skip
@@ -146,6 +144,26 @@ def main() -> None:
     with open(args.output, "w") as f:
         json.dump(out, f, indent=2)
     print(f"wrote {args.output}")
+
+
+def poll_cpu_ms(pid: int, url: str, calls: int = 50) -> float:
+    """CPU milliseconds the server's processes spend per /server_info call: their CPU time over `calls`
+    back-to-back calls, less their CPU time over as long idle."""
+    import psutil
+
+    root = psutil.Process(pid)
+    tree = [root, *root.children(recursive=True)]
+
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in tree)
+
+    c0, t0 = cpu(), time.perf_counter()
+    for _ in range(calls):
+        httpx.get(url + "/server_info", timeout=30).raise_for_status()
+    c1, took = cpu(), time.perf_counter() - t0
+    time.sleep(took)
+    c2 = cpu()
+    return max(0.0, (c1 - c0) - (c2 - c1)) * 1000 / calls
 
 
 def server_info_calls(url: str) -> int:

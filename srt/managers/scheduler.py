@@ -612,6 +612,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.decoder.after_step(batch, len(progressed), generated)
         self.stream_output(progressed)
         self.num_generated_tokens += generated
+        self.total_generated_tokens += generated
         self.maybe_log_decode_stats()
 
     def forced_tokens(self, req: Req) -> list[int] | None:

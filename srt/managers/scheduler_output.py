@@ -54,7 +54,8 @@ class SchedulerOutputProcessorMixin:
     def init_stats(self) -> None:
         self.total_retractions = 0
         self.forward_passes = 0
-        self.num_generated_tokens = 0
+        self.num_generated_tokens = 0  # since the last decode log line
+        self.total_generated_tokens = 0
         self.decode_steps = 0
         self.last_decode_log = time.monotonic()
         self.total_prompt_tokens = 0
@@ -241,7 +242,7 @@ class SchedulerOutputProcessorMixin:
             idle=not self.has_work(),
             pid=os.getpid(),
             prompt_tokens_total=self.total_prompt_tokens,
-            generated_tokens_total=self.num_generated_tokens,
+            generated_tokens_total=self.total_generated_tokens,
         )
         for c in self.components:
             c.fill_state(state)

@@ -24,6 +24,14 @@ def test_pages_assets_and_props(tiny_server):
     info = requests.get(url + "/server_info", timeout=30).json()
     assert {"tenants", "server_info_calls"} <= set(info)
     assert {"prompt_tokens_total", "generated_tokens_total"} <= set(info["internal_states"][0])
+    before = info["internal_states"][0]
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+    assert requests.post(url + "/generate", json=body, timeout=60).status_code == 200
+    after = requests.get(url + "/server_info", timeout=30).json()
+    state = after["internal_states"][0]
+    assert state["generated_tokens_total"] - before["generated_tokens_total"] >= 19  # the first comes from the prefill
+    assert state["prompt_tokens_total"] - before["prompt_tokens_total"] >= 3
+    assert after["server_info_calls"] == info["server_info_calls"] + 1
 
 
 def test_pages_load_without_the_key_and_no_webui_turns_them_off(shared_server, tiny_chat_model):
