@@ -33,9 +33,28 @@ async function getJSON(path) {
   return r.json();
 }
 
-// the key dialog (index.html and dashboard.html both carry #key-dialog)
+// the key dialog, made on first use (the page's <body data-key-note> says why it needs the key)
+function keyDialog() {
+  let dialog = document.getElementById("key-dialog");
+  if (dialog) return dialog;
+  dialog = document.createElement("dialog");
+  dialog.id = "key-dialog";
+  dialog.setAttribute("aria-labelledby", "key-title");
+  dialog.innerHTML = `<form method="dialog">
+    <h2 id="key-title">API key</h2>
+    <p id="key-note"></p>
+    <label for="key-input">Key</label>
+    <input id="key-input" type="password" autocomplete="off">
+    <div class="actions"><button value="ok">Use it</button> <button value="cancel" formnovalidate>Cancel</button></div>
+  </form>`;
+  dialog.querySelector("#key-note").textContent =
+    (document.body.dataset.keyNote || "This server needs an API key.") + " It is kept for this tab only.";
+  document.body.append(dialog);
+  return dialog;
+}
+
 function askKey() {
-  const dialog = document.getElementById("key-dialog");
+  const dialog = keyDialog();
   const input = document.getElementById("key-input");
   return new Promise((resolve) => {
     input.value = "";
