@@ -952,6 +952,14 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
 
 
+def pytest_runtest_logreport(report):
+    """RADIXSERVE_INSTAFAIL=1 (benchmark/gpu_check.sh): a failure's traceback as it happens, so a
+    run its stage's timeout cuts short still says why each test failed."""
+    if report.failed and os.environ.get("RADIXSERVE_INSTAFAIL"):
+        sys.stderr.write(f"\n--- {report.nodeid} ({report.when}) failed:\n{report.longreprtext[-3000:]}\n")
+        sys.stderr.flush()
+
+
 POOL_REUSES: Counter = Counter()  # reuses of pooled servers; under xdist, the workers' counts summed here
 
 

@@ -178,7 +178,7 @@ class DecodeDisagg(DisaggChannel):
                 continue
             sched.wait_launched()  # the slots may have been freed by a request a launched batch still writes
             address = f"tcp://{ranks[0]['rank_ip']}:{ranks[0]['rank_port']}"
-            table = sched.runner.req_to_token_pool.req_to_token
+            table = sched.runner.req_to_token_pool.host
             slots = table[req.req_pool_idx, : req.kv_len].tolist()
             self.send(address, Prealloc(room_of(req), self.address, self.layout, self.ranks, slots))
             self.transfers[room_of(req)] = Transfer(req, address, now())
@@ -198,7 +198,7 @@ class DecodeDisagg(DisaggChannel):
         """Free req's reserved slots: nothing was (or will be) written to them."""
         if req.req_pool_idx is None:
             return
-        slots = self.scheduler.runner.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long()
+        slots = self.scheduler.runner.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_len)
         self.free(req.req_pool_idx, slots)
         req.req_pool_idx, req.kv_len = None, 0
 
@@ -206,7 +206,7 @@ class DecodeDisagg(DisaggChannel):
         """req ends, but the prefill side may still write its slots: hold them until it answers."""
         if req.req_pool_idx is None:
             return
-        slots = self.scheduler.runner.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long().clone()
+        slots = self.scheduler.runner.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_len).clone()
         self.draining[room] = Draining(req.req_pool_idx, slots, now())
         req.req_pool_idx, req.kv_len = None, 0
 

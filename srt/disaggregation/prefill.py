@@ -146,7 +146,7 @@ class PrefillDisagg(DisaggChannel):
             reason = req.finished_reason.message if isinstance(req.finished_reason, FINISH_ABORT) else None
             self.inflight.append((req, _failed(TransferError(reason or "the decode side went away"))))
             return
-        table = self.scheduler.runner.req_to_token_pool.req_to_token
+        table = self.scheduler.runner.req_to_token_pool.host
         n = len(req.origin_input_ids)
         src = table[req.req_pool_idx, :n].tolist()
         if self.broadcaster is not None:

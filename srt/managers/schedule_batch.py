@@ -313,8 +313,8 @@ class BatchBuilder:
             self.tree_cache.evict(n - self.allocator.available_size())
 
     def _last_locs(self, reqs: list[Req], positions: list[int]) -> list[int]:
-        table = self.req_to_token_pool.req_to_token
-        return [int(table[r.req_pool_idx, p - 1]) if p > 0 else 0 for r, p in zip(reqs, positions)]
+        pool = self.req_to_token_pool
+        return [pool.last_slot(r.req_pool_idx, p - 1) if p > 0 else 0 for r, p in zip(reqs, positions)]
 
     def prepare_for_extend(self, batch: ScheduleBatch) -> ForwardBatch:
         reqs = batch.reqs
@@ -442,9 +442,8 @@ class BatchBuilder:
         loc = self.allocator.alloc_decode(torch.tensor(seq_lens), torch.tensor(self._last_locs(reqs, prefix_lens)))
         if loc is None:
             raise RuntimeError("KV pool exhausted during decode; retraction should have made room")
-        table = self.req_to_token_pool.req_to_token
         pool_indices = _pool_indices(reqs)
-        table[torch.tensor(pool_indices), torch.tensor(prefix_lens)] = loc.to(torch.int32)
+        self.req_to_token_pool.write_points(torch.tensor(pool_indices), torch.tensor(prefix_lens), loc)
         # A token still being sampled by a launched batch is fed as -slot; the worker swaps it in.
         input_ids = [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs]
         for r in reqs:

@@ -24,11 +24,11 @@ logger = logging.getLogger(__name__)
 def serve_forwards(runner: ModelRunner, handlers: dict[str, FollowerHandler]) -> None:
     """Write each broadcast batch's page-table rows into this rank's table, then run it; posted
     payloads go to their handlers, in order with the forwards."""
-    table = runner.req_to_token_pool.req_to_token
+    pool = runner.req_to_token_pool
     while (received := receive_forward(runner.device, handlers)) is not None:
         fb, offset = received.forward_batch, 0
         for slot, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu):
-            table[slot, :n] = received.rows[offset : offset + n]
+            pool.write(slot, 0, received.rows[offset : offset + n])
             offset += n
         runner.forward(fb)
 

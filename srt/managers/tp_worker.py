@@ -127,7 +127,7 @@ class TpModelWorker:
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         """One forward pass, on every tensor-parallel rank: the other ranks get the batch first."""
         if self.broadcaster is not None:
-            self.broadcaster.forward(fb, self.model_runner.req_to_token_pool.req_to_token)
+            self.broadcaster.forward(fb, self.model_runner.req_to_token_pool.host)
         return self.model_runner.forward(fb)
 
     def keepalive(self) -> None:

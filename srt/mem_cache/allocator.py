@@ -79,18 +79,19 @@ class TokenToKVPoolAllocator:
         """One slot per request for position seq_len - 1 (seq_lens count the new token)."""
         if self.page_size == 1:
             return self.alloc(len(seq_lens))
+        seq_lens = seq_lens.cpu()
         need_page = (seq_lens - 1) % self.page_size == 0
         pages = self._take_pages(int(need_page.sum()))
         if pages is None:
             return None
-        out = last_locs.to(torch.int64) + 1
+        out = last_locs.to("cpu", torch.int64) + 1
         out[need_page] = pages * self.page_size
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        pages = torch.unique(slots.to(torch.int64) // self.page_size)
+        pages = torch.unique(slots.to("cpu", torch.int64) // self.page_size)
         if bool(self.is_free[pages].any()) or bool((pages == 0).any()):
             bad = pages[self.is_free[pages] | (pages == 0)].tolist()
             raise DoubleFreeError(f"KV pages {bad[:8]} freed twice or never allocated")

@@ -17,7 +17,7 @@ class ChunkCache(BasePrefixCache):
         return MatchResult(torch.empty(0, dtype=torch.int64), None)
 
     def cache_finished_req(self, req) -> None:
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long()
+        slots = self.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_len)
         self.token_to_kv_pool_allocator.free(slots)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None

@@ -248,7 +248,7 @@ class HiRadixCache(RadixCache):
         if not keys:
             return
         s = self.storage_page
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(keys) * s].long()
+        kv = self.req_to_token_pool.read(req.req_pool_idx, 0, len(keys) * s)
         queued = io.store(self._namespaces(req.extra_key), keys, self.device_pool, kv)
         if queued and self.cfg.mirror is not None:  # the followers write their shards of the same pages
             slots = torch.cat([kv[i * s : (i + 1) * s] for i in queued])

@@ -15,13 +15,20 @@ class PoolExhausted(RuntimeError):
 
 
 class ReqToTokenPool:
-    """`req_to_token[req_slot, position]` is the KV slot holding that position of that request."""
+    """`req_to_token[req_slot, position]` is the KV slot holding that position of that request.
+
+    The attention kernels read `req_to_token` on the model's device; the scheduler's bookkeeping
+    (prefix cache, allocator, last slots) reads `host`, a CPU copy kept in step by the write
+    methods below, so no bookkeeping read waits on the device. On CPU both are the same tensor.
+    Write only through these methods."""
 
     def __init__(self, size: int, max_context_len: int, device: str):
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
         self.req_to_token = lazy_zeros((size, max_context_len), torch.int32, device)
+        on_cpu = torch.device(device).type == "cpu"
+        self.host = self.req_to_token if on_cpu else lazy_zeros((size, max_context_len), torch.int32, "cpu")
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
@@ -39,8 +46,33 @@ class ReqToTokenPool:
             assert 0 <= s < self.size, f"request slot {s} out of range"
         self.free_slots.extend(slots)
 
+    def read(self, slot: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The KV slots of positions [start, end) of one request: int64, on the CPU."""
+        return self.host[slot, start:end].long()
+
+    def last_slot(self, slot: int, position: int) -> int:
+        return int(self.host[slot, position])
+
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
-        self.req_to_token[slot, start : start + len(kv_slots)] = kv_slots.to(torch.int32)
+        values = kv_slots.to("cpu", torch.int32)
+        self.host[slot, start : start + len(values)] = values
+        if self.host is not self.req_to_token:
+            self.req_to_token[slot, start : start + len(values)] = values.to(self.device, non_blocking=True)
+
+    def write_points(self, slots: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor) -> None:
+        """req_to_token[slots[i], positions[i]] = kv_slots[i] for every i."""
+        slots, positions = slots.to("cpu", torch.int64), positions.to("cpu", torch.int64)
+        values = kv_slots.to("cpu", torch.int32)
+        self.host[slots, positions] = values
+        if self.host is not self.req_to_token:
+            dev = self.req_to_token.device
+            self.req_to_token[slots.to(dev), positions.to(dev)] = values.to(dev)
+
+    def copy_prefix(self, dst: int, src: int, n: int) -> None:
+        """Row dst's first n positions take row src's."""
+        self.host[dst, :n] = self.host[src, :n]
+        if self.host is not self.req_to_token:
+            self.req_to_token[dst, :n] = self.req_to_token[src, :n]
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))

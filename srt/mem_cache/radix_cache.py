@@ -220,7 +220,7 @@ class RadixCache(BasePrefixCache):
 
     def _insert_req(self, req) -> tuple[list[int], torch.Tensor, int]:
         """Insert the request's page-aligned computed tokens; free its duplicate slots."""
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].long()
+        kv = self.req_to_token_pool.read(req.req_pool_idx, 0, req.kv_len)
         committed = req.kv_committed_len
         tokens = (req.origin_input_ids + req.output_ids)[:committed]
         aligned = self._aligned(committed)
@@ -244,7 +244,7 @@ class RadixCache(BasePrefixCache):
         indices, node = self.match_prefix(tokens, req.extra_key)[:2]
         own = len(req.prefix_indices)
         # The tree may hold other slots (from another request) for part of what we computed.
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, own : len(indices)] = indices[own:].to(torch.int32)
+        self.req_to_token_pool.write(req.req_pool_idx, own, indices[own:])
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices, req.last_node = indices, node

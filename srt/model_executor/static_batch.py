@@ -109,13 +109,13 @@ class StaticBatchGenerator:
             if r.req_pool_idx < 0:
                 continue
             if r.prefix_len:
-                allocator.free(pool.req_to_token[r.req_pool_idx, : r.prefix_len].long())
+                allocator.free(pool.read(r.req_pool_idx, 0, r.prefix_len))
             pool.free(r.req_pool_idx)
             r.req_pool_idx, r.prefix_len = -1, 0
 
     def _alloc_kv(self, prefix_lens: list[int], seq_lens: list[int], reqs: list[StaticReq]) -> torch.Tensor:
-        table = self.runner.req_to_token_pool.req_to_token
-        last = [int(table[r.req_pool_idx, p - 1]) if p else 0 for r, p in zip(reqs, prefix_lens)]
+        pool = self.runner.req_to_token_pool
+        last = [pool.last_slot(r.req_pool_idx, p - 1) if p else 0 for r, p in zip(reqs, prefix_lens)]
         loc = self.runner.token_to_kv_pool_allocator.alloc_extend(prefix_lens, seq_lens, last)
         if loc is None:
             raise RuntimeError("KV cache is full; pass a larger --max-total-tokens or a smaller batch")
@@ -189,13 +189,13 @@ class StaticBatchGenerator:
 
     def _decode(self, reqs: list[StaticReq], return_logprob: bool) -> None:
         seq_lens = [r.seq_len for r in reqs]
-        table = self.runner.req_to_token_pool.req_to_token
+        pool = self.runner.req_to_token_pool
         idx = torch.tensor([r.req_pool_idx for r in reqs])
-        last = table[idx, torch.tensor(seq_lens) - 2].long()
+        last = pool.host[idx, torch.tensor(seq_lens) - 2].long()
         loc = self.runner.token_to_kv_pool_allocator.alloc_decode(torch.tensor(seq_lens), last)
         if loc is None:
             raise RuntimeError("KV cache is full; pass a larger --max-total-tokens or a smaller batch")
-        table[idx, torch.tensor(seq_lens) - 1] = loc.to(torch.int32)
+        pool.write_points(idx, torch.tensor(seq_lens) - 1, loc)
         for r in reqs:
             r.prefix_len = r.seq_len
         fb = ForwardBatch.build(

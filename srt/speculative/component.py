@@ -133,7 +133,7 @@ class SpeculativeDecoding(SchedulerComponent, DecodeStrategy):
         """Rows `path` of the `rows` written from position kv_start on hold the accepted tokens'
         KV: move them to positions kv_start, kv_start + 1, ... and free the pages past them."""
         runner = self.port.runner
-        table = runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+        table = runner.req_to_token_pool.host[req.req_pool_idx]
         moved = [(kv_start + node, kv_start + j) for j, node in enumerate(path) if node != j]
         if moved:
             src = table[[a for a, _ in moved]].long()

@@ -81,7 +81,7 @@ class DraftModelProposer(Proposer):
 
     def forget(self, req: Req) -> None:
         if req.draft_rows:
-            self.allocator.free(self.table.req_to_token[req.draft_rows[0], : req.draft_kv_len].long())
+            self.allocator.free(self.table.read(req.draft_rows[0], 0, req.draft_kv_len))
             self.table.free(req.draft_rows)
         req.draft_rows, req.draft_kv_len = [], 0
 
@@ -138,9 +138,7 @@ class DraftModelProposer(Proposer):
         trees = {id(r): DraftTree() for r in reqs}
         ready, (input_ids, rows, seq_lens, prefix_lens) = self._catch_up(wanted)
         if ready:
-            loc = torch.cat(
-                [self.table.req_to_token[row, p:s].long() for row, p, s in zip(rows, prefix_lens, seq_lens)]
-            )
+            loc = torch.cat([self.table.read(row, p, s) for row, p, s in zip(rows, prefix_lens, seq_lens)])
             logits = self._forward(ForwardMode.EXTEND, input_ids, rows, seq_lens, prefix_lens, loc)
             for r, tree in zip(ready, self._grow(ready, logits, [budget_of[id(r)] for r in ready])):
                 trees[id(r)], free_slots = self.fit(r, tree, builder, free_slots)
@@ -200,12 +198,11 @@ class DraftModelProposer(Proposer):
         growing = [c for c in range(len(chains)) if depth[c] > 1]
         # branch rows of the draft table: row 0 is the request's own; others copy its confirmed part
         row_of, step_locs = {}, []
-        table = self.table.req_to_token
         for c in growing:
             r = reqs[owner[c]]
             row_of[c] = r.draft_rows[rank[c]]
             if rank[c]:
-                table[row_of[c], : r.draft_kv_len] = table[r.draft_rows[0], : r.draft_kv_len]
+                self.table.copy_prefix(row_of[c], r.draft_rows[0], r.draft_kv_len)
         for level in range(1, max((depth[c] for c in growing), default=1)):
             active = [c for c in growing if depth[c] > level]
             loc = self.allocator.alloc(len(active))
@@ -213,7 +210,7 @@ class DraftModelProposer(Proposer):
             step_locs.append(loc)
             positions = [reqs[owner[c]].draft_kv_len + level - 1 for c in active]
             for c, p, slot in zip(active, positions, loc.tolist()):
-                table[row_of[c], p] = slot
+                self.table.write(row_of[c], p, torch.tensor([slot]))
             logits = self._forward(
                 ForwardMode.DECODE,
                 [chains[c][-1] for c in active],

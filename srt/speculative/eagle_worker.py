@@ -235,7 +235,7 @@ class EagleProposer(Proposer):
         if self.algorithm == "EAGLE3":
             target_model.model.aux_layers = aux_layers(config, target_config.num_hidden_layers)
         target.capture_hidden = True
-        self.target_table = target.req_to_token_pool.req_to_token
+        self.target_table = target.req_to_token_pool.host
         self.device = self.runner.device
         self.allocator = self.runner.token_to_kv_pool_allocator
         # the target's slots are the head's by position: only the scratch range is handed out
@@ -357,7 +357,7 @@ class EagleProposer(Proposer):
             caught.append(r)
         if not caught:
             return [], None, None
-        loc = torch.cat([self.table.req_to_token[row, p:s].long() for row, p, s in zip(rows, prefix_lens, seq_lens)])
+        loc = torch.cat([self.table.read(row, p, s) for row, p, s in zip(rows, prefix_lens, seq_lens)])
         out = self._forward(ForwardMode.EXTEND, input_ids, rows, seq_lens, prefix_lens, loc, torch.cat(hidden))
         assert out.hidden_states is not None, "a head returns its hidden states"
         last = torch.tensor(seq_lens) - torch.tensor(prefix_lens)
@@ -424,11 +424,10 @@ class EagleProposer(Proposer):
                 frontier[i].append(len(nodes[i]) - 1)
         parent_hidden = {(i, n): first_hidden[i] for i in range(len(reqs)) for n in frontier[i]}
         levels = min(self.max_depth, max(budgets, default=0))
-        table = self.table.req_to_token
         scratch: list[torch.Tensor] = []
         for r in reqs:  # branch rows share the confirmed part of the request's row
             for row in r.draft_rows[1:]:
-                table[row, : r.draft_kv_len] = table[r.draft_rows[0], : r.draft_kv_len]
+                self.table.copy_prefix(row, r.draft_rows[0], r.draft_kv_len)
         for level in range(2, levels + 1):
             active = [(i, n) for i in range(len(reqs)) for n in frontier[i]]
             loc = self.allocator.alloc(len(active))
@@ -446,9 +445,7 @@ class EagleProposer(Proposer):
                     path.append(slot_of[i][a])
                     a = nodes[i][a][1]
                 path.reverse()
-                if path:
-                    table[row, base : base + len(path)] = torch.tensor(path, dtype=table.dtype)
-                table[row, base + len(path)] = slot
+                self.table.write(row, base, torch.tensor([*path, slot]))
                 slot_of[i][n] = slot
                 input_ids.append(nodes[i][n][0])
                 rows.append(row)

@@ -88,7 +88,7 @@ def test_graph_memory_estimate():
 
 
 def test_cpu_runner_reports_graphs_off(tiny_model_factory, runner_factory):
-    runner = runner_factory(tiny_model_factory(), attention_backend="torch_native", cuda_graph_max_bs=4)
+    runner = runner_factory(tiny_model_factory(), attention_backend="torch_native", cuda_graph_max_bs=4, device="cpu")
     assert runner.cuda_graph_runner is None
     assert runner.cuda_graph_status() == {"enabled": False, "reason": "CUDA graphs need a CUDA device"}
 
