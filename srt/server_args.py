@@ -53,6 +53,7 @@ SPECULATIVE = OptionGroup("speculative decoding")
 WIRE = OptionGroup("wire")
 MULTIMODAL = OptionGroup("images (vision-language models)")
 POOLING = OptionGroup("pooling (embeddings, rerank, score)")
+QOS = OptionGroup("priorities and tenants (docs/qos.md)")
 
 
 @dataclass
@@ -181,6 +182,42 @@ class ServerArgs:
     )
     enable_overlap_schedule: bool = SCHEDULING.opt(
         False, "overlap batch preparation with the forward on CPU too (on by default on GPU only)"
+    )
+
+    enable_priority_scheduling: bool = QOS.opt(
+        False,
+        "admit waiting requests by their `priority` first (then --schedule-policy), and preempt running "
+        "requests for much more urgent ones",
+    )
+    schedule_low_priority_values_first: bool = QOS.opt(
+        False, "a smaller `priority` value is more urgent (default: a larger one)"
+    )
+    priority_scheduling_preemption_threshold: int = QOS.opt(
+        10, "a waiting request preempts running ones whose priority is worse than its own by more than this", ge=0
+    )
+    default_priority_value: int | None = QOS.opt(
+        None, "the priority of a request that gives none (default: the least urgent)"
+    )
+    disable_priority_preemption: bool = QOS.opt(
+        False, "priorities order the waiting queue only: no running request is preempted"
+    )
+    abort_on_priority_when_disabled: bool = QOS.opt(
+        False, "without --enable-priority-scheduling, refuse requests that set `priority` (HTTP 400)"
+    )
+    tenant_config: str | None = QOS.opt(
+        None,
+        "JSON file of tenants (API keys, or --tenant-header values) with their requests-per-minute, "
+        "tokens-per-minute and concurrency limits; over a limit is HTTP 429 with Retry-After (docs/qos.md)",
+    )
+    tenant_rpm: float | None = QOS.opt(None, "requests per minute each tenant may send (default: unlimited)", gt=0)
+    tenant_tpm: float | None = QOS.opt(
+        None, "prompt plus generated tokens per minute each tenant may use (default: unlimited)", gt=0
+    )
+    tenant_max_concurrency: int | None = QOS.opt(
+        None, "requests each tenant may have in flight at once (default: unlimited)", ge=1
+    )
+    tenant_fair_share: bool = QOS.opt(
+        False, "admit requests of equal priority in turns between tenants, not in arrival order"
     )
 
     enable_hierarchical_cache: bool = HICACHE.opt(
@@ -522,6 +559,7 @@ class ServerArgs:
         from srt.layers.quantization.options import check_quantization_server_args
         from srt.lora.options import check_lora_server_args
         from srt.mem_cache.hicache_options import check_hicache_server_args
+        from srt.qos.options import check_qos_server_args
         from srt.speculative.options import check_speculative_server_args
 
         for check in (
@@ -530,6 +568,7 @@ class ServerArgs:
             check_hicache_server_args,
             check_lora_server_args,
             check_disaggregation_server_args,
+            check_qos_server_args,
         ):
             check(self)
 

@@ -618,6 +618,7 @@ class ServerProcess:
     ):
         SERVER_STARTS[kind] += 1
         self.pooled = kind == "pooled"
+        self.api_key: str | None = None  # sent with state() when the server requires keys
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -680,7 +681,8 @@ class ServerProcess:
         return r.json()
 
     def state(self) -> dict:
-        return requests.get(self.url + "/server_info", timeout=30).json()["internal_states"][0]
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        return requests.get(self.url + "/server_info", headers=headers, timeout=30).json()["internal_states"][0]
 
     def wait_idle(self, timeout: float = 30) -> dict:
         """Wait until the scheduler is idle and has run its integrity check; returns its state."""

@@ -17,6 +17,7 @@ from srt.managers.scheduler_component import FollowerContext, FollowerHandler, S
 from srt.mem_cache.hicache_component import HiCacheComponent
 from srt.mem_cache.hicache_component import build_follower as hicache_follower
 from srt.pooling.component import build_pooling
+from srt.qos.component import QoSComponent
 from srt.rl.component import WeightsComponent
 from srt.rl.component import build_follower as weights_follower
 from srt.speculative.component import SpeculativeDecoding
@@ -42,6 +43,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("disaggregation", build_disaggregation, disaggregation_follower),
     Feature("speculative", SpeculativeDecoding.build, speculative_follower),
     Feature("pooling", build_pooling),
+    # last: a request it refuses for a full queue has passed every other component's checks
+    Feature("qos", QoSComponent.build),
 )
 
 

@@ -279,6 +279,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: list[int] | None = None
     stream: bool
     priority: int | None = None
+    tenant: str | None = None  # the server-side tenant (API key or --tenant-header), for fair shares
     extra_key: str | None = None
     created_time: float = 0.0
     timeout: float | None = None

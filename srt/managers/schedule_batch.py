@@ -46,6 +46,7 @@ class Req:
     token_ids_logprob: list[int] | None = None
     stream: bool = False
     priority: int | None = None
+    tenant: str | None = None  # who sent it (API key or --tenant-header value); None: no tenants
     extra_key: str | None = None
     created_time: float = field(default_factory=time.time)
     # prefill-decode disaggregation (srt/disaggregation): the prefill server's bootstrap address

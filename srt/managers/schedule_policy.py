@@ -139,6 +139,7 @@ class PrefillAdder:
         self.rem_running_slots = rem_running_slots
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
+        self.shortfall = 0  # after NO_ROOM: the KV tokens the request lacked
 
     @staticmethod
     def _future_tokens(r: Req, ratio: float) -> float:
@@ -185,6 +186,7 @@ class PrefillAdder:
         locked = evictable - self.tree_cache.evictable_size()
         if self._pages(n) + future + locked > self.rem_total_tokens:
             self.tree_cache.dec_lock_ref(req.last_node)
+            self.shortfall = int(self._pages(n) + future + locked - self.rem_total_tokens) + 1
             return AddReqResult.NO_ROOM
         self.rem_total_tokens -= locked
         self.rem_running_slots -= 1

@@ -325,6 +325,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             token_ids_logprob=recv.token_ids_logprob,
             stream=recv.stream,
             priority=recv.priority,
+            tenant=recv.tenant,
             extra_key=recv.extra_key,
             created_time=recv.created_time,
             timeout=recv.timeout,
@@ -338,7 +339,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             for c in self.components:
                 c.on_new_request(req, recv)
         except RequestRejected as e:
-            self.fail_request(req, str(e))
+            self.fail_request(req, str(e), e.status_code)
             return
         for c in self.components:
             if c.on_accepted(req) is NewRequest.HELD:
@@ -408,9 +409,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             self.sync_pending()  # its next chunk starts from the KV the previous chunk committed
         running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
         running += sum(c.num_holding_kv() for c in self.components)
+        self.order_waiting()
         if running >= self.max_running_requests and self.chunked_req is None:
+            if self.waiting_queue:
+                self.preempt_for(self.waiting_queue[0], 0)
             return None
-        self.policy.calc_priority(self.waiting_queue)
         adder = PrefillAdder(
             self.tree_cache,
             self.allocator,
@@ -423,6 +426,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         if self.chunked_req is not None and adder.add_chunked_req(self.chunked_req) is AddReqResult.ADMITTED:
             self.chunked_req = None  # its last chunk runs in this batch
         admitted, failed = [], []
+        blocked: tuple[Req, int] | None = None  # the first request the running ones left no room for
         in_batch = InBatchPrefixes() if self.policy.radix_enabled else None
         # Only one request is chunked at a time: while one continues, nothing new starts.
         if self.chunked_req is None:
@@ -444,6 +448,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                     admitted.append(req)
                     if in_batch is not None:
                         in_batch.add(req)
+                if result is AddReqResult.NO_ROOM:
+                    blocked = (req, adder.shortfall)
+                elif result is AddReqResult.STOP and adder.rem_running_slots <= 0:
+                    blocked = (req, 0)
                 if result is not AddReqResult.ADMITTED:
                     break
         if adder.new_chunked_req is not None:
@@ -451,6 +459,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         for req, message in failed:
             self.waiting_queue.remove(req)
             self.fail_request(req, message)
+        if blocked is not None:
+            self.preempt_for(*blocked)
         if not adder.can_run:
             return None
         admitted_set = set(map(id, admitted))
@@ -465,6 +475,29 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                     c.on_admitted(r)
         self.log_prefill_stats(adder.can_run, running)
         return ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
+
+    def order_waiting(self) -> None:
+        """The waiting queue in admission order: --schedule-policy's, then the components' (priorities)."""
+        self.policy.calc_priority(self.waiting_queue)
+        for c in self.components:
+            c.order_waiting(self.waiting_queue)
+
+    def preempt_for(self, req: Req, shortfall: int) -> None:
+        """req cannot be admitted for lack of room the running requests hold: the components may
+        name running requests to preempt for it (retracted like under KV pressure; the next round
+        admits req)."""
+        candidates = [r for r in self.running_batch.reqs if not r.finished and r.to_abort is None]
+        victims = [v for c in self.components for v in c.victims_for(req, candidates, shortfall)]
+        if not victims:
+            return
+        self.sync_pending()  # retraction needs the victims' tokens on the host
+        victims = [v for v in dict.fromkeys(victims) if v in self.running_batch.reqs and not v.finished]
+        self.running_batch.reqs = [r for r in self.running_batch.reqs if r not in victims]
+        for v in victims:
+            self.park(v, retraction=True)
+        self.waiting_queue[:0] = victims
+        self.total_retractions += len(victims)
+        logger.info("preempted %d request(s) for request %s", len(victims), req.rid)
 
     def component_admission(self, req: Req) -> str | None:
         """None: the components let req into this round; "": one makes it wait; else why it fails."""

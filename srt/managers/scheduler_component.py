@@ -44,7 +44,12 @@ class FollowerContext(NamedTuple):
 
 
 class RequestRejected(Exception):
-    """A component refuses a new request: it ends before any token, answered with HTTP 400."""
+    """A component refuses a new request: it ends before any token, answered with HTTP 400 (or
+    `status_code`: 503 for a full queue)."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class NewRequest(enum.Enum):
@@ -77,6 +82,7 @@ class SchedulerPort(Protocol):
     eos_token_ids: set[int]
     tokenizer: Any
     running_batch: ScheduleBatch
+    waiting_queue: list[Req]
 
     def enqueue(self, req: Req) -> None:
         """A request held by a component is ready to run: to a component that takes it, else the waiting queue."""
@@ -186,6 +192,17 @@ class SchedulerComponent:
     def num_holding_kv(self) -> int:
         """Requests this component holds that count against --max-running-requests."""
         return 0
+
+    def order_waiting(self, waiting: list[Req]) -> None:
+        """Reorder the waiting queue in place for this prefill round (after --schedule-policy
+        ordered it): priorities, fair shares between tenants."""
+
+    def victims_for(self, req: Req, running: list[Req], shortfall: int) -> list[Req]:
+        """req, the first waiting request this round could not admit, is blocked by the running
+        requests: no request slot is left (`shortfall` 0) or the KV budget is `shortfall` tokens
+        short. Return running requests to preempt for it: they are retracted (their KV kept in the
+        prefix cache) and wait again; the next round admits req."""
+        return []
 
     def begin_admission(self) -> None:
         """A prefill round starts (before `admit` is asked for each candidate)."""

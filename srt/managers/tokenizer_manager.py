@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator
 from typing import Any, cast
 
@@ -51,6 +52,7 @@ from srt.models.multimodal import MultimodalItem
 from srt.multimodal.media import MediaError
 from srt.multimodal.processors import ImagePrompts, image_prompts_for
 from srt.pooling.inputs import Pooled, PoolingPrompt
+from srt.qos.tenants import DEFAULT_TENANT, RateLimited, TenantLimiter, load_tenant_config
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import zmq_socket
@@ -65,6 +67,7 @@ DISCONNECT_POLL_S = 1.0
 class ServiceUnavailable(RuntimeError):
     """The server cannot take the request now (draining, or a worker died); HTTP 503."""
 
+    status = 503
     retry_after: int | None = None
 
 
@@ -72,6 +75,22 @@ class Overloaded(ServiceUnavailable):
     """Admission is full (--max-queued-requests / --max-queued-tokens); HTTP 503 with Retry-After."""
 
     retry_after = 1
+
+
+class TooManyRequests(ServiceUnavailable):
+    """The request's tenant is over a budget (--tenant-config, --tenant-*); HTTP 429 with Retry-After."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def tenant_name(tenant: str | None) -> str:
+    """A tenant's name in limits, /metrics and the dashboard: its --tenant-config name, its
+    --tenant-header value, a hash of its API key, or "default"."""
+    return tenant.split(":", 1)[1] if tenant else DEFAULT_TENANT
 
 
 LOG_CLIP_CHARS = 1000
@@ -141,6 +160,10 @@ class TokenizerManager:
         self.send_to_scheduler = zmq_socket(self.zmq_ctx, zmq.PUSH, port_args.scheduler_input, bind=False)
         self.rid_to_state: dict[str, ReqState] = {}
         self.inflight_prompt_tokens = 0
+        # per-tenant budgets (srt/qos/tenants.py); None when no tenant has a limit
+        tenants = load_tenant_config(server_args)
+        self.tenant_limiter = TenantLimiter(tenants) if tenants.enabled else None
+        self.tenant_inflight: Counter[str] = Counter()
         self.num_replicas = server_args.dp_size
         # by control request rid: the replies so far, and the future the caller awaits
         self.control_waiters: dict[str, tuple[list, asyncio.Future]] = {}
@@ -183,7 +206,8 @@ class TokenizerManager:
         """Bounded admission: beyond the running capacity plus --max-queued-requests (or the KV pool
         plus --max-queued-tokens of prompt tokens in flight), answer 503 at once."""
         args = self.server_args
-        if args.max_queued_requests is not None:
+        # with priorities the scheduler bounds its waiting queue, refusing the least urgent request
+        if args.max_queued_requests is not None and not args.enable_priority_scheduling:
             limit = self.scheduler_info["max_running_requests"] * args.dp_size + args.max_queued_requests
             if len(self.rid_to_state) + requests > limit:
                 raise Overloaded(
@@ -313,6 +337,7 @@ class TokenizerManager:
             token_ids_logprob=asked,
             stream=obj.stream,
             priority=obj.priority,
+            tenant=tenant,
             extra_key=extra_key,
             created_time=time.time(),
             timeout=self._timeout(obj.timeout),
@@ -406,6 +431,14 @@ class TokenizerManager:
                 f"the batch's {len(tokenized)} prompts share a bootstrap_room: give one room per prompt (a list)"
             )
         self._admit(len(tokenized) * n, sum(len(t.input_ids) for t in tokenized) * n)
+        if self.tenant_limiter is not None:
+            name = tenant_name(tenant)
+            try:
+                self.tenant_limiter.admit(
+                    name, len(tokenized) * n, sum(len(t.input_ids) for t in tokenized) * n, self.tenant_inflight[name]
+                )
+            except RateLimited as e:
+                raise TooManyRequests(str(e), e.retry_after) from None
         if not obj.is_batch and n == 1:
             async for out in self._wait_one(items[0], tokenized[0], request):
                 yield out
@@ -475,6 +508,8 @@ class TokenizerManager:
         state.input_len = len(tok.input_ids)
         self.rid_to_state[tok.rid] = state
         self.inflight_prompt_tokens += len(tok.input_ids)
+        name = tenant_name(state.tenant)
+        self.tenant_inflight[name] += 1
         self.send_to_scheduler.send_pyobj(tok)
         try:
             while True:
@@ -491,6 +526,8 @@ class TokenizerManager:
                 reason = state.finish_reason
                 if isinstance(reason, FINISH_ABORT) and reason.status_code == 400 and not state.output_ids:
                     raise InvalidRequest(reason.message)
+                if isinstance(reason, FINISH_ABORT) and reason.status_code == 503 and not state.output_ids:
+                    raise Overloaded(reason.message)  # refused by a full queue (srt/qos): retry later
                 out = self._make_output(tok.rid, state)
                 if state.finished:
                     if self.log_requests:
@@ -504,6 +541,9 @@ class TokenizerManager:
                 self.abort_request(tok.rid)
             if self.rid_to_state.pop(tok.rid, None) is not None:
                 self.inflight_prompt_tokens -= len(tok.input_ids)
+            self.tenant_inflight[name] -= 1
+            if self.tenant_limiter is not None:
+                self.tenant_limiter.charge(name, state.completion_tokens)
 
     async def pool(self, prompts: list[PoolingPrompt], request=None, tenant: str | None = None) -> list[Pooled]:
         """Pool each prompt (an embedding, or a classifier's logits), as one batch of requests: every

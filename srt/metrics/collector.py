@@ -87,6 +87,18 @@ HICACHE_COUNTERS = {
 }
 
 
+# --enable-priority-scheduling / --tenant-fair-share only (the scheduler state's "qos" entry)
+QOS_COUNTERS = {
+    "num_preemptions": ("Running requests preempted for more urgent ones", "preemptions"),
+    "num_queue_rejections": ("Requests refused for a full waiting queue (priority scheduling)", "queue_rejections"),
+}
+# --tenant-config / --tenant-* only: per tenant, from the HTTP process's admission
+TENANT_COUNTERS = {
+    "tenant_requests": ("Requests admitted, per tenant", "requests"),
+    "tenant_prompt_tokens": ("Prompt tokens admitted, per tenant", "prompt_tokens"),
+    "tenant_generation_tokens": ("Output tokens generated, per tenant", "completion_tokens"),
+}
+
 # --disaggregation-mode prefill / decode only (SGLang's names; the scheduler state's "disagg" entry)
 DISAGG_GAUGES = {
     "num_prefill_prealloc_queue_reqs": "Prefill: requests waiting for their decode side to reserve KV",
@@ -156,9 +168,10 @@ class _StateCollector:
     """A prometheus_client collector over one scrape of the schedulers' states: one series per
     metric, or one per data-parallel replica (a `dp_rank` label) when there are several."""
 
-    def __init__(self, model_name: str, scheduler_states: list[SchedulerState]):
+    def __init__(self, model_name: str, scheduler_states: list[SchedulerState], tenants: dict | None = None):
         self.model_name = model_name
         self.states = scheduler_states
+        self.tenants = tenants
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -182,6 +195,10 @@ class _StateCollector:
         if disagg:
             for name, doc in DISAGG_GAUGES.items():
                 families[name] = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+        qos = any(st.qos for st in self.states)
+        if qos:
+            for name, (doc, _) in QOS_COUNTERS.items():
+                families[name] = CounterMetricFamily(PREFIX + name, doc, labels=names)
         for st in self.states:
             labels = [self.model_name] + ([str(st.dp_rank)] if per_replica else [])
             metrics = st.metrics
@@ -210,6 +227,9 @@ class _StateCollector:
             if disagg:
                 for name in DISAGG_GAUGES:
                     families[name].add_metric(labels, (st.disagg or {}).get(name, 0))
+            if qos:
+                for name, (_, key) in QOS_COUNTERS.items():
+                    families[name].add_metric(labels, (st.qos or {}).get(key, 0))
             for name in HISTOGRAMS:
                 h = metrics["histograms"][name]
                 cumulative, buckets = 0, []
@@ -218,12 +238,33 @@ class _StateCollector:
                     buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
                 families[name].add_metric(labels, buckets, h["sum"])
         yield from families.values()
+        if self.tenants is not None:
+            yield from self.tenant_families()
+
+    def tenant_families(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        labels = ["model_name", "tenant"]
+        out = {n: CounterMetricFamily(PREFIX + n, doc, labels=labels) for n, (doc, _) in TENANT_COUNTERS.items()}
+        rejected = CounterMetricFamily(
+            PREFIX + "tenant_rejected_requests",
+            "Requests refused with HTTP 429, per tenant and limit (rpm, tpm, max_concurrency)",
+            labels=[*labels, "limit"],
+        )
+        for tenant, t in (self.tenants or {}).items():
+            for name, (_, key) in TENANT_COUNTERS.items():
+                out[name].add_metric([self.model_name, tenant], t[key])
+            for limit, count in t["rejected"].items():
+                rejected.add_metric([self.model_name, tenant, limit], count)
+        yield from out.values()
+        yield rejected
 
 
-def render(model_name: str, scheduler_states: list[SchedulerState]) -> bytes:
-    """The Prometheus text exposition of one scrape of the schedulers' states."""
+def render(model_name: str, scheduler_states: list[SchedulerState], tenants: dict | None = None) -> bytes:
+    """The Prometheus text exposition of one scrape of the schedulers' states (and, with tenant
+    limits, the HTTP process's per-tenant admission counters)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StateCollector(model_name, scheduler_states))
+    registry.register(_StateCollector(model_name, scheduler_states, tenants))
     return generate_latest(registry)

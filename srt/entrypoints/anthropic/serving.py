@@ -280,7 +280,7 @@ class AnthropicServing:
         except (InvalidRequest, InvalidSamplingParams) as e:
             return anthropic_error(400, str(e))
         except ServiceUnavailable as e:
-            return anthropic_error(503, str(e), getattr(e, "retry_after", None))
+            return anthropic_error(e.status, str(e), e.retry_after)
         reply = _Reply(self, req, chat_req._tool_calling)
         if not req.stream:
             assert isinstance(first, dict), "one prompt with n = 1 gives one output"

@@ -1,4 +1,4 @@
-"""API keys (--api-key), the admin key (--admin-api-key) and tenants (--tenant-header)."""
+"""API keys (--api-key, --tenant-config), the admin key (--admin-api-key) and tenants (--tenant-header)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import hmac
 from fastapi import Request
 
 from srt.entrypoints.http.errors import ANTHROPIC_PATHS, route_error
+from srt.qos.tenants import load_tenant_config
 from srt.server_args import ServerArgs
 
 # Routes that need the admin key when --admin-api-key is set (/abort_request's abort_all too).
@@ -46,9 +47,11 @@ class Auth:
     """Who a request is: "admin", an API key's index, or "" (no key configured), and its tenant."""
 
     def __init__(self, args: ServerArgs):
-        self.keys = [f"Bearer {k}".encode() for k in args.api_keys]
+        named = load_tenant_config(args).keys  # --tenant-config's keys, by their tenant's name
+        self.keys = [f"Bearer {k}".encode() for k in [*args.api_keys, *named]]
         self.admin = f"Bearer {args.admin_api_key}".encode() if args.admin_api_key else None
-        self.tenant_ids = [hashlib.sha256(k).hexdigest()[:16] for k in self.keys]
+        self.tenant_ids = [hashlib.sha256(k).hexdigest()[:16] for k in self.keys[: len(args.api_keys)]]
+        self.tenant_ids += [f"t:{name}" for name in named.values()]
         self.tenant_header = args.tenant_header
 
     def identify(self, header: str) -> str | int | None:
@@ -68,6 +71,8 @@ class Auth:
     def tenant(self, who, headers) -> str | None:
         if self.tenant_header:
             return "h:" + headers.get(self.tenant_header, "")
+        if isinstance(who, int) and self.tenant_ids[who].startswith("t:"):
+            return self.tenant_ids[who]  # a --tenant-config tenant: its name
         if isinstance(who, int) and len(self.keys) > 1:
             return "k:" + self.tenant_ids[who]
         return None

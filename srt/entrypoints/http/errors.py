@@ -47,7 +47,7 @@ def to_error(e: Exception) -> Response:
     if isinstance(e, CLIENT_ERRORS):
         return error_response(400, str(e))
     if isinstance(e, ServiceUnavailable):
-        return with_retry_after(error_response(503, str(e)), e)
+        return with_retry_after(error_response(e.status, str(e)), e)
     raise e
 
 

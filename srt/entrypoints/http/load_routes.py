@@ -73,4 +73,7 @@ async def metrics(request: Request) -> Response:
     states = await _states_or_503(request)
     if isinstance(states, Response):
         return states
-    return Response(render(server_context(request).model_name, states), media_type=PROMETHEUS_TEXT)
+    ctx = server_context(request)
+    limiter = ctx.tokenizer_manager.tenant_limiter
+    tenants = limiter.snapshot() if limiter is not None else None
+    return Response(render(ctx.model_name, states, tenants), media_type=PROMETHEUS_TEXT)

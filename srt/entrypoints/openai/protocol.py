@@ -67,6 +67,7 @@ class _SamplingFields(_Body):
     json_schema: str | None = None
     ebnf: str | None = None
     rid: str | None = None
+    priority: int | None = None  # with --enable-priority-scheduling (docs/qos.md)
     timeout: float | None = Field(default=None, gt=0)  # seconds; past it the request is aborted
     lora_path: str | None = None  # a LoRA adapter's name (also: "model": "<base>:<adapter>")
     # prefill-decode disaggregation (what SGLang's router adds; one per prompt in a batch)

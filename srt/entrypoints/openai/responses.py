@@ -309,7 +309,7 @@ class ResponsesServing:
         except (InvalidRequest, InvalidSamplingParams) as e:
             return openai_error_response(400, str(e), job.param_of(str(e)))
         except ServiceUnavailable as e:
-            return with_retry_after(openai_error_response(503, str(e)), e)
+            return with_retry_after(openai_error_response(e.status, str(e)), e)
         if not req.stream:
             assert isinstance(first, dict), "one prompt with n = 1 gives one output"
             response = job.finish(first)

@@ -80,7 +80,7 @@ class EventStream(StreamingResponse):
 
 
 def with_retry_after(response: Response, e: Exception) -> Response:
-    """A 503 for overload says when to come back."""
+    """A 503 for overload, or a 429 for a tenant over its budget, says when to come back."""
     retry = getattr(e, "retry_after", None)
     if retry is not None:
         response.headers["Retry-After"] = str(retry)
@@ -222,6 +222,7 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=req.stream,
             timeout=req.timeout,
+            priority=req.priority,
             lora_path=self.lora_path(req),
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
@@ -310,6 +311,7 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=req.stream,
             timeout=req.timeout,
+            priority=req.priority,
             lora_path=self.lora_path(req),
             bootstrap_host=req.bootstrap_host,
             bootstrap_port=req.bootstrap_port,
@@ -330,7 +332,7 @@ class OpenAIServing:
         except (InvalidRequest, InvalidSamplingParams) as e:
             return openai_error_response(400, str(e))
         except ServiceUnavailable as e:
-            return with_retry_after(openai_error_response(503, str(e)), e)
+            return with_retry_after(openai_error_response(e.status, str(e)), e)
         responder = responder_cls(self, req)
         if not req.stream:
             return Response(
