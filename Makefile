@@ -44,8 +44,13 @@ lint: $(STAMP)
 stress: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+# The soak (docs/testing.md, "Soak"): SOAK_MINUTES (whole minutes, default 30) of mixed traffic against one
+# server, then no unprovoked error, RSS on a plateau, KV pool, radix locks and fds back at baseline; prints
+# a table. Its timeout is its length plus 15 minutes (start, warm-up, ramp, the last requests).
+SOAK_MINUTES ?= 30
 soak: $(STAMP)
-	$(PY) -m pytest -q -s -m soak tests/server/test_soak.py $(PYTEST_ARGS)
+	RADIXSERVE_SOAK_SECONDS=$$(( $(SOAK_MINUTES) * 60 )) $(PY) -m pytest -q -s -m soak \
+	  --timeout=$$(( $(SOAK_MINUTES) * 60 + 900 )) tests/server/test_soak.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmark/bench_one_batch.py --compare-hf $(ARGS)

@@ -20,6 +20,7 @@ from srt.pooling.component import build_pooling
 from srt.qos.component import QoSComponent
 from srt.rl.component import WeightsComponent
 from srt.rl.component import build_follower as weights_follower
+from srt.sessions.component import SessionComponent
 from srt.speculative.component import SpeculativeDecoding
 from srt.speculative.component import build_follower as speculative_follower
 
@@ -43,6 +44,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("disaggregation", build_disaggregation, disaggregation_follower),
     Feature("speculative", SpeculativeDecoding.build, speculative_follower),
     Feature("pooling", build_pooling),
+    Feature("sessions", SessionComponent.build),
     # last: a request it refuses for a full queue has passed every other component's checks
     Feature("qos", QoSComponent.build),
 )

@@ -55,6 +55,7 @@ PER_PROMPT_FIELDS = (
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
+    "session_params",
 )
 
 
@@ -85,6 +86,8 @@ class GenerateReqInput:
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    # sessions (srt/sessions): {"id", "rid", "offset", "replace", "drop_previous_output"}, or one per prompt
+    session_params: dict | list[dict] | None = None
     # images (a vision-language model): for one prompt an image or a list of them, for a batch one
     # such entry per prompt; each a data URL, base64, a file path or an http(s) URL (SGLang's shape).
     # The prompt carries one image placeholder token per image, in order.
@@ -281,6 +284,10 @@ class TokenizedGenerateReqInput:
     priority: int | None = None
     tenant: str | None = None  # the server-side tenant (API key or --tenant-header), for fair shares
     extra_key: str | None = None
+    # sessions (srt/sessions): the session, and the request of it this one continues
+    session_id: str | None = None
+    session_parent: str | None = None
+    session_replace: bool = False  # it replaces the branches that grew from session_parent
     created_time: float = 0.0
     timeout: float | None = None
     data_parallel_rank: int | None = None
@@ -333,6 +340,21 @@ class FlushCacheReq:
 
 @dataclass(kw_only=True)
 class FlushCacheReqOutput:
+    rid: str
+    success: bool
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class CloseSessionReq:
+    """Release what an open session keeps in the prefix cache (srt/sessions)."""
+
+    rid: str = field(default_factory=new_rid)
+    session_id: str
+
+
+@dataclass(kw_only=True)
+class CloseSessionReqOutput:
     rid: str
     success: bool
     message: str = ""

@@ -751,8 +751,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 f"{self.tree_cache.evictable_size()} + protected {self.tree_cache.protected_size()} "
                 f"!= capacity {self.allocator.size}"
             )
-        if self.tree_cache.protected_size():
-            problems.append(f"{self.tree_cache.protected_size()} cached tokens still locked while idle")
+        locked = sum(c.locked_tokens() for c in self.components)
+        if self.tree_cache.protected_size() != locked:
+            problems.append(
+                f"{self.tree_cache.protected_size()} cached tokens locked while idle, {locked} by components"
+            )
         if slots.available_size() != slots.size:
             problems.append(f"request slots: {slots.size - slots.available_size()} still held while idle")
         for c in self.components:
@@ -773,6 +776,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             return FlushCacheReqOutput(
                 rid=recv.rid, success=False, message="cannot flush the cache while requests are running or queued"
             )
+        for c in self.components:
+            c.release_cache_locks()
         self.tree_cache.reset_with_free()
         self.check_integrity()
         return FlushCacheReqOutput(rid=recv.rid, success=True)

@@ -242,6 +242,13 @@ class SchedulerComponent:
         """Leaks seen while idle (checked with the KV accounting)."""
         return []
 
+    def locked_tokens(self) -> int:
+        """Prefix-cache tokens this component keeps locked while no request runs (open sessions)."""
+        return 0
+
+    def release_cache_locks(self) -> None:
+        """The prefix cache is about to be flushed: release every lock this component holds on it."""
+
     def fill_state(self, state: SchedulerState) -> None:
         """Set this component's part of the scheduler's state (/server_info, loads, metrics)."""
 

@@ -59,6 +59,7 @@ class SchedulerState:
     disagg: dict[str, Any] | None = None
     weights: dict[str, Any] | None = None  # srt/rl: the weights' version, paused generation, updates
     pooling: dict[str, Any] | None = None  # srt/pooling: what it serves and how many requests it pooled
+    sessions: dict[str, Any] | None = None  # srt/sessions: sessions with locked KV, their tokens
     qos: dict[str, Any] | None = None  # srt/qos: priorities, preemptions, queue rejections, fair shares
 
     @property

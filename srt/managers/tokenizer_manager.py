@@ -30,6 +30,8 @@ from srt.managers.io_struct import (
     BaseFinishReason,
     BatchEmbeddingOutput,
     BatchStrOutput,
+    CloseSessionReq,
+    CloseSessionReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -55,6 +57,7 @@ from srt.pooling.inputs import Pooled, PoolingPrompt
 from srt.qos.tenants import DEFAULT_TENANT, RateLimited, TenantLimiter, load_tenant_config
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
+from srt.sessions.store import SessionPrompt, SessionStore
 from srt.utils import zmq_socket
 
 logger = logging.getLogger(__name__)
@@ -103,7 +106,14 @@ def _clip(text: str | None) -> str | None:
     return f"{text[:LOG_CLIP_CHARS]}...({len(text) - 2 * LOG_CLIP_CHARS} characters)...{text[-LOG_CLIP_CHARS:]}"
 
 
-ControlReply = FlushCacheReqOutput | GetInternalStateReqOutput | ProfileReqOutput | LoRAUpdateOutput | WeightsReqOutput
+ControlReply = (
+    FlushCacheReqOutput
+    | GetInternalStateReqOutput
+    | ProfileReqOutput
+    | LoRAUpdateOutput
+    | WeightsReqOutput
+    | CloseSessionReqOutput
+)
 
 
 def _merged(replies: list) -> dict:
@@ -164,6 +174,9 @@ class TokenizerManager:
         tenants = load_tenant_config(server_args)
         self.tenant_limiter = TenantLimiter(tenants) if tenants.enabled else None
         self.tenant_inflight: Counter[str] = Counter()
+        # open sessions' token trees (srt/sessions/store.py)
+        bos = self.tokenizer.bos_token_id
+        self.sessions = SessionStore(server_args.dp_size, bos if isinstance(bos, int) else None)
         self.num_replicas = server_args.dp_size
         # by control request rid: the replies so far, and the future the caller awaits
         self.control_waiters: dict[str, tuple[list, asyncio.Future]] = {}
@@ -268,6 +281,12 @@ class TokenizerManager:
         from expand_images)."""
         text = cast("str | None", obj.text)
         ids, mm_items = prompt if prompt is not None else (self.prompt_ids(obj), None)
+        session: SessionPrompt | None = None
+        if obj.session_params is not None:
+            if mm_items:
+                raise InvalidRequest("session_params cannot be combined with images")
+            session = self.sessions.prompt(obj.session_params, ids, tenant)
+            ids = session.input_ids
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenization")
         params = SamplingParams.from_dict(cast("dict | None", obj.sampling_params))
@@ -326,6 +345,8 @@ class TokenizerManager:
             )
         host, port, room = self._bootstrap(obj)
         lora_name = self._lora_name(obj.lora_path)
+        if session is not None and self.server_args.dp_size > 1:
+            dp_rank = session.dp_rank  # a session's requests run on one replica, where its KV is
         return TokenizedGenerateReqInput(
             rid=rid,
             input_text=text,
@@ -347,6 +368,9 @@ class TokenizerManager:
             bootstrap_port=port,
             bootstrap_room=room,
             mm_items=mm_items,
+            session_id=session.session_id if session is not None else None,
+            session_parent=session.parent if session is not None else None,
+            session_replace=session.replace if session is not None else False,
         )
 
     def _bootstrap(self, obj: GenerateReqInput) -> tuple[str | None, int | None, int | None]:
@@ -426,6 +450,8 @@ class TokenizerManager:
             raise InvalidRequest(
                 f"n = {n}: prefill-decode disaggregation transfers one KV per bootstrap_room; use n = 1"
             )
+        if n > 1 and any(t.session_id is not None for t in tokenized):
+            raise InvalidRequest(f"n = {n}: a session request continues one request; use n = 1")
         if len(set(rooms)) < len(rooms):
             raise InvalidRequest(
                 f"the batch's {len(tokenized)} prompts share a bootstrap_room: give one room per prompt (a list)"
@@ -439,6 +465,11 @@ class TokenizerManager:
                 )
             except RateLimited as e:
                 raise TooManyRequests(str(e), e.retry_after) from None
+        for t in tokenized:  # admitted: session requests join their session's tree
+            if t.session_id is not None:
+                self.sessions.add(
+                    SessionPrompt(t.session_id, t.session_parent, t.session_replace, t.input_ids, 0), t.rid
+                )
         if not obj.is_batch and n == 1:
             async for out in self._wait_one(items[0], tokenized[0], request):
                 yield out
@@ -542,6 +573,8 @@ class TokenizerManager:
             if self.rid_to_state.pop(tok.rid, None) is not None:
                 self.inflight_prompt_tokens -= len(tok.input_ids)
             self.tenant_inflight[name] -= 1
+            if tok.session_id is not None:
+                self.sessions.finished(tok.session_id, tok.rid, state.output_ids)
             if self.tenant_limiter is not None:
                 self.tenant_limiter.charge(name, state.completion_tokens)
 
@@ -749,7 +782,13 @@ class TokenizerManager:
 
     async def _control(
         self,
-        req: FlushCacheReq | GetInternalStateReq | ProfileReq | LoadLoRAAdapterReq | UnloadLoRAAdapterReq | WeightsReq,
+        req: FlushCacheReq
+        | GetInternalStateReq
+        | ProfileReq
+        | LoadLoRAAdapterReq
+        | UnloadLoRAAdapterReq
+        | WeightsReq
+        | CloseSessionReq,
         timeout: float,
     ) -> list:
         """Send a control request; every data-parallel replica answers it, in any order. Raises
@@ -761,6 +800,17 @@ class TokenizerManager:
             return await asyncio.wait_for(fut, timeout)
         finally:
             del self.control_waiters[req.rid]
+
+    def open_session(self, body, tenant: str | None = None) -> str:
+        """SGLang's /open_session: a new session's id (the given `session_id`, or a fresh one)."""
+        self._check_accepting()
+        return self.sessions.open(body, tenant)
+
+    async def close_session(self, body, tenant: str | None = None, timeout: float = 60.0) -> None:
+        """SGLang's /close_session: forget the session's requests and release its cached KV."""
+        sid = self.sessions.close(body, tenant)
+        self.sessions.pop(sid)
+        await self._control(CloseSessionReq(session_id=sid), timeout)
 
     async def flush_cache(self, timeout: float = 60.0, storage: bool = False) -> FlushCacheReqOutput:
         """Empty every replica's prefix cache (device and host tiers), or with storage its file tier."""

@@ -10,7 +10,7 @@ WIRE_KEYS = {
     "kv_available", "kv_evictable", "kv_protected", "kv_capacity", "req_slots_free", "integrity_ok",
     "forward_busy_s", "forward_wait_s", "forward_idle_fraction", "overlap_schedule", "avg_spec_accept_length",
     "spec_accept_rate", "speculative", "hicache", "disagg", "lora", "attention_backend", "torch_compile",
-    "cuda_graph", "metrics", "idle", "pid", "pooling", "weights", "qos",
+    "cuda_graph", "metrics", "idle", "pid", "pooling", "weights", "qos", "sessions",
     "prompt_tokens_total", "generated_tokens_total",
 }  # fmt: skip
 
@@ -32,7 +32,7 @@ def test_wire_form_without_features_has_every_key_with_neutral_values():
     assert out["grammar_queue"] == 0 and out["grammar_compile"] is None and out["jump_forward_tokens"] == 0
     assert out["avg_spec_accept_length"] == 0.0 and out["spec_accept_rate"] == 0.0 and out["speculative"] is None
     assert out["lora"] is None and out["hicache"] is None and out["disagg"] is None and out["pooling"] is None
-    assert out["qos"] is None
+    assert out["qos"] is None and out["sessions"] is None
     assert out["weights"] is None
 
 

@@ -82,9 +82,12 @@ def qos_state(server) -> dict:
 
 def test_urgent_request_preempts_and_the_victim_resumes_with_the_same_output(server):
     at_baseline(server)
-    alone = [o["output_ids"] for o in generate_all(server, [body(s, 240, 0) for s in (1, 2)])]
+    # long enough that the low-priority requests are still running when the urgent one arrives, even
+    # on a fast machine (a tiny model decodes a few hundred tokens in well under a second)
+    n = 2000
+    alone = [o["output_ids"] for o in generate_all(server, [body(s, n, 0) for s in (1, 2)])]
     before = qos_state(server)["preemptions"]
-    lows = [Stream(server, body(s, 240, 0)) for s in (1, 2)]
+    lows = [Stream(server, body(s, n, 0)) for s in (1, 2)]
     server.wait_for_requests(running=2)
     waiting = Stream(server, body(3, 40, 0))  # no slot left: it waits
     wait_until(lambda: server.state()["num_queue_reqs"] >= 1, 60, what="a queued low-priority request")
@@ -107,7 +110,7 @@ def test_urgent_request_preempts_and_the_victim_resumes_with_the_same_output(ser
 def test_equal_priorities_do_not_preempt(server):
     at_baseline(server)
     before = qos_state(server)["preemptions"]
-    lows = [Stream(server, body(10 + s, 200, 5)) for s in range(2)]
+    lows = [Stream(server, body(10 + s, 1500, 5)) for s in range(2)]
     server.wait_for_requests(running=2)
     near = Stream(server, body(20, 4, 15))  # better by exactly the threshold (10): not more
     for t in [*lows, near]:

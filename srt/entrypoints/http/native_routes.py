@@ -195,6 +195,35 @@ async def server_info(request: Request) -> dict:
     }
 
 
+@router.api_route("/open_session", methods=["GET", "POST"])
+async def open_session(request: Request) -> Response:
+    """SGLang's route: `{"capacity_of_str_len", "session_id"?}` -> the session's id (a JSON string)."""
+    body = await json_body(request)
+    if isinstance(body, Response):
+        return body
+    try:
+        sid = server_context(request).tokenizer_manager.open_session(body, getattr(request.state, "tenant", None))
+    except MAPPED_ERRORS as e:
+        return to_error(e)
+    return json_response(sid)
+
+
+@router.api_route("/close_session", methods=["GET", "POST"])
+async def close_session(request: Request) -> Response:
+    """SGLang's route: `{"session_id"}`; its requests are forgotten and its cached KV released."""
+    body = await json_body(request)
+    if isinstance(body, Response):
+        return body
+    tm = server_context(request).tokenizer_manager
+    try:
+        await tm.close_session(body, getattr(request.state, "tenant", None))
+    except MAPPED_ERRORS as e:
+        return to_error(e)
+    except asyncio.TimeoutError:
+        return to_error(ServiceUnavailable("the scheduler did not answer /close_session in time"))
+    return Response(status_code=200)
+
+
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     body = await json_body(request)
