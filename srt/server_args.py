@@ -54,6 +54,7 @@ WIRE = OptionGroup("wire")
 MULTIMODAL = OptionGroup("images (vision-language models)")
 POOLING = OptionGroup("pooling (embeddings, rerank, score)")
 QOS = OptionGroup("priorities and tenants (docs/qos.md)")
+DETERMINISTIC = OptionGroup("deterministic inference (docs/deterministic.md)")
 
 
 @dataclass
@@ -218,6 +219,12 @@ class ServerArgs:
     )
     tenant_fair_share: bool = QOS.opt(
         False, "admit requests of equal priority in turns between tenants, not in arrival order"
+    )
+
+    enable_deterministic_inference: bool = DETERMINISTIC.opt(
+        False,
+        "batch-invariant kernels and seeded sampling: a request with the same seed gets the same tokens "
+        "whatever else runs with it, at temperature > 0 too (slower; docs/deterministic.md)",
     )
 
     enable_hierarchical_cache: bool = HICACHE.opt(
@@ -556,6 +563,7 @@ class ServerArgs:
         This module sits above the feature packages (docs/architecture.md, "Layers"); their checks are
         imported when first run, as they bring torch and the CLI's --help does not need it."""
         from srt.disaggregation.options import check_disaggregation_server_args
+        from srt.layers.batch_invariant import check_deterministic_server_args
         from srt.layers.quantization.options import check_quantization_server_args
         from srt.lora.options import check_lora_server_args
         from srt.mem_cache.hicache_options import check_hicache_server_args
@@ -569,6 +577,7 @@ class ServerArgs:
             check_lora_server_args,
             check_disaggregation_server_args,
             check_qos_server_args,
+            check_deterministic_server_args,
         ):
             check(self)
 

@@ -931,6 +931,8 @@ LONGEST_MODULES = [
     "tests/server/test_structured_output.py",
     "tests/server/test_tool_calls.py",
     "tests/server/test_retraction.py",
+    "tests/qos/test_priority.py",
+    "tests/deterministic/test_deterministic.py",
     "tests/rl/test_weight_updates.py",
     "tests/lora/test_lora_serving.py",
     "tests/server/test_speculative.py",

@@ -27,7 +27,7 @@ DISAGGREGATION_TRANSFER_BACKENDS = ("mooncake", "fake")
 LORA_BACKENDS = ("auto", "cpu", "torch_native", "triton")
 LORA_EVICTION_POLICIES = ("lru", "fifo")
 # Registered in srt/layers/attention (each implementation registers itself under one of these).
-ATTENTION_BACKEND_NAMES = ("cpu", "torch_native", "triton")
+ATTENTION_BACKEND_NAMES = ("cpu", "torch_native", "triton", "deterministic")
 MOE_RUNNER_BACKENDS = ("auto", "cpu", "torch_native", "triton")
 
 

@@ -26,7 +26,7 @@ class VocabParallelEmbedding(nn.Module):
     ):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.num_embeddings = num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.per_partition
         self.vocab_end = min(self.vocab_start + self.per_partition, num_embeddings)

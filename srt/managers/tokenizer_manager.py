@@ -55,7 +55,7 @@ from srt.multimodal.media import MediaError
 from srt.multimodal.processors import ImagePrompts, image_prompts_for
 from srt.pooling.inputs import Pooled, PoolingPrompt
 from srt.qos.tenants import DEFAULT_TENANT, RateLimited, TenantLimiter, load_tenant_config
-from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.sampling_params import DEFAULT_SAMPLING_SEED, SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.sessions.store import SessionPrompt, SessionStore
 from srt.utils import zmq_socket
@@ -291,6 +291,8 @@ class TokenizerManager:
             raise InvalidRequest("the prompt is empty after tokenization")
         params = SamplingParams.from_dict(cast("dict | None", obj.sampling_params))
         params.verify(self.vocab_size)
+        if self.server_args.enable_deterministic_inference and params.sampling_seed is None:
+            params.sampling_seed = DEFAULT_SAMPLING_SEED  # unseeded requests repeat too (SGLang's default)
         cap = self.server_args.max_new_tokens_cap
         if cap is not None and params.max_new_tokens is not None and params.max_new_tokens > cap:
             raise InvalidRequest(

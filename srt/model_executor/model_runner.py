@@ -18,6 +18,7 @@ from srt.distributed.parallel_state import all_reduce_min_int, init_distributed,
 from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
+from srt.layers.batch_invariant import make_batch_invariant
 from srt.layers.fused_decode import enable_fused_decode_layers
 from srt.layers.linear import prepack_cpu_weights, use_bf16_weight_kernels
 from srt.layers.logits_processor import LogitsProcessorOutput
@@ -245,6 +246,10 @@ class ModelRunner:
             fused = enable_fused_decode_layers(self.model, cpu_ops, self.tp_size)
             if fused:
                 logger.info("Fused decode op for %d decoder layers", fused)
+        if server_args.enable_deterministic_inference:
+            if has_experts(model_config):
+                raise ModelLoadError("--enable-deterministic-inference supports dense models; this one has MoE layers")
+            logger.info("Batch-invariant linear layers: %s", make_batch_invariant(self.model, self.dtype))
         self.lora_manager: LoRAManager | None = build_lora(self, cpu_ops) if build_lora is not None else None
         self.cuda_graph_off_reason = graph_unsupported_reason(
             self.device, server_args, self.attn_backend, model_config.is_mla or has_experts(model_config)

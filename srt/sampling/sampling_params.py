@@ -42,6 +42,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# the seed of a request that gives none under --enable-deterministic-inference (SGLang uses 42 too)
+DEFAULT_SAMPLING_SEED = 42
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int | None = 128
