@@ -1,0 +1,300 @@
+"""The machine's limits, and the model's speed figures as a fraction of them (a roofline).
+
+    python benchmark/bench_roofline.py                                  # default model, all usable cores
+    python benchmark/bench_roofline.py --skip-model                     # the machine's limits only
+    python benchmark/bench_roofline.py --threads 1 --batch 16 --output-file roofline.jsonl
+
+The machine: memory read bandwidth (torch.sum over a --bandwidth-mb float32 buffer, bigger than any
+cache) at 1 and --threads threads (the limits use the higher), and GEMM peaks (torch.mm of --gemm-size
+cubed, 2048 by default, in fp32 and bf16; torch._int_mm in int8) at --threads threads; each the best
+of --repeats runs.
+
+The model, in-process as bench_one_batch.py (ModelRunner + StaticBatchGenerator): batch-1 decode,
+prefill of one --prefill-len prompt, and batch --batch decode (--input-len in + --output-len out).
+Each figure's limit is the lower of two rooflines:
+
+    memory:  bandwidth / bytes read per token,  bytes = weights read per step / tokens per step
+                                                        + KV cache read at the average context
+    compute: GEMM peak / FLOPs per token,       FLOPs = 2 * linear-layer parameters (LM head included
+                                                        where its logits are computed) + attention
+
+Batch-1 decode is bound by memory, prefill and wide decode by compute; the table says which bound
+applies. The compute peak is bf16's when the model runs in bfloat16, else fp32's. FLOPs come from the
+config of a dense model (MoE experts and MLA latents are not modelled: a warning says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_one_batch import ModelConfig, ModelRunner, bench_ours, resolve_model_path  # noqa: E402
+
+ISA_FLAGS = ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
+
+
+def cpu_info() -> dict:
+    """CPU model, the ISA flags that matter to our kernels, and core counts (from /proc/cpuinfo)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {
+        "model": model,
+        "isa": {f: f in flags for f in ISA_FLAGS},
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable,
+    }
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """Fastest of `repeats` timed calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth_gb_s(buf: torch.Tensor, threads: int, repeats: int) -> float:
+    torch.set_num_threads(threads)
+    return buf.numel() * buf.element_size() / best_seconds(buf.sum, repeats) / 1e9
+
+
+def gemm_gflop_s(kind: str, n: int, repeats: int) -> float | None:
+    """GFLOP/s of an n x n x n matmul (2 n^3 FLOPs); None where the kind does not run here."""
+    try:
+        if kind == "int8":
+            a = torch.randint(-128, 128, (n, n), dtype=torch.int8)
+            fn = lambda: torch._int_mm(a, a)  # noqa: E731  # pyright: ignore[reportPrivateImportUsage]
+        else:
+            a = torch.randn(n, n).to(torch.bfloat16 if kind == "bf16" else torch.float32)
+            fn = lambda: torch.mm(a, a)  # noqa: E731
+        return 2 * n**3 / best_seconds(fn, repeats) / 1e9
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def linear_params(hf_config) -> dict[str, int]:
+    """Parameters of the linear layers of a dense (Llama-style, GQA) model, from its config:
+
+        per layer = h*q*d (q_proj) + 2*h*kv*d (k_proj, v_proj) + q*d*h (o_proj) + 3*h*i (gate, up, down)
+        layers    = L * per layer;   lm_head = V * h   (counted even when tied to the embedding)
+
+    h hidden size, i intermediate size, L layers, q / kv attention / KV heads, d head dim, V vocab."""
+    c = hf_config.get_text_config()
+    h, q, kv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    d = getattr(c, "head_dim", None) or h // q
+    per_layer = h * q * d + 2 * h * kv * d + q * d * h + 3 * h * c.intermediate_size
+    return {"layers": c.num_hidden_layers * per_layer, "lm_head": c.vocab_size * h}
+
+
+def not_modelled(hf_config) -> list[str]:
+    c = hf_config.get_text_config()
+    experts = ("num_experts", "num_local_experts", "n_routed_experts")
+    return [k for k in (*experts, "kv_lora_rank") if getattr(c, k, None)]
+
+
+def weights_read_per_step(runner: ModelRunner) -> int:
+    """Weight bytes a forward step reads: all of them, less an untied embedding table (a lookup reads
+    one row per token; a tied table is read whole as the LM head)."""
+    total = runner.weight_bytes
+    if not getattr(runner.model, "tie_word_embeddings", False):
+        for m in runner.model.modules():
+            method = getattr(m, "quant_method", None)
+            if getattr(m, "kind", None) == "embedding" and method is not None:
+                total -= method.weight_bytes(m)
+    return total
+
+
+def figure(name, measured, bw_gb_s, peak_gflop_s, weights_step, tokens_per_step, kv_token, flops_token) -> dict:
+    """One figure against both rooflines; the lower one is its limit."""
+    bytes_token = weights_step / tokens_per_step + kv_token
+    memory = bw_gb_s * 1e9 / bytes_token
+    compute = peak_gflop_s * 1e9 / flops_token
+    limit = min(memory, compute)
+    return {
+        "figure": name,
+        "measured_tok_s": measured,
+        "limit_tok_s": limit,
+        "fraction": measured / limit,
+        "bound": "memory" if memory <= compute else "compute",
+        "memory_limit_tok_s": memory,
+        "compute_limit_tok_s": compute,
+        "weights_mb_per_step": weights_step / 1e6,
+        "tokens_per_step": tokens_per_step,
+        "kv_mb_per_token": kv_token / 1e6,
+        "bytes_per_token": bytes_token,
+        "gflop_per_token": flops_token / 1e9,
+    }
+
+
+def bench_model(args, bw_gb_s: float, gemm: dict) -> dict:
+    path = resolve_model_path(args.model_path)
+    sizes = sorted({1, args.batch})
+    ns = SimpleNamespace(
+        batch_sizes=sizes,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prefill_len=args.prefill_len,
+        load_format="auto",
+    )
+    print(f"model {path}: loading, then prefill {args.prefill_len} and decode at batch {sizes} ...", flush=True)
+    box: list[ModelRunner] = []
+    speeds = bench_ours(path, args.dtype, ns, runner_box=box)
+    runner = box[0]
+    hf = ModelConfig.from_path(path).hf_config
+    params = linear_params(hf)
+    cfg = runner.model_config
+    bf16 = runner.dtype == torch.bfloat16
+    peak_kind = "bf16" if bf16 else "fp32"
+    peak = gemm[peak_kind]
+    assert peak is not None, f"no {peak_kind} GEMM peak"
+    weights = weights_read_per_step(runner)
+    kv_per_ctx = runner.kv_bytes_per_token  # 2 (K, V) * layers * kv heads * head dim * bytes per value
+
+    def attn_flops(ctx: float) -> float:  # QK^T and PV: 2 FLOPs per multiply-add each
+        return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * ctx
+
+    decode_ctx = args.input_len + args.output_len / 2  # average over the decode steps
+    prefill_ctx = (args.prefill_len + 1) / 2  # causal: token j attends to j + 1 tokens
+    decode_flops = 2 * (params["layers"] + params["lm_head"]) + attn_flops(decode_ctx)
+    # a prefill computes logits of its last token only
+    prefill_flops = 2 * params["layers"] + 2 * params["lm_head"] / args.prefill_len + attn_flops(prefill_ctx)
+    figures = [
+        figure(
+            "batch-1 decode",
+            speeds["decode_tok_s"][1],
+            bw_gb_s,
+            peak,
+            weights,
+            1,
+            kv_per_ctx * decode_ctx,
+            decode_flops,
+        ),
+        # prefill writes its KV once; attention reads it from cache-resident blocks
+        figure("prefill", speeds["prefill_tok_s"], bw_gb_s, peak, weights, args.prefill_len, kv_per_ctx, prefill_flops),
+    ]
+    if args.batch != 1:
+        figures.append(
+            figure(
+                f"batch-{args.batch} decode",
+                speeds["decode_tok_s"][args.batch],
+                bw_gb_s,
+                peak,
+                weights,
+                args.batch,
+                kv_per_ctx * decode_ctx,
+                decode_flops,
+            )
+        )
+    return {
+        "model_path": path,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "weight_report": runner.weight_report,
+        "weight_bytes_read_per_step": weights,
+        "kv_bytes_per_token_of_context": kv_per_ctx,
+        "linear_params": params,
+        "peak_used": peak_kind,
+        "not_modelled": not_modelled(hf),
+        "figures": figures,
+    }
+
+
+def print_machine(cpu: dict, threads: int, bw: dict, gemm: dict, args) -> None:
+    isa = " ".join(f if on else f"(no {f})" for f, on in cpu["isa"].items())
+    print(f"\nCPU {cpu['model']}; {cpu['cpu_count']} cores, {cpu['usable_cores']} usable; {isa}")
+    print(f"best of {args.repeats}; bandwidth over {args.bandwidth_mb} MB, GEMM {args.gemm_size}^3\n")
+    print("| measurement | threads | value |")
+    print("|---|---|---|")
+    for n, v in bw.items():
+        print(f"| memory read bandwidth | {n} | {v:,.1f} GB/s |")
+    for kind, v in gemm.items():
+        print(f"| {kind} GEMM peak | {threads} | " + (f"{v:,.1f} GFLOP/s |" if v is not None else "n/a |"))
+
+
+def print_model(m: dict, threads: int, args) -> None:
+    print(
+        f"\nmodel {m['model_path']}, {m['dtype']} ({m['weight_report']['quantization']}: "
+        f"{m['weight_report']['formats']}), {threads} threads; compute peak used: {m['peak_used']} GEMM; "
+        f"decode {args.input_len} in + {args.output_len} out, prefill {args.prefill_len}"
+    )
+    p = m["linear_params"]
+    print(
+        f"linear parameters {p['layers'] / 1e6:,.1f}M + LM head {p['lm_head'] / 1e6:,.1f}M; weights read per "
+        f"step {m['weight_bytes_read_per_step'] / 1e6:,.1f} MB; KV {m['kv_bytes_per_token_of_context']:,} B per "
+        "token of context"
+    )
+    if m["not_modelled"]:
+        print(f"warning: the FLOPs model is a dense one; this model has {m['not_modelled']} (limits approximate)")
+    print(
+        "\n| figure | measured tok/s | limit tok/s | fraction of limit | bound | weights MB/step | KV MB/token "
+        "| GFLOP/token |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for f in m["figures"]:
+        print(
+            f"| {f['figure']} | {f['measured_tok_s']:,.1f} | {f['limit_tok_s']:,.1f} | {f['fraction']:.1%} | "
+            f"{f['bound']} | {f['weights_mb_per_step']:,.1f} | {f['kv_mb_per_token']:,.3f} | "
+            f"{f['gflop_per_token']:.3f} |"
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", help="the model's dtype (auto: bfloat16 where the CPU has it fast)")
+    p.add_argument("--threads", type=int, default=None, help="threads of the N-thread figures (default: usable cores)")
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64, help="batch size of the wide decode figure")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request in the decode runs")
+    p.add_argument("--output-len", type=int, default=32, help="new tokens per request in the decode runs")
+    p.add_argument("--skip-model", action="store_true", help="measure the machine only")
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth buffer")
+    p.add_argument("--gemm-size", type=int, default=2048, help="M = N = K of the GEMM peaks")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per machine measurement (best taken)")
+    p.add_argument("--output-file", default=None, help="append one JSON record with every number")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cpu = cpu_info()
+    threads = args.threads or cpu["usable_cores"]
+    buf = torch.ones(args.bandwidth_mb * 2**20 // 4)
+    bw = {n: read_bandwidth_gb_s(buf, n, args.repeats) for n in tqdm(sorted({1, threads}), desc="bandwidth")}
+    del buf
+    torch.set_num_threads(threads)
+    gemm = {k: gemm_gflop_s(k, args.gemm_size, args.repeats) for k in tqdm(["fp32", "bf16", "int8"], desc="GEMM")}
+    model = None
+    if not args.skip_model:
+        # the best bandwidth seen: on a busy machine more threads can read slower than one
+        model = bench_model(args, max(bw.values()), gemm)
+    print_machine(cpu, threads, bw, gemm, args)
+    if model is not None:
+        print_model(model, threads, args)
+    if args.output_file:
+        record = {"cpu": cpu, "threads": threads, "bandwidth_gb_s": bw, "gemm_gflop_s": gemm, "model": model}
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps({**record, "args": vars(args)}, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

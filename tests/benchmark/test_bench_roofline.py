@@ -1,0 +1,85 @@
+"""benchmark/bench_roofline.py end to end with small sizes: the machine-only run and one on a tiny random
+model. Speeds are not asserted; the record's arithmetic (limits from the measured peaks, fractions =
+measured / limit) and the printed tables are."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmark", "bench_roofline.py")
+SMALL = ["--bandwidth-mb", "64", "--gemm-size", "256", "--repeats", "2"]
+
+
+def run(tmp_path, *args: str) -> tuple[str, dict]:
+    out = tmp_path / "roofline.jsonl"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *SMALL, *args, "--output-file", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text().splitlines()[-1])
+
+
+def check_machine(stdout: str, rec: dict) -> None:
+    assert set(rec["cpu"]["isa"]) == {"amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2"}
+    assert set(rec["bandwidth_gb_s"]) == {"1", str(rec["threads"])}
+    assert all(v > 0 for v in rec["bandwidth_gb_s"].values())
+    assert rec["gemm_gflop_s"]["fp32"] > 0 and rec["gemm_gflop_s"]["bf16"] > 0
+    assert rec["gemm_gflop_s"]["int8"] is None or rec["gemm_gflop_s"]["int8"] > 0
+    assert "| memory read bandwidth | 1 |" in stdout and "| fp32 GEMM peak |" in stdout
+
+
+def test_machine_only(tmp_path):
+    stdout, rec = run(tmp_path, "--skip-model")
+    check_machine(stdout, rec)
+    assert rec["model"] is None and "| figure |" not in stdout
+
+
+def test_tiny_model_figures(tmp_path, tiny_model_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory()  # 2 layers, hidden 64, untied LM head
+    stdout, rec = run(
+        tmp_path,
+        *("--model-path", path, "--dtype", "float32", "--prefill-len", "40", "--batch", "4"),
+        *("--input-len", "16", "--output-len", "4"),
+    )
+    check_machine(stdout, rec)
+    m = rec["model"]
+    assert m["dtype"] == "float32" and m["peak_used"] == "fp32" and m["not_modelled"] == []
+    # the config formula counts what HF's model holds in its linear layers
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    linear = sum(mod.weight.numel() for mod in hf.modules() if isinstance(mod, torch.nn.Linear))
+    assert m["linear_params"]["layers"] + m["linear_params"]["lm_head"] == linear
+    # untied: the embedding table is not read per step, the LM head is
+    assert 0 < m["weight_bytes_read_per_step"] < m["weight_report"]["weight_bytes"]
+    assert m["kv_bytes_per_token_of_context"] == 2 * 2 * 2 * 16 * 4  # K and V, layers, kv heads, head dim, fp32
+    bw, peak = max(rec["bandwidth_gb_s"].values()), rec["gemm_gflop_s"]["fp32"]
+    names = [f["figure"] for f in m["figures"]]
+    assert names == ["batch-1 decode", "prefill", "batch-4 decode"]
+    for f in m["figures"]:
+        assert f["measured_tok_s"] > 0 and f["limit_tok_s"] > 0 and f["fraction"] > 0
+        assert f["fraction"] == pytest.approx(f["measured_tok_s"] / f["limit_tok_s"])
+        assert f["memory_limit_tok_s"] == pytest.approx(bw * 1e9 / f["bytes_per_token"])
+        assert f["compute_limit_tok_s"] == pytest.approx(peak / f["gflop_per_token"])
+        assert f["limit_tok_s"] == min(f["memory_limit_tok_s"], f["compute_limit_tok_s"])
+        row = re.search(rf"\| {f['figure']} \| ([\d,.]+) \| ([\d,.]+) \| ([\d.]+)% \| (\w+) \|", stdout)
+        assert row is not None, stdout
+        measured, limit, percent = (float(x.replace(",", "")) for x in row.groups()[:3])
+        assert percent == pytest.approx(100 * measured / limit, rel=0.02, abs=0.1)
+        assert row.group(4) == f["bound"]
+    decode1, prefill, decode4 = m["figures"]
+    assert decode1["kv_mb_per_token"] == decode4["kv_mb_per_token"] > prefill["kv_mb_per_token"]
+    assert decode1["gflop_per_token"] == decode4["gflop_per_token"] > prefill["gflop_per_token"]
+    assert decode1["weights_mb_per_step"] == pytest.approx(m["weight_bytes_read_per_step"] / 1e6)
