@@ -57,6 +57,11 @@ def _sdpa(q, k, v, pos0, scaling):
     return out
 
 
+def _allowed(pos0: int, n: int, tiles: int) -> torch.Tensor:
+    key_pos = torch.arange(tiles * TILE).view(1, tiles, TILE)
+    return (key_pos <= torch.arange(pos0, pos0 + n).view(n, 1, 1)).view(n, 1, tiles, TILE, 1)
+
+
 def test_attention_rows_do_not_depend_on_the_batch_or_the_chunk():
     g = torch.Generator().manual_seed(2)
     hkv, group, d, seq = 3, 3, 64, 150
@@ -68,9 +73,8 @@ def test_attention_rows_do_not_depend_on_the_batch_or_the_chunk():
     def rows(pos0: int, n: int) -> torch.Tensor:
         """Rows at positions pos0.. as one piece, its tiles cut to what its last row needs."""
         t = (pos0 + n - 1) // TILE + 1
-        key_pos = torch.arange(t * TILE).view(1, t, TILE)
-        allowed = (key_pos <= torch.arange(pos0, pos0 + n).view(n, 1, 1)).view(n, 1, t, TILE, 1)
-        return attend(q[pos0 : pos0 + n], k[:, :t].contiguous(), v[:, :t].contiguous(), allowed, 0.125)
+        kt, vt = k[None, :, :t].contiguous(), v[None, :, :t].contiguous()
+        return attend(q[None, pos0 : pos0 + n], kt, vt, _allowed(pos0, n, t)[None], 0.125)[0]
 
     whole = torch.cat([rows(p, min(32, seq - p)) for p in range(0, seq, 32)])
     ref = _sdpa(q, k, v, 0, 0.125)
@@ -79,6 +83,23 @@ def test_attention_rows_do_not_depend_on_the_batch_or_the_chunk():
     for size in (1, 7, 20):
         other = torch.cat([rows(p, min(size, seq - p)) for p in range(0, seq, size)])
         assert torch.equal(other, whole), size
+    # decode rows of several requests at once, each request's keys padded to the longest's tiles
+    positions = [3, 70, 149, 64, 0]
+    ks = torch.stack([torch.roll(k, shifts=j, dims=1) for j in range(len(positions))])
+    vs = torch.stack([torch.roll(v, shifts=j, dims=1) for j in range(len(positions))])
+    qs = torch.stack([q[p] for p in positions]).unsqueeze(1)  # [P, 1, hkv, group, d]
+    allowed = torch.stack([_allowed(p, 1, tiles) for p in positions])
+    batched = attend(qs, ks, vs, allowed, 0.125)
+    for j, p in enumerate(positions):
+        t = p // TILE + 1
+        alone = attend(
+            qs[j : j + 1],
+            ks[j : j + 1, :, :t].contiguous(),
+            vs[j : j + 1, :, :t].contiguous(),
+            _allowed(p, 1, t)[None],
+            0.125,
+        )
+        assert torch.equal(batched[j], alone[0]), p
 
 
 def test_the_plain_kernels_are_what_needs_fixing():

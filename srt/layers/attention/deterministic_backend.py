@@ -39,22 +39,44 @@ MAX_ROWS = 32  # prefill rows of one request computed in one batched matmul
 
 
 @dataclass
-class _Piece:
-    """Query rows [q_start, q_start + n) of one request, at positions [pos0, pos0 + n)."""
+class _Group:
+    """P pieces of n query rows each, every piece the rows of one request at consecutive positions:
+    a decode batch is one group (n = 1, a piece per request), a prefill chunk a group per MAX_ROWS
+    rows. Pieces with fewer tiles than the group's are padded with masked tiles (exact zeros)."""
 
-    q_start: int
+    rows: torch.Tensor  # [P * n] rows of the batch's q, piece by piece
+    p: int
     n: int
-    pos0: int
     tiles: int
-    kv_index: torch.Tensor  # [kv_heads * tiles * TILE] rows of the pool viewed as [slots * kv_heads, d]
-    allowed: torch.Tensor  # [n, 1, tiles, TILE, 1] bool: key position <= the row's position
+    kv_index: torch.Tensor  # [P * kv_heads * tiles * TILE] rows of the pool viewed as [slots * kv_heads, d]
+    allowed: torch.Tensor  # [P, n, 1, tiles, TILE, 1] bool: key position <= the row's position
 
 
-def _pieces(fb, rows_per_piece: int) -> list[_Piece]:
+def _group(fb, pieces: list[tuple[int, int, int, int]], kv_heads: int) -> _Group:
+    """pieces: (request index, first q row, first position, rows)."""
     req_to_token = fb.req_to_token_pool.req_to_token
+    device = fb.seq_lens.device
+    n = pieces[0][3]
+    tiles = max((pos0 + n - 1) // TILE + 1 for _, _, pos0, _ in pieces)
+    span = tiles * TILE
+    heads = torch.arange(kv_heads, device=device).unsqueeze(1)
+    key_pos = torch.arange(span, device=device).view(1, tiles, TILE)
+    index, allowed, rows = [], [], []
+    for i, q0, pos0, _ in pieces:
+        last = pos0 + n - 1
+        slots = req_to_token[fb.req_pool_indices[i], : last + 1].long()
+        slots = F.pad(slots, (0, span - slots.numel()))  # slot 0 past the row: masked
+        index.append((slots.unsqueeze(0) * kv_heads + heads).reshape(-1))
+        row_pos = torch.arange(pos0, pos0 + n, device=device).view(n, 1, 1)
+        allowed.append((key_pos <= row_pos).view(n, 1, tiles, TILE, 1))
+        rows.append(torch.arange(q0, q0 + n, device=device))
+    return _Group(torch.cat(rows), len(pieces), n, tiles, torch.cat(index), torch.stack(allowed))
+
+
+def _groups(fb, rows_per_piece: int) -> list[_Group]:
     kv_heads = fb.token_to_kv_pool.head_num
     decode = fb.forward_mode.is_decode()
-    out = []
+    singles, groups = [], []
     for i in range(fb.batch_size):
         seq = int(fb.seq_lens_cpu[i])
         n_new = 1 if decode else int(fb.extend_seq_lens_cpu[i])
@@ -62,19 +84,14 @@ def _pieces(fb, rows_per_piece: int) -> list[_Piece]:
         first = seq - n_new
         for start in range(0, n_new, rows_per_piece):
             n = min(rows_per_piece, n_new - start)
-            pos0 = first + start
-            last = pos0 + n - 1
-            tiles = last // TILE + 1
-            span = tiles * TILE
-            slots = req_to_token[fb.req_pool_indices[i], : min(span, last + 1)].long()
-            slots = torch.nn.functional.pad(slots, (0, span - slots.numel()))  # masked below
-            heads = torch.arange(kv_heads, device=slots.device).unsqueeze(1)
-            kv_index = (slots.unsqueeze(0) * kv_heads + heads).reshape(-1)  # [kv_heads, span]
-            key_pos = torch.arange(span, device=slots.device).view(1, tiles, TILE)
-            row_pos = torch.arange(pos0, pos0 + n, device=slots.device).view(n, 1, 1)
-            allowed = (key_pos <= row_pos).view(n, 1, tiles, TILE, 1)
-            out.append(_Piece(q0 + start, n, pos0, tiles, kv_index, allowed))
-    return out
+            piece = (i, q0 + start, first + start, n)
+            if n == 1:
+                singles.append(piece)
+            else:
+                groups.append(_group(fb, [piece], kv_heads))
+    if singles:  # every one-row piece (decode rows, one-token extends) in one batched computation
+        groups.append(_group(fb, singles, kv_heads))
+    return groups
 
 
 def _columns(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -84,30 +101,30 @@ def _columns(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float) -> torch.Tensor:
-    """q [n, kv_heads, group, d] rows of one request; k, v [kv_heads, tiles, TILE, d] its keys;
-    allowed [n, 1, tiles, TILE, 1]. Returns [n, kv_heads, group, d], each row's bits independent of
-    n and of the other rows."""
-    n, hkv, group, d = q.shape
-    tiles, width = k.shape[1], n * group
-    # right-hand side [kv_heads, tiles, d, columns]: the rows side by side, padded
-    rhs = _columns(q.permute(1, 3, 0, 2).reshape(hkv, 1, d, width), width)
-    scores = torch.matmul(k, rhs.expand(hkv, tiles, d, rhs.shape[-1]))[..., :width]  # [hkv, tiles, TILE, n*g]
-    scores = scores.reshape(hkv, tiles, TILE, n, group).permute(3, 0, 1, 2, 4).contiguous()  # [n, hkv, tiles, TILE, g]
-    scores = scores * scaling
+    """q [P, n, kv_heads, group, d]: P pieces of n rows, a piece's rows of one request; k, v [P,
+    kv_heads, tiles, TILE, d] each piece's keys; allowed [P, n, 1, tiles, TILE, 1]. Returns [P, n,
+    kv_heads, group, d], each row's bits independent of P, n, the tiles past its own and the other rows."""
+    p, n, hkv, group, d = q.shape
+    tiles, width = k.shape[2], n * group
+    # right-hand side [P, kv_heads, tiles, d, columns]: a piece's rows side by side, padded
+    rhs = _columns(q.permute(0, 2, 4, 1, 3).reshape(p, hkv, 1, d, width), width)
+    scores = torch.matmul(k, rhs.expand(p, hkv, tiles, d, rhs.shape[-1]))[..., :width]  # [P, hkv, tiles, TILE, n*g]
+    scores = scores.reshape(p, hkv, tiles, TILE, n, group).permute(0, 4, 1, 2, 3, 5).contiguous()
+    scores = scores * scaling  # [P, n, hkv, tiles, TILE, g]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    top = scores.amax(dim=(2, 3), keepdim=True)  # every row sees position 0: finite
+    top = scores.amax(dim=(3, 4), keepdim=True)  # every row sees position 0: finite
     # in float64, rounded to float32: the vectorized and the scalar exp (an elementwise kernel's
     # tail, which moves with the tensor's size) may differ in the last bit of a double, not of a float
-    probs = torch.exp((scores - top).double()).float()  # [n, hkv, tiles, TILE, group]
-    ones = torch.ones(hkv, tiles, TILE, 1, dtype=v.dtype, device=v.device)
-    lhs = torch.cat([v, ones], dim=-1).transpose(-1, -2)  # [hkv, tiles, d + 1, TILE]
-    rhs = _columns(probs.permute(1, 2, 3, 0, 4).reshape(hkv, tiles, TILE, width), width)
-    part = torch.matmul(lhs, rhs)[..., :width]  # [hkv, tiles, d + 1, n * group]
-    acc = part[:, 0]
-    for t in range(1, tiles):  # in position order, whatever the number of tiles
-        acc = acc + part[:, t]
-    out = acc[:, :d] / acc[:, d:]  # [hkv, d, n * group]
-    return out.reshape(hkv, d, n, group).permute(2, 0, 3, 1)
+    probs = torch.exp((scores - top).double()).float()
+    ones = torch.ones(p, hkv, tiles, TILE, 1, dtype=v.dtype, device=v.device)
+    lhs = torch.cat([v, ones], dim=-1).transpose(-1, -2)  # [P, hkv, tiles, d + 1, TILE]
+    rhs = _columns(probs.permute(0, 2, 3, 4, 1, 5).reshape(p, hkv, tiles, TILE, width), width)
+    part = torch.matmul(lhs, rhs)[..., :width]  # [P, hkv, tiles, d + 1, n * group]
+    acc = part[:, :, 0]
+    for t in range(1, tiles):  # in position order; a tile past a row's own adds exact zeros
+        acc = acc + part[:, :, t]
+    out = acc[:, :, :d] / acc[:, :, d:]  # [P, hkv, d, n * group]
+    return out.reshape(p, hkv, d, n, group).permute(0, 3, 1, 4, 2)
 
 
 def _columns_invariant() -> bool:
@@ -130,7 +147,7 @@ def _columns_invariant() -> bool:
 @register_attention_backend("deterministic")
 class DeterministicAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None):
-        self.pieces: list[_Piece] = []
+        self.groups: list[_Group] = []
         self.rows_per_piece = MAX_ROWS if _columns_invariant() else 1
         logger.info(
             "Deterministic attention: %d-position key tiles, %d prefill row(s) per matmul",
@@ -139,18 +156,18 @@ class DeterministicAttnBackend(AttentionBackend):
         )
 
     def init_forward_metadata(self, fb) -> None:
-        self.pieces = _pieces(fb, self.rows_per_piece)
+        self.groups = _groups(fb, self.rows_per_piece)
 
     def _run(self, q, layer, fb) -> torch.Tensor:
         hkv, d = layer.tp_k_head_num, layer.head_dim
         group = layer.tp_q_head_num // hkv
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         qf = q.float()
-        for p in self.pieces:
-            k, v = fb.token_to_kv_pool.gather(layer.layer_id, p.kv_index, torch.float32)
-            k, v = k.view(hkv, p.tiles, TILE, d), v.view(hkv, p.tiles, TILE, d)
-            qr = qf[p.q_start : p.q_start + p.n].view(p.n, hkv, group, d)
-            out[p.q_start : p.q_start + p.n] = attend(qr, k, v, p.allowed, layer.scaling).reshape(p.n, -1)
+        for g in self.groups:
+            k, v = fb.token_to_kv_pool.gather(layer.layer_id, g.kv_index, torch.float32)
+            k, v = k.view(g.p, hkv, g.tiles, TILE, d), v.view(g.p, hkv, g.tiles, TILE, d)
+            qr = qf.index_select(0, g.rows).view(g.p, g.n, hkv, group, d)
+            out[g.rows] = attend(qr, k, v, g.allowed, layer.scaling).reshape(g.p * g.n, -1)
         return out.to(q.dtype)
 
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True) -> torch.Tensor:
