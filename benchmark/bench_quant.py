@@ -320,28 +320,40 @@ def _jsonable(x):
 # -- serving figures -----------------------------------------------------------------------------
 
 
-def serve_levels(backend: str, url: str, tokenizer, args, desc: str, levels: list[int] | None = None) -> dict:
-    """bench_serving's random workload at each concurrency level: {level: summary}."""
+def level_requests(tokenizer, args, conc: int) -> tuple[list, list]:
+    """The measured requests of one concurrency level and its warm-up requests (prompts of their own, so
+    the measured prompts do not arrive as cached prefixes); the same for every server, by seed."""
     from bench_datasets import random_requests
+    from bench_serving import warmup_requests
+
+    n = args.num_prompts or max(4, 2 * conc)
+    reqs = random_requests(tokenizer, n, args.input_len, args.output_len, 1.0, args.seed + conc)
+    return reqs, warmup_requests(tokenizer, reqs, min(conc, 4), args.seed + conc, output_len=8)
+
+
+def serve_levels(backend: str, url: str, tokenizer, args, desc: str, levels: list[int] | None = None) -> dict:
+    """bench_serving's random workload at each concurrency level: {level: summary}, with the tokens really
+    sent and received."""
     from bench_serving import run_workload, server_info, summarize
 
     _, models = server_info(url, {})
     model = models[0] if models else None
     out = {}
-    for conc in levels or args.concurrency:
-        n = args.num_prompts or max(4, 2 * conc)
-        reqs = random_requests(tokenizer, n, args.input_len, args.output_len, 1.0, args.seed + conc)
-        warm = [dataclasses.replace(r, output_len=8) for r in reqs[: min(conc, 4)]]
+    for conc in levels if levels is not None else args.concurrency:
+        reqs, warm = level_requests(tokenizer, args, conc)
         asyncio.run(run_workload(backend, url, model, warm, math.inf, conc, True, {}, tokenizer, args.seed, False))
         results, duration = asyncio.run(
             run_workload(backend, url, model, reqs, math.inf, conc, True, {}, tokenizer, args.seed, not args.quiet)
         )
         s = summarize(results, duration)
-        s["num_prompts"] = n
+        s["num_prompts"] = len(reqs)
         out[conc] = s
         tqdm.write(
-            f"{desc} c={conc}: {s['output_throughput']:.1f} out tok/s, {s['completed']}/{n} ok, "
-            f"TTFT p50 {s['ttft_ms']['median']:.0f} ms, ITL p50 {s['itl_ms']['median']:.1f} ms"
+            f"{desc} c={conc}: {s['output_throughput']:.1f} out tok/s, {s['completed']}/{len(reqs)} ok, "
+            f"TTFT p50 {s['ttft_ms']['median']:.0f} ms, ITL p50 {s['itl_ms']['median']:.1f} ms; tokens in "
+            f"{s['requested_input_tokens']} sent / {s['total_input_tokens']} server-counted, out "
+            f"{s['requested_output_tokens']} requested / {s['total_output_tokens']} received, "
+            f"{s['short_requests']} cut short"
         )
     return out
 
@@ -367,14 +379,18 @@ def bench_our_server(gguf: str, cfg: Config, threads: int, tokenizer, args) -> d
 
 
 def bench_llama_server(gguf: str, threads: int, tokenizer, args) -> dict:
+    """llama-server -np C for each level C, each slot with its own KV stream sized to the level's longest
+    prompt (as the client tokenizer counts it) + the output + 64 tokens of margin."""
     from llama_cpp import llama_server
 
-    out: dict = {"levels": {}, "rss_peak_bytes": {}}
-    ctx = args.input_len + args.output_len + 64
+    out: dict = {"levels": {}, "rss_peak_bytes": {}, "config": {}}
     for conc in args.concurrency:
         try:
+            reqs, warm = level_requests(tokenizer, args, conc)
+            ctx = max(r.prompt_len for r in reqs + warm) + args.output_len + 64
             extra = shlex.split(args.llama_server_args)
             with llama_server(gguf, threads, conc, ctx, free_port(), extra_args=extra, progress=not args.quiet) as url:
+                out["config"][conc] = url.config
                 sampler = RssSampler(url.pid)
                 out["levels"].update(serve_levels("openai", url, tokenizer, args, f"llama-server -np {conc}", [conc]))
                 out["rss_peak_bytes"][conc] = sampler.stop()
@@ -462,6 +478,13 @@ def report(res: dict) -> str:
         + " | ".join(_format_cell(res["ours"].get(c.name, {})) for c in cfgs)
         + f" | {lb.get('model_type', 'n/a')} |"
     )
+    for conc in res["concurrency"]:
+        base = ls.get(conc, ls.get(str(conc), {}))
+        lines.append(
+            f"| serving c={conc} tokens in sent/counted, out asked/received, short | "
+            + " | ".join(_tokens_cell(_level_summary(ours(c, "serving"), conc)) for c in cfgs)
+            + f" | {_tokens_cell(base)} |"
+        )
     lines.append(
         "| weight bytes (/ GGUF tensors) | "
         + " | ".join(_bytes_cell(weight_bytes(res["ours"].get(c.name, {})), tensor_bytes) for c in cfgs)
@@ -472,6 +495,9 @@ def report(res: dict) -> str:
         + " | ".join(_rss_cell(ours(c, "serving")) for c in cfgs)
         + f" | peak {_llama_rss(ll)} |"
     )
+    for conc, cfg in ((ll.get("server") or {}).get("config") or {}).items():
+        shown = ", ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("command", "build_info"))
+        lines.append(f"llama-server c={conc}: {shown}")
     lines += ["", "goals (ours / llama.cpp)", "", "| goal | " + " | ".join(c.label for c in cfgs) + " |"]
     lines.append("|---|" + "---:|" * len(cfgs))
     for key, label in (
@@ -512,6 +538,22 @@ def _level(serving, conc):
         return serving
     lv = serving.get("levels", {}).get(conc)
     return None if lv is None else lv.get("output_throughput")
+
+
+def _level_summary(serving, conc):
+    if not isinstance(serving, dict):
+        return None
+    levels = serving.get("levels", {})
+    return levels.get(conc, levels.get(str(conc)))
+
+
+def _tokens_cell(s) -> str:
+    if not isinstance(s, dict) or "requested_input_tokens" not in s:
+        return "n/a"
+    return (
+        f"{s['requested_input_tokens']}/{s['total_input_tokens']}, "
+        f"{s['requested_output_tokens']}/{s['total_output_tokens']}, {s['short_requests']}"
+    )
 
 
 def _bytes_cell(n, base) -> str:

@@ -37,8 +37,11 @@ BACKENDS = ("sglang", "openai", "openai-chat")
 class Result:
     ok: bool = False
     error: str = ""
-    prompt_len: int = 0
-    output_len: int = 0
+    prompt_len: int = 0  # the server's count when it reports one, else the client tokenizer's
+    output_len: int = 0  # tokens received (the server's count, else the streamed text re-tokenized)
+    requested_prompt_len: int = 0  # the client tokenizer's count of the prompt sent
+    requested_output_len: int = 0  # max_new_tokens / max_tokens asked for
+    server_counted: bool = False  # output_len came from the server's usage
     cached_tokens: int | None = None
     ttft: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
@@ -109,7 +112,7 @@ async def send(
     tokenizer,
 ) -> Result:
     path, body = _body(backend, model, req, ignore_eos, extra)
-    res = Result(prompt_len=req.prompt_len)
+    res = Result(prompt_len=req.prompt_len, requested_prompt_len=req.prompt_len, requested_output_len=req.output_len)
     start = time.perf_counter()
     last = start
     text, seen, usage = "", 0, None
@@ -145,8 +148,11 @@ async def send(
     res.latency = time.perf_counter() - start
     res.ok = True
     usage = usage or {}
-    res.output_len = usage.get("completion_tokens") or len(tokenizer.encode(text, add_special_tokens=False))
-    res.prompt_len = usage.get("prompt_tokens") or req.prompt_len
+    counted = usage.get("completion_tokens")
+    res.server_counted = counted is not None
+    res.output_len = counted if counted is not None else len(tokenizer.encode(text, add_special_tokens=False))
+    prompt_tokens = usage.get("prompt_tokens")
+    res.prompt_len = prompt_tokens if prompt_tokens is not None else req.prompt_len
     res.cached_tokens = usage.get("cached_tokens")
     return res
 
@@ -247,6 +253,11 @@ def summarize(
         "total_token_throughput": (prompt_tokens + output_tokens) / duration,
         "total_input_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
+        # what was really sent and received, so two harnesses (or two servers) can be checked to do the same work
+        "requested_input_tokens": sum(r.requested_prompt_len for r in results),
+        "requested_output_tokens": sum(r.requested_output_len for r in results),
+        "short_requests": sum(1 for r in ok if r.output_len < r.requested_output_len),
+        "server_counted_outputs": sum(1 for r in ok if r.server_counted),
         "ttft_ms": _stats([r.ttft for r in ok]),
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "tpot_ms": _stats(tpot),
@@ -263,8 +274,11 @@ def print_report(s: dict, title: str) -> None:
         ("Successful requests", s["completed"]),
         ("Failed requests", s["failed"]),
         ("Benchmark duration (s)", s["duration_s"]),
-        ("Total input tokens", s["total_input_tokens"]),
-        ("Total output tokens", s["total_output_tokens"]),
+        ("Input tokens sent (client count)", s.get("requested_input_tokens", "n/a")),
+        ("Total input tokens (server count)", s["total_input_tokens"]),
+        ("Output tokens requested", s.get("requested_output_tokens", "n/a")),
+        ("Total output tokens (received)", s["total_output_tokens"]),
+        ("Requests cut short (< requested)", s.get("short_requests", "n/a")),
         ("Request throughput (req/s)", s["request_throughput"]),
         ("Input token throughput (tok/s)", s["input_throughput"]),
         ("Output token throughput (tok/s)", s["output_throughput"]),
@@ -319,7 +333,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gsp-output-len", type=int, default=256)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="requests sent first and not measured (own prompts, 16 tokens out)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--extra-request-body", default=None, help="JSON merged into every request body")
@@ -351,6 +370,21 @@ def load_tokenizer(path: str | None):
     if path is None or not os.path.isdir(path):
         path = resolve_model_path(None)
     return get_tokenizer(path)
+
+
+WARMUP_SEED_OFFSET = 10_000
+
+
+def warmup_requests(
+    tokenizer, requests: list[BenchRequest], n: int, seed: int, output_len: int = 16
+) -> list[BenchRequest]:
+    """n warm-up requests shaped like the workload's first ones (prompt length) but with their own random
+    prompts (seed + 10000): warming up on the measured prompts would hand the server their prefixes."""
+    out = []
+    for i, shape in enumerate(requests[:n]):
+        (r,) = random_requests(tokenizer, 1, max(1, shape.prompt_len), 1, 1.0, seed + WARMUP_SEED_OFFSET + i)
+        out.append(dataclasses.replace(r, output_len=min(shape.output_len, output_len)))
+    return out
 
 
 def build_requests(args, tokenizer) -> list[BenchRequest]:
@@ -409,7 +443,8 @@ def run(args) -> dict:
             async with httpx.AsyncClient(headers=headers) as c:
                 await c.post(base_url + "/flush_cache")
         if args.warmup_requests:
-            warm = [dataclasses.replace(r, output_len=min(r.output_len, 16)) for r in requests[: args.warmup_requests]]
+            # prompts of their own (another seed), so the measured prompts do not start as cached prefixes
+            warm = warmup_requests(tokenizer, requests, args.warmup_requests, args.seed)
             await workload(warm, False)
         return await workload(requests, not args.disable_tqdm)
 

@@ -364,9 +364,45 @@ def _server_help(binary: str) -> str:
 
 
 class ServerURL(str):
-    """The base URL llama_server yields; `.pid` is the llama-server process (for RSS)."""
+    """The base URL llama_server yields; `.pid` is the llama-server process (for RSS), `.config` what the
+    server says it runs with (its /props and its llama_context log lines: n_ctx, n_ctx_seq, n_batch,
+    n_ubatch, flash_attn, kv_unified, the slot count), so a report can show the peer's real settings."""
 
     pid: int
+    config: dict
+
+
+_SLOTS_LINE = re.compile(r"n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(\w+)'")
+_HELP_DEFAULTS = {  # option -> (key, pattern of its default in --help)
+    ("-b", "--batch-size"): ("n_batch", r"--batch-size N\s+.*?\(default: (\d+)\)"),
+    ("-ub", "--ubatch-size"): ("n_ubatch", r"--ubatch-size N\s+.*?\(default: (\d+)\)"),
+    ("-fa", "--flash-attn"): ("flash_attn", r"--flash-attn \[on\|off\|auto\]\s+.*?default: '(\w+)'"),
+    ("--poll",): ("poll", r"--poll <0\.\.\.100>\s+.*?default: (\d+)\)"),
+}
+
+
+def peer_config(log_text: str, props: dict | None, cmd: list[str], help_text: str) -> dict:
+    """llama-server's effective settings: slots, per-slot context and KV layout from its start-up log,
+    batch sizes, flash attention and polling from the command line or --help's defaults."""
+    cfg: dict = {}
+    m = _SLOTS_LINE.search(log_text)
+    if m:
+        cfg.update(n_slots=int(m[1]), n_ctx_slot=int(m[2]), kv_unified=m[3] == "true")
+    props = props or {}
+    slot_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+    if slot_ctx is not None:
+        cfg.setdefault("n_ctx_slot", slot_ctx)
+    for names, (key, pattern) in _HELP_DEFAULTS.items():
+        given = [cmd[i + 1] for i, c in enumerate(cmd[:-1]) if c in names]
+        if given:
+            cfg[key] = given[-1]
+        else:
+            d = re.search(pattern, help_text, re.S)
+            if d:
+                cfg[key] = f"{d[1]} (default)"
+    if props.get("build_info"):
+        cfg["build_info"] = props["build_info"]
+    return cfg
 
 
 @contextlib.contextmanager
@@ -380,9 +416,18 @@ def llama_server(
     extra_args: list[str] | None = None,
     ready_timeout: float = 600,
     progress: bool = True,
+    unified_kv: bool = False,
 ) -> Iterator[ServerURL]:
     """Run llama-server with -np parallel slots of ctx_per_slot tokens each and continuous batching; yields
-    its base URL (a str with .pid) once /health answers 200, and stops it (SIGTERM, then SIGKILL) on exit."""
+    its base URL (a str with .pid and .config) once /health answers 200, and stops it (SIGTERM, then
+    SIGKILL) on exit.
+
+    Each slot gets its own KV stream of ctx_per_slot cells (`--no-kv-unified`, -c = ctx_per_slot * parallel):
+    llama-server's documented setting for a fixed number of parallel slots (only `-np auto` turns the
+    unified cache on). With `--kv-unified` every slot's n_ctx_seq becomes the whole -c and each sequence's
+    attention runs over every cell in use, so 64 slots of 576 tokens attend over ~37k cells per step:
+    that made an earlier harness measure llama-server at a fifth of its speed (unified_kv=True keeps the
+    option for comparison, capped per slot with --kv-unified-per-slot where the binary has it)."""
     bins = ensure_built(progress=progress)
     binary = bins["llama-server"]
     help_text = _server_help(binary)
@@ -390,10 +435,12 @@ def llama_server(
     cmd += ["-c", str(ctx_per_slot * parallel), "--host", host, "--port", str(port)]
     if "--cont-batching" in help_text or not help_text:
         cmd.append("-cb")  # the default in recent versions; older ones need it
-    if "--kv-unified" in help_text:
-        # one KV buffer shared by the slots, as our radix cache shares its pool; the per-slot limit stays
-        # ctx_per_slot because -c is ctx_per_slot * parallel
+    if unified_kv:
         cmd.append("--kv-unified")
+        if "--kv-unified-per-slot" in help_text:
+            cmd += ["--kv-unified-per-slot", str(ctx_per_slot)]
+    elif "--no-kv-unified" in help_text:
+        cmd.append("--no-kv-unified")
     if "--no-webui" in help_text:
         cmd.append("--no-webui")
     cmd += list(extra_args or [])
@@ -421,6 +468,19 @@ def llama_server(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"llama-server not healthy after {ready_timeout:.0f} s; log {log.name}")
             time.sleep(0.5)
+        props = None
+        with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
+            with urllib.request.urlopen(base_url + "/props", timeout=10) as r:
+                props = json.loads(r.read())
+        log.flush()
+        with open(log.name, errors="replace") as f:
+            base_url.config = {"command": " ".join(os.path.basename(c) if c == binary else c for c in cmd)}
+            base_url.config.update(peer_config(f.read(), props, cmd, help_text))
+        _log(
+            progress,
+            "llama-server settings: "
+            + ", ".join(f"{k}={v}" for k, v in base_url.config.items() if k not in ("command", "build_info")),
+        )
         yield base_url
     finally:
         stop_process_group(proc, grace_s=15)
@@ -465,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     s.add_argument("--parallel", type=int, default=1)
     s.add_argument("--ctx-per-slot", type=int, default=2048)
+    s.add_argument("--kv-unified", action="store_true", help="one KV buffer for all slots (slow with many slots)")
     s.add_argument("--port", type=int, default=31000)
     args = p.parse_args(argv)
     if args.cmd == "build":
@@ -482,8 +543,10 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)
     else:
-        with llama_server(args.gguf, args.threads, args.parallel, args.ctx_per_slot, args.port) as url:
-            print(f"llama-server ready at {url} (Ctrl-C stops it)", flush=True)
+        with llama_server(
+            args.gguf, args.threads, args.parallel, args.ctx_per_slot, args.port, unified_kv=args.kv_unified
+        ) as url:
+            print(f"llama-server ready at {url} (Ctrl-C stops it); {json.dumps(url.config)}", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)

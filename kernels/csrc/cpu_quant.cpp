@@ -510,6 +510,35 @@ void fused_fill(const uint8_t* row, int64_t k, float* y) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// A row dequantized straight to bf16 (the bf16 tiles of the large-M path): each 16 decoded floats are
+// rounded to nearest even in one instruction (vcvtneps2bf16, c10::BFloat16's rounding for finite values).
+using RowDequantBf16 = void (*)(const uint8_t*, int64_t, uint16_t*);
+template <class F>
+void fused_fill_bf16(const uint8_t* row, int64_t k, uint16_t* y) {
+  for (int64_t bk = 0; bk < k / F::QK; ++bk) {
+    uint16_t* yb = y + bk * F::QK;
+    F::template decode<V512>(row + bk * F::BYTES, [&](V512 w, int64_t off) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + off), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w.v)));
+    });
+  }
+}
+
+RowDequantBf16 bf16_filler(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return fused_fill_bf16<FQ4_0>;
+    case Q4_1: return fused_fill_bf16<FQ4_1>;
+    case Q5_0: return fused_fill_bf16<FQ5<false>>;
+    case Q5_1: return fused_fill_bf16<FQ5<true>>;
+    case Q8_0: return fused_fill_bf16<FQ8_0>;
+    case Q4_K: return fused_fill_bf16<FQK<false>>;
+    case Q5_K: return fused_fill_bf16<FQK<true>>;
+    case Q6_K: return fused_fill_bf16<FQ6_K>;
+    default: return nullptr;
+  }
+}
+#endif
+
 template <class V>
 RowDequant fill_for_type(int64_t qtype) {
   switch (qtype) {
@@ -716,6 +745,41 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
   }
   const RowDequant fill = row_filler(isa, qtype);
   const int64_t tile = std::max<int64_t>(16, kTileFloats / k / 16 * 16);
+  if constexpr (std::is_same<out_t, at::BFloat16>::value) {
+    if (x16.defined()) {
+      // bf16 activations on a CPU with fast bf16 GEMMs: each thread decodes a tile of weight rows straight
+      // into a bf16 buffer (no float tile, no conversion pass, no allocation) and multiplies it with a
+      // single-threaded GEMM inside the parallel region (a multi-threaded GEMM outside it, between our
+      // OpenMP regions, ran a decode step 1.5x slower); tiles of equal size, a multiple of the threads
+      const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+      int64_t tiles = (n + tile - 1) / tile;
+      tiles = (tiles + threads - 1) / threads * threads;
+      const int64_t rows = std::max<int64_t>(16, ((n + tiles - 1) / tiles + 15) / 16 * 16);
+      at::parallel_for(0, (n + rows - 1) / rows, 1, [&](int64_t begin, int64_t end) {
+        uint16_t* buf = reinterpret_cast<uint16_t*>(scratch_floats(1, (rows * k + 1) / 2));
+#if defined(__AVX512BF16__)
+        const RowDequantBf16 fill16 = isa >= AVX512_BF16 ? bf16_filler(qtype) : nullptr;
+#endif
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n0 = t * rows, nb = std::min(rows, n - n0);
+          for (int64_t j = 0; j < nb; ++j) {
+#if defined(__AVX512BF16__)
+            if (fill16 != nullptr) {
+              fill16(wp + (n0 + j) * row_bytes, k, buf + j * k);
+              continue;
+            }
+#endif
+            float* rowf = scratch_floats(0, k);
+            fill(wp + (n0 + j) * row_bytes, k, rowf);
+            radixserve_cpu::floats_to_bf16(rowf, buf + j * k, k);
+          }
+          at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kBFloat16);
+          at::mm_out(dst, x16, at::from_blob(buf, {nb, k}, at::kBFloat16).t());
+        }
+      });
+      return;
+    }
+  }
   const at::Tensor x = at::from_blob(const_cast<float*>(xf), {m, k}, at::kFloat);
   at::parallel_for(0, (n + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
     float* buf = scratch_floats(1, tile * k);
@@ -724,13 +788,6 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
       const int64_t n0 = t * tile, nb = std::min(tile, n - n0);
       for (int64_t j = 0; j < nb; ++j) fill(wp + (n0 + j) * row_bytes, k, buf + j * k);
       const at::Tensor wt = at::from_blob(buf, {nb, k}, at::kFloat);
-      if constexpr (std::is_same<out_t, at::BFloat16>::value) {
-        if (x16.defined()) {  // bf16 activations on a CPU with fast bf16 GEMMs: the tile in bf16 too
-          at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kBFloat16);
-          at::mm_out(dst, x16, wt.to(at::kBFloat16).t());
-          continue;
-        }
-      }
       if constexpr (std::is_same<out_t, float>::value) {
         at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kFloat);
         at::mm_out(dst, x, wt.t());
@@ -759,12 +816,20 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   for (const auto& w : weights) n_total += w.size(0);
   at::Tensor out = at::empty({m, n_total}, x.options());
   if (m == 0) return out;
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
   // Large bf16 batches multiply bf16 tiles where bf16 GEMMs are fast (AMX / AVX512-BF16): the
   // weights are then rounded to bf16 like the dense bf16 path's; decode rows stay exact.
   const at::Tensor x16 =
       x.scalar_type() == at::kBFloat16 && m > kSmallM && g_fast_bf16.load() ? x.contiguous() : at::Tensor();
-  const float* xp = xf.data_ptr<float>();
+  // The float copy of x, unless every weight is multiplied as bf16 tiles (a prefill chunk's copy is MBs).
+  bool need_float = !x16.defined();
+  for (size_t i = 0; i < weights.size() && !need_float; ++i) {
+    const int64_t qtype = qtypes[i];
+    need_float = qtype == W8A8 || qtype == F32 || qtype == F16 ||
+                 (qtype == BF16 && !(weights[i].scalar_type() == at::kBFloat16 && k % 32 == 0));
+  }
+  const at::Tensor xf =
+      !need_float ? at::Tensor() : x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const float* xp = xf.defined() ? xf.data_ptr<float>() : nullptr;
   // int8 weights multiply int8 activations, quantized per row once for all such weights.
   radixserve_int8::Acts acts{nullptr, nullptr, nullptr, m, k};
   int int8_variant = radixserve_int8::kScalar;

@@ -36,6 +36,10 @@ def check_record(rec: dict, num_prompts: int, output_len: int | None = None) -> 
     )
     if output_len is not None:
         assert rec["total_output_tokens"] == num_prompts * output_len  # ignore_eos: exactly as asked
+        assert rec["requested_output_tokens"] == num_prompts * output_len
+        assert rec["short_requests"] == 0
+    assert rec["requested_input_tokens"] > 0
+    assert rec["server_counted_outputs"] == rec["completed"]  # every server here reports usage
     for key in ("ttft_ms", "e2e_latency_ms", "itl_ms", "tpot_ms"):
         st = rec[key]
         assert 0 <= st["median"] <= st["p95"] <= st["p99"], (key, st)
@@ -46,6 +50,7 @@ def check_record(rec: dict, num_prompts: int, output_len: int | None = None) -> 
 
 @pytest.mark.parametrize("backend", ["sglang", "openai", "openai-chat"])
 def test_bench_serving_random(server, tmp_path, backend):
+    seed = {"sglang": "3", "openai": "4", "openai-chat": "5"}[backend]  # prompts no other run sent
     out = tmp_path / "runs.jsonl"
     stdout = run(
         "bench_serving.py",
@@ -67,13 +72,38 @@ def test_bench_serving_random(server, tmp_path, backend):
         str(out),
         "--disable-tqdm",
         "--seed",
-        "3",
+        seed,
     )
     assert "Output token throughput (tok/s)" in stdout and "Time to first token p99 (ms)" in stdout
+    assert "Output tokens requested" in stdout and "Requests cut short (< requested)" in stdout
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["backend"] == backend and rec["max_concurrency"] == 4
     check_record(rec, 12, 10)
     assert rec["concurrency"] <= 4.5
+    if backend != "openai-chat":  # (the chat template is a prefix every chat prompt shares)
+        # the warm-up request has a prompt of its own: no measured prompt arrives already cached
+        assert (rec["cache_hit_rate"] or 0.0) < 0.05, rec["cache_hit_rate"]
+
+
+def test_peer_harness_helpers():
+    """llama-server's settings come from its log and --help (what the report prints next to its figures),
+    and bench_quant runs each of our levels exactly once."""
+    sys.path.insert(0, BENCH)
+    import bench_quant
+    import llama_cpp
+
+    log = "0.00.332 I srv    load_model: initializing, n_slots = 64, n_ctx_slot = 768, kv_unified = 'false'\n"
+    help_text = (
+        "-b,    --batch-size N                   logical maximum batch size (default: 2048)\n"
+        "-ub,   --ubatch-size N                  physical maximum batch size (default: 512)\n"
+        "-fa,   --flash-attn [on|off|auto]       set Flash Attention use ('on', 'off', or 'auto', default: 'auto')\n"
+    )
+    cfg = llama_cpp.peer_config(log, {}, ["llama-server", "-np", "64", "-ub", "256"], help_text)
+    assert cfg["n_slots"] == 64 and cfg["n_ctx_slot"] == 768 and cfg["kv_unified"] is False
+    assert cfg["n_batch"] == "2048 (default)" and cfg["n_ubatch"] == "256" and cfg["flash_attn"] == "auto (default)"
+    # no levels asked: nothing is run (an empty list once meant "all levels", which measured a level twice,
+    # the second time with every prompt already in the radix cache)
+    assert bench_quant.serve_levels("sglang", "http://127.0.0.1:9", None, None, "x", []) == {}
 
 
 def test_bench_serving_shared_prefix_reports_cache_hits(server, tmp_path):

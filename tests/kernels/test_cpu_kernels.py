@@ -201,6 +201,20 @@ def test_fused_silu_and_mul_matches_reference(ops, dtype):
     torch.testing.assert_close(out, reference.silu_and_mul(x), **tol)
 
 
+def test_bf16_silu_and_mul_rounds_like_torch(ops):
+    """bf16 SiLU-and-mul (vectorized through bit conversions, in pieces of 256): silu rounded to bf16,
+    then the product rounded to bf16, as torch computes it in bf16; rows longer than one piece."""
+    x = (torch.randn(23, 2 * 600, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    x[0, 0], x[1, 3] = float("inf"), -float("inf")
+    out = torch.empty(23, 600, dtype=torch.bfloat16)
+    ops.silu_and_mul(out, x)
+    want = torch.nn.functional.silu(x[:, :600]) * x[:, 600:]
+    ok = torch.isfinite(want)
+    diff = (out.float() - want.float()).abs()
+    assert (diff[ok] <= want.float().abs()[ok] * 2.0**-7 + 1e-30).all()  # one bf16 step at most (the exp differs)
+    assert (out[ok] == want[ok]).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("rotary_dim", [32, 16])
 def test_fused_rotary_matches_reference(ops, rotary_dim):
     from srt.layers.rotary_embedding import RotaryEmbedding, default_inv_freq

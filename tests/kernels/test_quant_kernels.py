@@ -211,6 +211,26 @@ def test_bf16_prefill_tiles(ops, type_name):
     assert (err <= 2.0**-7 * bound + ref.abs() * 2.0**-8 + 1e-6).all(), err.max()
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bf16_tiles_hold_the_rounded_weights(ops, type_name):
+    """The bf16 tiles are the dequantized weights rounded to nearest bf16, for every format (decoded
+    straight to bf16 on AVX512-BF16): rows of the identity pick single weights out exactly."""
+    qtype = int(GGMLQuantizationType[type_name])
+    k = k_values(type_name)[-1]
+    blocks = torch.from_numpy(random_blocks(type_name, 70, k, seed=5))
+    x = torch.eye(k)[:64].bfloat16()  # 64 rows: above the decode-sized path
+    try:
+        ops.quant_fast_bf16(True)
+        out = ops.quant_linear(x, [blocks], [qtype])
+    finally:
+        ops.quant_fast_bf16(False)
+    want = ops.quant_dequantize(blocks, qtype, k)[:, :64].T.bfloat16()
+    # the fill and quant_dequantize may differ by one float32 rounding (an FMA), hence rarely one bf16 step
+    ulp = want.float().abs() * 2.0**-7 + 1e-30
+    assert ((out.float() - want.float()).abs() <= ulp).all()
+    assert (out == want).float().mean() > 0.99
+
+
 def test_stacked_segments_of_mixed_types(ops):
     """A fused projection whose parts are stored in different types (Q4_K_M files mix Q4_K and
     Q6_K) and a dense part: one call, outputs side by side."""
