@@ -83,15 +83,22 @@ def bench_ours(
     vocab = gen.runner.model_config.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
     gen.generate(random_prompts(1, 32, vocab, 0), SamplingParams(max_new_tokens=4, **greedy))  # warm-up
+    repeats = max(1, getattr(args, "model_repeats", 1))  # the best of this many runs of each figure
     prompt = random_prompts(1, args.prefill_len, vocab, 1)
-    gen.generate(prompt, SamplingParams(max_new_tokens=1, **greedy))
-    result = {"prefill_tok_s": args.prefill_len / gen.last_timings["prefill_s"], "decode_tok_s": {}}
+    prefill = []
+    for _ in range(repeats):
+        gen.generate(prompt, SamplingParams(max_new_tokens=1, **greedy))
+        prefill.append(args.prefill_len / gen.last_timings["prefill_s"])
+    result = {"prefill_tok_s": max(prefill), "decode_tok_s": {}}
     for bs in args.batch_sizes:
-        gen.generate(
-            random_prompts(bs, args.input_len, vocab, 2), SamplingParams(max_new_tokens=args.output_len, **greedy)
-        )
-        t = gen.last_timings
-        result["decode_tok_s"][bs] = bs * t["decode_steps"] / t["decode_s"]
+        for _ in range(repeats):
+            gen.generate(
+                random_prompts(bs, args.input_len, vocab, 2), SamplingParams(max_new_tokens=args.output_len, **greedy)
+            )
+            t = gen.last_timings
+            result["decode_tok_s"][bs] = max(
+                result["decode_tok_s"].get(bs, 0.0), bs * t["decode_steps"] / t["decode_s"]
+            )
     return result
 
 

@@ -158,6 +158,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict) -> dict:
         output_len=args.output_len,
         prefill_len=args.prefill_len,
         load_format="auto",
+        model_repeats=args.model_repeats,
     )
     print(f"model {path}: loading, then prefill {args.prefill_len} and decode at batch {sizes} ...", flush=True)
     box: list[ModelRunner] = []
@@ -270,6 +271,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request in the decode runs")
     p.add_argument("--output-len", type=int, default=32, help="new tokens per request in the decode runs")
     p.add_argument("--skip-model", action="store_true", help="measure the machine only")
+    p.add_argument("--model-repeats", type=int, default=3, help="runs of each model figure (best taken)")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth buffer")
     p.add_argument("--gemm-size", type=int, default=2048, help="M = N = K of the GEMM peaks")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per machine measurement (best taken)")
