@@ -695,8 +695,73 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   return xt == at::kFloat ? outf : outf.to(xt);
 }
 
-TORCH_LIBRARY_FRAGMENT(radixserve, m) {
-  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+// Kernels of the other translation units of this extension.
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
+// Quantized experts (GGUF blocks; srt/layers/moe/fused_moe.py) in one op: expert e's gate-up projection is
+// the w13 segments [o_e, o_e + w13_counts[e]) with their GGML types (as quant_linear takes a projection
+// stored in several types), its down projection the w2 segments likewise. The (token, slot) pairs are
+// grouped by expert (a stable counting sort; ids outside [0, E) belong to other ranks and are skipped),
+// then for each expert with tokens, in expert order: its rows of x gathered, gate-up, SiLU-and-mul, down,
+// times the router weights, added into a float32 sum per token. The same kernels in the same order as the
+// per-expert Python loop (so the same result), without its per-expert dispatch. Returns [T, K] in x's dtype.
+at::Tensor quant_moe(const at::Tensor& x, at::TensorList w13, at::IntArrayRef w13_types, at::IntArrayRef w13_counts,
+                     at::TensorList w2, at::IntArrayRef w2_types, at::IntArrayRef w2_counts,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  TORCH_CHECK(x.dim() == 2, "quant_moe: x must be [T, K]");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_weights.sizes() == topk_ids.sizes() && topk_ids.size(0) == x.size(0),
+              "quant_moe: topk_weights and topk_ids must both be [T, topk]");
+  const int64_t E = static_cast<int64_t>(w13_counts.size());
+  TORCH_CHECK(static_cast<int64_t>(w2_counts.size()) == E, "quant_moe: one w13 and one w2 segment count per expert");
+  TORCH_CHECK(w13.size() == w13_types.size() && w2.size() == w2_types.size(), "quant_moe: one type per segment");
+  std::vector<int64_t> o13(E + 1, 0), o2(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(w13_counts[e] > 0 && w2_counts[e] > 0, "quant_moe: expert ", e, " has no weights");
+    o13[e + 1] = o13[e] + w13_counts[e];
+    o2[e + 1] = o2[e] + w2_counts[e];
+  }
+  TORCH_CHECK(o13[E] == static_cast<int64_t>(w13.size()) && o2[E] == static_cast<int64_t>(w2.size()),
+              "quant_moe: segment counts do not add up to the segments given");
+  const int64_t T = x.size(0), K = x.size(1), topk = topk_ids.size(1), P = T * topk;
+  at::Tensor out = at::zeros({T, K}, x.options().dtype(at::kFloat));
+  if (P == 0 || E == 0) return out.to(x.scalar_type());
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor tw = topk_weights.to(at::kFloat).contiguous().view({-1});
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  std::vector<int64_t> count(E + 1, 0), start(E + 2, 0);
+  for (int64_t p = 0; p < P; ++p) ++count[idp[p] >= 0 && idp[p] < E ? idp[p] : E];
+  for (int64_t e = 0; e <= E; ++e) start[e + 1] = start[e] + count[e];
+  at::Tensor order = at::empty({P}, ids.options());
+  int64_t* ord = order.data_ptr<int64_t>();
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < P; ++p) ord[fill[idp[p] >= 0 && idp[p] < E ? idp[p] : E]++] = p;
+  }
+  const at::Tensor xc = x.contiguous();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = count[e];
+    if (n == 0) continue;
+    const at::Tensor pairs = order.narrow(0, start[e], n);
+    const at::Tensor tokens = at::floor_divide(pairs, topk);
+    const at::Tensor h = quant_linear(xc.index_select(0, tokens), w13.slice(o13[e], w13_counts[e]),
+                                      w13_types.slice(o13[e], w13_counts[e]), false);
+    at::Tensor act = at::empty({n, h.size(1) / 2}, h.options());
+    silu_and_mul(act, h);
+    const at::Tensor y = quant_linear(act, w2.slice(o2[e], w2_counts[e]), w2_types.slice(o2[e], w2_counts[e]), false);
+    out.index_add_(0, tokens, y.to(at::kFloat) * tw.index_select(0, pairs).unsqueeze(1));
+  }
+  return out.to(x.scalar_type());
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+  m.def(
+      "quant_moe(Tensor x, Tensor[] w13, int[] w13_types, int[] w13_counts, Tensor[] w2, int[] w2_types, "
+      "int[] w2_counts, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+  m.impl("quant_moe", &quant_moe);
+}

@@ -303,6 +303,18 @@ def test_quantized_experts_match_the_dequantized_file(case, tmp_path, ops):
     assert experts and {m.backend for m in experts} == {f"per-expert {gate_type}"}
     assert {m.expert_layer("down", e).quant_method.describe(m.expert_layer("down", e))
             for m in experts for e in range(m.num_local_experts)} == {down_type}  # fmt: skip
+    # the experts run in one C++ op (quant_moe): the per-expert loop's result exactly, ids of other ranks skipped
+    m, g = experts[0], torch.Generator().manual_seed(0)
+    ids = torch.randint(-1, m.num_local_experts, (13, 2), generator=g)
+    weights = torch.rand(13, 2, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(13, m.hidden_size, generator=g).to(dtype)
+        assert m._quant_moe_args() is not None
+        fused = m._per_expert(x, weights, ids)
+        m._quant_moe_args = lambda: None  # the Python loop over experts
+        loop = m._per_expert(x, weights, ids)
+        del m._quant_moe_args
+        assert fused.dtype == dtype and torch.equal(fused, loop)
     ours = greedy(quant)
 
     write_weights(str(folder), progress=False)

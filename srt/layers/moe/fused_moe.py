@@ -146,8 +146,29 @@ class FusedMoE(nn.Module):
         """A quantized expert's gate-up ("gate_up") or down ("down") projection."""
         return cast(ReplicatedLinear, getattr(self, which)[local])
 
+    def _quant_moe_args(self) -> tuple | None:
+        """GGUF-block experts as the C++ quant_moe op takes them (every expert's segments flattened, with
+        their types and counts), or None where an expert is in another format or the kernels are absent."""
+        ops, lists = None, ([], [], [], [], [], [])
+        for e in range(self.num_local_experts):
+            for which, base in (("gate_up", 0), ("down", 3)):
+                method = self.expert_layer(which, e).quant_method
+                weights, types = getattr(method, "qweights", None), getattr(method, "qtypes", None)
+                ops = getattr(method, "ops", None)
+                if ops is None or not weights or not hasattr(ops, "quant_moe"):
+                    return None
+                lists[base].extend(weights)
+                lists[base + 1].extend(types)
+                lists[base + 2].append(len(weights))
+        return (ops, *lists)
+
     def _per_expert(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Quantized experts: each chosen expert over its tokens, summed in float32 in a fixed order."""
+        """Quantized experts: each chosen expert over its tokens, summed in float32 in a fixed order; GGUF
+        blocks on CPU in one C++ op (kernels/csrc/cpu_moe.cpp: quant_moe), the same kernels in the same order."""
+        compiling = torch.compiler.is_dynamo_compiling()
+        if x.device.type == "cpu" and x.dim() == 2 and not compiling and (args := self._quant_moe_args()) is not None:
+            ops, *lists = args
+            return ops.quant_moe(x, *lists, topk_weights, topk_ids)
         k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < self.num_local_experts), flat, self.num_local_experts)
