@@ -155,7 +155,7 @@ class FusedMoE(nn.Module):
                 method = self.expert_layer(which, e).quant_method
                 weights, types = getattr(method, "qweights", None), getattr(method, "qtypes", None)
                 ops = getattr(method, "ops", None)
-                if ops is None or not weights or not hasattr(ops, "quant_moe"):
+                if ops is None or not weights or types is None or not hasattr(ops, "quant_moe"):
                     return None
                 lists[base].extend(weights)
                 lists[base + 1].extend(types)
