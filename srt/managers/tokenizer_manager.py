@@ -565,6 +565,10 @@ class TokenizerManager:
                 if state.finished:
                     if self.log_requests:
                         self._log_finished(tok, out)
+                    if tok.session_id is not None:
+                        # before the answer leaves: a client's next turn may name this request at once, and
+                        # the `finally` below runs only when the caller closes this generator, maybe later
+                        self.sessions.finished(tok.session_id, tok.rid, state.output_ids)
                     yield out
                     return
                 if obj.stream:
