@@ -261,6 +261,50 @@ def print_model(m: dict, threads: int, args) -> None:
         )
 
 
+def plot_roofline(record: dict, path: str) -> None:
+    """The classic roofline of one record: attainable GFLOP/s against arithmetic intensity (FLOPs per
+    byte read), log-log; the memory slope and the GEMM peaks as roofs, each model figure as a point at
+    its intensity and the GFLOP/s it reached, labelled with its fraction of the limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw = max(float(v) for v in record["bandwidth_gb_s"].values())  # GB/s = GFLOP/s per FLOP/byte
+    peaks = {k: v for k, v in record["gemm_gflop_s"].items() if v}
+    model = record.get("model") or {}
+    figures = model.get("figures") or []
+    xs = [f["gflop_per_token"] * 1e9 / f["bytes_per_token"] for f in figures]
+    lo = min([0.1, *[x / 3 for x in xs]])
+    hi = max([10 * max(peaks.values()) / bw, *[x * 3 for x in xs]])
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    styles = {"bf16": "-", "fp32": ":", "int8": "--"}
+    for kind, peak in sorted(peaks.items(), key=lambda kv: -kv[1]):
+        ax.plot(grid, [min(bw * x, peak) for x in grid], styles.get(kind, "-"), color="0.35", lw=1.2)
+        ax.annotate(f"{kind} GEMM peak {peak:,.0f} GFLOP/s", (peak / bw * 1.1, peak), va="bottom", fontsize=8)
+    ax.annotate(f"memory {bw:.1f} GB/s", (lo * 1.15, bw * lo * 1.15), rotation=0, va="bottom", fontsize=8)
+    for f, x in zip(figures, xs):
+        y = f["measured_tok_s"] * f["gflop_per_token"]
+        label = f"{f['figure']}: {f['measured_tok_s']:,.0f} tok/s, {100 * f['fraction']:.0f}% of its limit"
+        ax.plot([x], [y], "o", ms=7, label=label)
+    if figures:
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte read)")
+    ax.set_ylabel("GFLOP/s")
+    cpu = record.get("cpu") or {}
+    name = os.path.basename(str(model.get("model_path", ""))) or "machine only"
+    ax.set_title(f"{cpu.get('model', 'CPU')}, {record.get('threads')} threads: {name} ({model.get('dtype', '')})",
+                 fontsize=9)  # fmt: skip
+    ax.grid(True, which="both", alpha=0.25)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
@@ -276,7 +320,14 @@ def main() -> None:
     p.add_argument("--gemm-size", type=int, default=2048, help="M = N = K of the GEMM peaks")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per machine measurement (best taken)")
     p.add_argument("--output-file", default=None, help="append one JSON record with every number")
+    p.add_argument("--plot", default=None, help="write the roofline plot (PNG) here")
+    p.add_argument("--plot-from", default=None, help="plot the last record of this --output-file; measure nothing")
     args = p.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            record = json.loads(f.read().strip().splitlines()[-1])
+        plot_roofline(record, args.plot or os.path.splitext(args.plot_from)[0] + ".png")
+        return
     logging.basicConfig(level=logging.WARNING)
     cpu = cpu_info()
     threads = args.threads or cpu["usable_cores"]
@@ -292,10 +343,13 @@ def main() -> None:
     print_machine(cpu, threads, bw, gemm, args)
     if model is not None:
         print_model(model, threads, args)
+    record = {"cpu": cpu, "threads": threads, "bandwidth_gb_s": bw, "gemm_gflop_s": gemm, "model": model}
     if args.output_file:
-        record = {"cpu": cpu, "threads": threads, "bandwidth_gb_s": bw, "gemm_gflop_s": gemm, "model": model}
         with open(args.output_file, "a") as f:
             f.write(json.dumps({**record, "args": vars(args)}, default=str) + "\n")
+    if args.plot:
+        plot_roofline(json.loads(json.dumps(record, default=str)), args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,15 @@ def test_machine_only(tmp_path):
     stdout, rec = run(tmp_path, "--skip-model")
     check_machine(stdout, rec)
     assert rec["model"] is None and "| figure |" not in stdout
+    # a recorded run plots without measuring anything
+    png = tmp_path / "machine.png"
+    subprocess.run(
+        [sys.executable, SCRIPT, "--plot-from", str(tmp_path / "roofline.jsonl"), "--plot", str(png)],
+        check=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tiny_model_figures(tmp_path, tiny_model_factory):
@@ -53,9 +62,10 @@ def test_tiny_model_figures(tmp_path, tiny_model_factory):
     stdout, rec = run(
         tmp_path,
         *("--model-path", path, "--dtype", "float32", "--prefill-len", "40", "--batch", "4"),
-        *("--input-len", "16", "--output-len", "4"),
+        *("--input-len", "16", "--output-len", "4", "--model-repeats", "1", "--plot", str(tmp_path / "r.png")),
     )
     check_machine(stdout, rec)
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG" and f"wrote {tmp_path / 'r.png'}" in stdout
     m = rec["model"]
     assert m["dtype"] == "float32" and m["peak_used"] == "fp32" and m["not_modelled"] == []
     # the config formula counts what HF's model holds in its linear layers
