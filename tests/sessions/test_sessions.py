@@ -5,8 +5,9 @@ and closing it releases it, and bad input is a 400 that names the field."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
-import requests
 from conftest import wait_until
 
 SP = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -125,26 +126,30 @@ def test_session_errors_in_an_open_session(server):
         assert r.status_code == 400 and "'missing' is not a request of session" in r.text
         r = server.post("/generate", {"input_ids": [5], "sampling_params": {"n": 2}, "session_params": {"id": sid}})
         assert r.status_code == 400 and "n = 2" in r.text
-        # a request still running cannot be continued yet
-        slow = requests.post(
-            server.url + "/generate",
-            json={
-                "input_ids": ids(9),
-                "rid": "slow",
-                "stream": True,
-                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
-                "session_params": {"id": sid},
-            },
-            stream=True,
-            timeout=120,
-        )
+        # a request still running cannot be continued yet: with generation paused in place (RL's
+        # pause_generation) the request is accepted and cannot finish, however fast the model
+        assert server.post("/pause_generation", {"mode": "in_place"}).status_code == 200
+        body = {
+            "input_ids": ids(9),
+            "rid": "slow",
+            "sampling_params": {"max_new_tokens": 64},
+            "session_params": {"id": sid},
+        }
+        slow = threading.Thread(target=lambda: server.post("/generate", body), daemon=True)
+        slow.start()
         try:
-            next(slow.iter_lines())
-            r = server.post("/generate", {"input_ids": [5], "session_params": {"id": sid, "rid": "slow"}})
-            assert r.status_code == 400 and "has not finished" in r.text
+            follow = {"input_ids": [5], "session_params": {"id": sid, "rid": "slow"}}
+
+            def known():  # the request joins the session when it is sent to the scheduler
+                r = server.post("/generate", follow)
+                return None if "is not a request of session" in r.text else (r,)
+
+            (r,) = wait_until(known, 30, what="the running request in the session")
+            assert r.status_code == 400 and "has not finished" in r.text, r.text
         finally:
+            server.post("/continue_generation", {})
             server.post("/abort_request", {"rid": "slow"})
-            slow.close()
+            slow.join(60)
     finally:
         server.post("/close_session", {"session_id": sid})
     s = idle_state(server)
