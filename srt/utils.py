@@ -39,6 +39,27 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
+def cpu_int8_tiles() -> int:
+    """When batches above the decode sizes multiply Q4_0 / Q4_1 / Q8_0 GGUF weights with int8
+    activations (kernels/csrc/cpu_qvnni.h, llama.cpp's numerics): 0 never, 1 for bf16 / fp16
+    activations, 2 for float32 ones too. 1 on AVX-512 VNNI CPUs without AMX (whose bf16 tiles are
+    faster), unless RADIXSERVE_CPU_ISA caps the kernels below avx512; RADIXSERVE_INT8_TILES=0 turns
+    them off, =1 on for every dtype (where the CPU has VNNI)."""
+    from kernels.cpu import cpu_flags, cpu_isa_cap
+
+    forced = os.environ.get("RADIXSERVE_INT8_TILES", "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"RADIXSERVE_INT8_TILES must be 0 or 1; got {forced!r}")
+    if forced == "0" or cpu_isa_cap() not in (None, "avx512", "avx512_bf16"):
+        return 0
+    flags = cpu_flags()
+    if "avx512_vnni" not in flags or "avx512bw" not in flags:
+        return 0
+    if forced == "1":
+        return 2
+    return 0 if "amx_int8" in flags else 1
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """`auto` is bfloat16 where the device multiplies bf16 fast, else float32."""
     import torch

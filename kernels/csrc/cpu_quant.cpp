@@ -25,6 +25,7 @@
 #include "cpu_bf16x2.h"
 #include "cpu_int8.h"
 #include "cpu_i16act.h"
+#include "cpu_qvnni.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -234,6 +235,10 @@ int best_isa() {
 std::atomic<int> g_isa{best_isa()};
 // Whether bf16 GEMMs are fast on this CPU (set from Python, which reads the CPU flags).
 std::atomic<bool> g_fast_bf16{false};
+// When batches above the decode sizes multiply Q4_0 / Q4_1 / Q8_0 weights with int8 activations
+// (cpu_qvnni.h): 0 never, 1 for bf16 / fp16 activations, 2 for float32 ones too. Set from Python
+// (1 on AVX-512 VNNI CPUs without AMX).
+std::atomic<int> g_int8_tiles{0};
 
 const char* isa_name(int isa) {
   switch (isa) {
@@ -820,12 +825,38 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   // weights are then rounded to bf16 like the dense bf16 path's; decode rows stay exact.
   const at::Tensor x16 =
       x.scalar_type() == at::kBFloat16 && m > kSmallM && g_fast_bf16.load() ? x.contiguous() : at::Tensor();
-  // The float copy of x, unless every weight is multiplied as bf16 tiles (a prefill chunk's copy is MBs).
-  bool need_float = !x16.defined();
+  // Batches above the decode sizes on AVX-512 VNNI without AMX: Q4_0 / Q4_1 / Q8_0 weights multiply
+  // int8 activations (cpu_qvnni.h), quantized once here for all such weights; float32 activations
+  // only when asked (mode 2), and the LM head (`exact`) keeps its activations.
+#if defined(RADIXSERVE_HAVE_QVNNI)
+  const int int8_mode = g_int8_tiles.load();
+  const bool int8_tiles = m > kSmallM && !exact && k % 32 == 0 && g_isa.load(std::memory_order_relaxed) >= AVX512 &&
+                          (int8_mode == 2 || (int8_mode == 1 && x.scalar_type() != at::kFloat));
+#else
+  const bool int8_tiles = false;
+#endif
+  auto takes_int8 = [&](int64_t qtype) { return int8_tiles && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0); };
+  // The float copy of x, unless every weight is multiplied as bf16 or int8 tiles (a prefill chunk's
+  // copy is MBs).
+  bool need_float = false;
   for (size_t i = 0; i < weights.size() && !need_float; ++i) {
     const int64_t qtype = qtypes[i];
-    need_float = qtype == W8A8 || qtype == F32 || qtype == F16 ||
+    if (takes_int8(qtype)) continue;
+    need_float = !x16.defined() || qtype == W8A8 || qtype == F32 || qtype == F16 ||
                  (qtype == BF16 && !(weights[i].scalar_type() == at::kBFloat16 && k % 32 == 0));
+  }
+  radixserve_qvnni::Acts qacts{nullptr, nullptr, nullptr, k, k / 32};
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> qds;
+  for (const int64_t qtype : qtypes) {
+    if (!takes_int8(qtype) || qacts.q != nullptr) continue;
+    if (static_cast<int64_t>(qx.size()) < m * k) qx.resize(m * k);
+    if (static_cast<int64_t>(qds.size()) < 2 * m * (k / 32)) qds.resize(2 * m * (k / 32));
+    const at::Tensor xc = x.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_blocks", [&] {
+      radixserve_qvnni::quantize(xc.data_ptr<scalar_t>(), m, k, qx.data(), qds.data(), qds.data() + m * (k / 32));
+    });
+    qacts = {qx.data(), qds.data(), qds.data() + m * (k / 32), k, k / 32};
   }
   const at::Tensor xf =
       !need_float ? at::Tensor() : x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
@@ -870,6 +901,16 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
       col += w.size(0);
       continue;
     }
+#if defined(RADIXSERVE_HAVE_QVNNI)
+    if (takes_int8(qtype)) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_tiles", [&] {
+        radixserve_qvnni::gemm<scalar_t>(qacts, m, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), qtype,
+                                         out.data_ptr<scalar_t>() + col, n_total);
+      });
+      col += w.size(0);
+      continue;
+    }
+#endif
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
       quant_matmul<scalar_t>(xp, m, k, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), qtype,
                              out.data_ptr<scalar_t>() + col, n_total, x16, exact);
@@ -935,8 +976,21 @@ bool quant_fast_bf16(bool enable) {
   return enable;
 }
 
+// When batches above the decode sizes multiply Q4_0 / Q4_1 / Q8_0 weights with int8 activations
+// (g_int8_tiles' modes); returns whether this build has the kernels (AVX-512 VNNI).
+bool quant_int8_tiles(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "quant_int8_tiles: mode is 0 (never), 1 (bf16 / fp16 activations) or 2 (all)");
+#if defined(RADIXSERVE_HAVE_QVNNI)
+  g_int8_tiles.store(static_cast<int>(mode));
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("quant_fast_bf16(bool enable) -> bool", &quant_fast_bf16);
+  m.def("quant_int8_tiles(int mode) -> bool", &quant_int8_tiles);
   m.def("quant_linear(Tensor x, Tensor[] weights, int[] qtypes, bool exact=False) -> Tensor");
   m.def("quant_dequantize(Tensor w, int qtype, int k) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor w, int qtype, int k, ScalarType dtype) -> Tensor");

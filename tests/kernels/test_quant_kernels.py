@@ -51,8 +51,9 @@ def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
 def float_tiles(ops):
     """Prefill-sized bf16 batches multiply float tiles unless `quant_fast_bf16` is on, which a GGUF
     model built earlier in this process turns on where the CPU has AMX / AVX512-BF16 (the kernel
-    mode is process-wide): these tests check the float path, and the bf16 tiles where they ask."""
+    mode is process-wide): these tests check the float path, and the bf16 or int8 tiles where they ask."""
     ops.quant_fast_bf16(False)
+    ops.quant_int8_tiles(0)
 
 
 def reference(x: torch.Tensor, blocks: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +230,79 @@ def test_bf16_tiles_hold_the_rounded_weights(ops, type_name):
     ulp = want.float().abs() * 2.0**-7 + 1e-30
     assert ((out.float() - want.float()).abs() <= ulp).all()
     assert (out == want).float().mean() > 0.99
+
+
+def int8_tiles_reference(x: torch.Tensor, blocks: np.ndarray, type_name: str):
+    """What the int8 tiles compute exactly: x quantized per block of 32 (d_x = max |x| / 127, q_x =
+    round(x / d_x) in float32, ties to even) times the dequantized weights, in float64; and the
+    float64 product of the unquantized x with its bound (|x| @ |W|.T)."""
+    w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64))
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    dx = amax / 127
+    xq = ((xf * inv).round().double() * dx.double()).reshape(x.shape)
+    half_step = (dx.double() / 2).expand(-1, -1, 32).reshape(x.shape)
+    return xq @ w.T, x.double() @ w.T, x.double().abs() @ w.abs().T, half_step @ w.abs().T
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_tiles(ops, type_name, dtype):
+    """Batches above the decode sizes on AVX-512 VNNI (without AMX) multiply Q4_0 / Q4_1 / Q8_0 weights
+    with x quantized to int8 per block of 32 (kernels/csrc/cpu_qvnni.h): the result is the quantized
+    x times the exact weights up to float32 summation over the blocks, so within the activation
+    rounding (each x moves by at most d_x / 2) of the float product. Row counts that are not a
+    multiple of the micro-kernel's 4 and weight rows that are not a multiple of its 32-row panels
+    included; the LM head (`exact`) keeps the path it had."""
+    if not ops.quant_int8_tiles(0):
+        pytest.skip("this CPU build has no AVX-512 VNNI")
+    if ops.quant_isa("") not in ("avx512", "avx512_bf16"):
+        pytest.skip("the kernels are capped below avx512")
+    qtype = int(GGMLQuantizationType[type_name])
+    k = 512
+    blocks = random_blocks(type_name, 70, k, seed=7)
+    x = torch.randn(43, k, generator=torch.Generator().manual_seed(9)).to(dtype)
+    x[3, 64:96] = 0  # an all-zero block
+    xq_ref, ref, bound, act = int8_tiles_reference(x, blocks, type_name)
+    try:
+        ops.quant_int8_tiles(2)
+        out = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+        exact_path = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype], True)
+        ops.quant_int8_tiles(1)  # bf16 / fp16 activations only
+        mode1 = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+    finally:
+        ops.quant_int8_tiles(0)
+    assert out.dtype == dtype and out.shape == (43, 70)
+    rounding = xq_ref.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0
+    tol = 2 * (k // 32) * 2.0**-24 * (bound + act) + 1e-6 + rounding
+    assert ((out.double() - xq_ref).abs() <= tol).all(), (out.double() - xq_ref).abs().max()
+    assert ((out.double() - ref).abs() <= tol + act).all()
+    assert not torch.equal(out, exact_path)  # the LM head's float tiles
+    assert torch.equal(mode1, out) == (dtype == torch.bfloat16)  # float32 keeps its float tiles in mode 1
+    check(exact_path, ref, bound, k, bf16=dtype == torch.bfloat16)
+
+
+def test_int8_tiles_choice(monkeypatch):
+    """RADIXSERVE_INT8_TILES: 0 turns the int8 tiles off, 1 on for float32 activations too (where the
+    CPU has VNNI), anything else is an error naming the variable; unset, they serve bf16 / fp16
+    activations on AVX-512 VNNI CPUs without AMX."""
+    from kernels.cpu import cpu_flags
+    from srt.utils import cpu_int8_tiles
+
+    vnni = {"avx512_vnni", "avx512bw"} <= cpu_flags()
+    monkeypatch.delenv("RADIXSERVE_CPU_ISA", raising=False)
+    monkeypatch.setenv("RADIXSERVE_INT8_TILES", "0")
+    assert cpu_int8_tiles() == 0
+    monkeypatch.setenv("RADIXSERVE_INT8_TILES", "1")
+    assert cpu_int8_tiles() == (2 if vnni else 0)
+    monkeypatch.setenv("RADIXSERVE_INT8_TILES", "yes")
+    with pytest.raises(ValueError, match="RADIXSERVE_INT8_TILES must be 0 or 1; got 'yes'"):
+        cpu_int8_tiles()
+    monkeypatch.delenv("RADIXSERVE_INT8_TILES")
+    assert cpu_int8_tiles() == (1 if vnni and "amx_int8" not in cpu_flags() else 0)
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "avx2")
+    assert cpu_int8_tiles() == 0
 
 
 def test_stacked_segments_of_mixed_types(ops):

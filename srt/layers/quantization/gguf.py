@@ -194,12 +194,13 @@ class GGUFConfig(QuantizationConfig):
     """`--quantization gguf`: every linear layer, the embedding and the LM head keep the file's types."""
 
     def __init__(self, ops, dtype: torch.dtype):
-        from srt.utils import cpu_has_fast_bf16
+        from srt.utils import cpu_has_fast_bf16, cpu_int8_tiles
 
         self.ops = ops
         self.dtype = dtype
         register_fake_ops()
         ops.quant_fast_bf16(cpu_has_fast_bf16())
+        ops.quant_int8_tiles(cpu_int8_tiles())
 
     @classmethod
     def get_name(cls) -> str:

@@ -1,0 +1,232 @@
+// Batched products of 4- and 8-bit GGUF weights (Q4_0, Q4_1, Q8_0) on AVX-512 VNNI without AMX:
+// int8 activations times the weights' integer quants (included by cpu_quant.cpp).
+//
+// For batches above the decode sizes the bf16 tiles (dequantize a tile of weights to bf16, one bf16
+// GEMM per tile) reach about 60 % of the bf16 peak at M = 64 on Zen 4, and the bf16 peak is half
+// the int8 one (vpdpbusd multiplies 64 byte pairs per instruction, vdpbf16ps 32 bf16 pairs). Here:
+//  - each row of x is quantized per block of 32 like llama.cpp's Q8 activations: d_x = max |x| / 127,
+//    q_x = round(x / d_x), s_x = d_x * sum(q_x);
+//  - each thread unpacks a panel of 32 weight rows into unsigned bytes in the VNNI order
+//    ([block][4 inputs][32 rows][4 bytes]: one zmm holds 4 consecutive inputs of 16 rows) with the
+//    rows' per-block scale d_w and offset term m_w, once per call, and runs every row of x over it;
+//  - w = d_w * u + m_w / 128 ... in one form for the three types: with u the unsigned quant,
+//      Q4_1: w = d * u + m          (u = q,        m_w = m)
+//      Q4_0: w = d * (u - 8)        (u = q,        m_w = -8 d)
+//      Q8_0: w = d * (u - 128)      (u = q + 128,  m_w = -128 d)
+//    so a block contributes d_w * d_x * sum(u * q_x) + m_w * s_x (the offset term sees the same
+//    quantized x as the integer sum, which makes the Q4_0 / Q8_0 offsets cancel exactly);
+//  - the micro-kernel keeps 4 rows x 32 columns of int32 block sums and float accumulators in
+//    registers: per block, 8 x 8 vpdpbusd with the activations broadcast from memory, then one
+//    conversion and two FMAs per accumulator.
+// The block sums are exact integers; the result differs from x @ dequantize(W).T by the activation
+// rounding (each x moves by at most d_x / 2) and float32 summation over the blocks.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define RADIXSERVE_HAVE_QVNNI 1
+#endif
+
+namespace radixserve_qvnni {
+
+constexpr int64_t kPanel = 32;        // weight rows per panel (two zmm of 16 int32 lanes)
+constexpr int64_t kBlockBytes = 1024;  // one block of a panel: 32 inputs x 32 rows as bytes
+constexpr int kRows = 4;               // x rows per micro-kernel pass
+
+// Quantized activations: q [m][k], per block d [m][nb] and s [m][nb].
+struct Acts {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t k, nb;
+};
+
+inline float half_bits(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// Rows of x (float or bf16) [m, k] to per-block int8 (k a multiple of 32).
+template <typename T>
+void quantize(const T* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
+  const int64_t nb = k / 32;
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    float v[32];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const T* xb = x + r * k + b * 32;
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int i = 0; i < 32; ++i) {
+          v[i] = static_cast<float>(xb[i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float db = amax / 127.f;
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* qb = q + r * k + b * 32;
+        int sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < 32; ++i) {
+          const int u = static_cast<int>(std::nearbyint(v[i] * inv));
+          qb[i] = static_cast<int8_t>(u);
+          sum += u;
+        }
+        d[r * nb + b] = db;
+        s[r * nb + b] = db * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+// Unpacks weight rows [n0, n0 + rows) (rows <= 32; the panel's other rows are zero) of type
+// qtype (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) into panel [nb][8][32][4] bytes, dw / mw [nb][32].
+inline void pack_panel(const uint8_t* wp, int64_t row_bytes, int64_t qtype, int64_t n0, int64_t rows, int64_t nb,
+                       uint8_t* panel, float* dw, float* mw) {
+  if (rows < kPanel) {
+    std::memset(panel, 0, nb * kBlockBytes);
+    std::fill(dw, dw + nb * kPanel, 0.f);
+    std::fill(mw, mw + nb * kPanel, 0.f);
+  }
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint8_t* row = wp + (n0 + j) * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(panel + b * kBlockBytes) + j;  // quad t at dst[t * 32]
+      if (qtype == 8) {  // Q8_0: fp16 d, 32 int8
+        const uint8_t* blk = row + b * 34;
+        const float d = half_bits(blk);
+        uint32_t w[8];
+        std::memcpy(w, blk + 2, 32);
+        for (int t = 0; t < 8; ++t) dst[t * 32] = w[t] ^ 0x80808080u;
+        dw[b * kPanel + j] = d;
+        mw[b * kPanel + j] = -128.f * d;
+      } else {
+        const bool q41 = qtype == 3;
+        const uint8_t* blk = row + b * (q41 ? 20 : 18);
+        const float d = half_bits(blk);
+        uint32_t w[4];
+        std::memcpy(w, blk + (q41 ? 4 : 2), 16);
+        for (int t = 0; t < 4; ++t) {
+          dst[t * 32] = w[t] & 0x0F0F0F0Fu;              // inputs 4t .. 4t + 3: low nibbles
+          dst[(t + 4) * 32] = (w[t] >> 4) & 0x0F0F0F0Fu;  // inputs 16 + 4t ..: high nibbles
+        }
+        dw[b * kPanel + j] = d;
+        mw[b * kPanel + j] = q41 ? half_bits(blk + 2) : -8.f * d;
+      }
+    }
+  }
+}
+
+#if defined(RADIXSERVE_HAVE_QVNNI)
+template <typename out_t>
+inline void store16(out_t* dst, __m512 v, int valid) {
+  if constexpr (std::is_same<out_t, float>::value) {
+    if (valid >= 16)
+      _mm512_storeu_ps(dst, v);
+    else
+      _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << valid) - 1), v);
+  } else {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, v);
+    for (int i = 0; i < std::min(valid, 16); ++i) dst[i] = static_cast<out_t>(tmp[i]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* dst, __m512 v, int valid) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
+  if (valid >= 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+  else
+    _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << valid) - 1), h);
+}
+#endif
+
+// out[r, 0:valid] for x rows r0 .. r0 + R - 1 against one packed panel.
+template <int R, typename out_t>
+void panel_rows(const uint8_t* panel, const float* dw, const float* mw, const Acts& a, int64_t r0, out_t* out,
+                int64_t ldo, int valid) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int8_t* xq = a.q + r0 * a.k;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512i is[R][2];
+    for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = _mm512_setzero_si512();
+    const uint8_t* pb = panel + b * kBlockBytes;
+    const int8_t* xb = xq + b * 32;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i w0 = _mm512_loadu_si512(pb + t * 128);
+      const __m512i w1 = _mm512_loadu_si512(pb + t * 128 + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xb + r * a.k + t * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(quad);
+        is[r][0] = _mm512_dpbusd_epi32(is[r][0], w0, xv);
+        is[r][1] = _mm512_dpbusd_epi32(is[r][1], w1, xv);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(dw + b * kPanel), d1 = _mm512_loadu_ps(dw + b * kPanel + 16);
+    const __m512 m0 = _mm512_loadu_ps(mw + b * kPanel), m1 = _mm512_loadu_ps(mw + b * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * a.nb + b]);
+      const __m512 sx = _mm512_set1_ps(a.s[(r0 + r) * a.nb + b]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][0]), _mm512_mul_ps(d0, dx), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r][1]), _mm512_mul_ps(d1, dx), acc[r][1]);
+      acc[r][0] = _mm512_fmadd_ps(m0, sx, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(m1, sx, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store16(out + (r0 + r) * ldo, acc[r][0], valid);
+    if (valid > 16) store16(out + (r0 + r) * ldo + 16, acc[r][1], valid - 16);
+  }
+}
+
+// out[:, 0:n] (row stride ldo) = x @ W.T for the quantized activations a (m rows) and the n weight
+// rows at wp. Threads take whole panels; each packs its panel once and runs all m rows over it.
+template <typename out_t>
+void gemm(const Acts& a, int64_t m, const uint8_t* wp, int64_t n, int64_t row_bytes, int64_t qtype, out_t* out,
+          int64_t ldo) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> pbuf;
+    thread_local std::vector<float> sbuf;
+    if (static_cast<int64_t>(pbuf.size()) < a.nb * kBlockBytes) pbuf.resize(a.nb * kBlockBytes);
+    if (static_cast<int64_t>(sbuf.size()) < 2 * a.nb * kPanel) sbuf.resize(2 * a.nb * kPanel);
+    uint8_t* panel = pbuf.data();
+    float* dw = sbuf.data();
+    float* mw = dw + a.nb * kPanel;
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, rows = std::min(kPanel, n - n0);
+      pack_panel(wp, row_bytes, qtype, n0, rows, a.nb, panel, dw, mw);
+      const int valid = static_cast<int>(rows);
+      int64_t r = 0;
+      for (; r + kRows <= m; r += kRows) panel_rows<kRows>(panel, dw, mw, a, r, out + n0, ldo, valid);
+      switch (m - r) {
+        case 3: panel_rows<3>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
+        case 2: panel_rows<2>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
+        case 1: panel_rows<1>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif  // RADIXSERVE_HAVE_QVNNI
+
+}  // namespace radixserve_qvnni
