@@ -61,6 +61,32 @@ inline float half_bits(const uint8_t* p) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
+#if defined(RADIXSERVE_HAVE_QVNNI)
+// 16 values at p as floats.
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16f(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One block of 32 values: the scalar loop's arithmetic (the conversion rounds to nearest even, as
+// nearbyint does), in registers.
+template <typename T>
+inline void quantize_block(const T* xb, int8_t* qb, float* d, float* s) {
+  const __m512 a = load16f(xb), b = load16f(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb16 = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(qb16));
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb16)));
+}
+#endif
+
 // Rows of x (float or bf16) [m, k] to per-block int8 (k a multiple of 32).
 template <typename T>
 void quantize(const T* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
@@ -70,6 +96,12 @@ void quantize(const T* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
         const T* xb = x + r * k + b * 32;
+#if defined(RADIXSERVE_HAVE_QVNNI)
+        if constexpr (!std::is_same<T, double>::value) {
+          quantize_block(xb, q + r * k + b * 32, d + r * nb + b, s + r * nb + b);
+          continue;
+        }
+#endif
         float amax = 0.f;
 #pragma omp simd reduction(max : amax)
         for (int i = 0; i < 32; ++i) {
@@ -93,10 +125,54 @@ void quantize(const T* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
   });
 }
 
+#if defined(RADIXSERVE_HAVE_QVNNI)
+// pack_panel for 16 whole rows (panel rows j0 .. j0 + 15): per block, each 4-byte group of the 16
+// rows is one gather.
+inline void pack_16_rows(const uint8_t* rows0, int64_t row_bytes, int64_t qtype, int64_t nb, int64_t j0,
+                         uint8_t* panel, float* dw, float* mw) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  const int64_t bs = qtype == 8 ? 34 : qtype == 3 ? 20 : 18;
+  const int64_t qoff = qtype == 3 ? 4 : 2;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = rows0 + b * bs;
+    uint8_t* dst = panel + b * kBlockBytes + j0 * 4;  // quad t at dst + t * 128
+    const __m512i head = _mm512_i32gather_epi32(idx, blk, 1);  // fp16 d (and Q4_1's fp16 m)
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    _mm512_storeu_ps(dw + b * kPanel + j0, d);
+    if (qtype == 8) {
+      _mm512_storeu_ps(mw + b * kPanel + j0, _mm512_mul_ps(d, _mm512_set1_ps(-128.f)));
+      const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));
+      for (int t = 0; t < 8; ++t) {
+        const __m512i g = _mm512_i32gather_epi32(idx, blk + qoff + 4 * t, 1);
+        _mm512_storeu_si512(dst + t * 128, _mm512_xor_si512(g, flip));
+      }
+    } else {
+      const __m512 m = qtype == 3 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
+                                  : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+      _mm512_storeu_ps(mw + b * kPanel + j0, m);
+      for (int t = 0; t < 4; ++t) {
+        const __m512i g = _mm512_i32gather_epi32(idx, blk + qoff + 4 * t, 1);
+        _mm512_storeu_si512(dst + t * 128, _mm512_and_si512(g, nib));
+        _mm512_storeu_si512(dst + (t + 4) * 128, _mm512_and_si512(_mm512_srli_epi32(g, 4), nib));
+      }
+    }
+  }
+}
+#endif
+
 // Unpacks weight rows [n0, n0 + rows) (rows <= 32; the panel's other rows are zero) of type
 // qtype (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) into panel [nb][8][32][4] bytes, dw / mw [nb][32].
 inline void pack_panel(const uint8_t* wp, int64_t row_bytes, int64_t qtype, int64_t n0, int64_t rows, int64_t nb,
                        uint8_t* panel, float* dw, float* mw) {
+#if defined(RADIXSERVE_HAVE_QVNNI)
+  if (rows == kPanel && row_bytes * 16 < (int64_t{1} << 31)) {
+    pack_16_rows(wp + n0 * row_bytes, row_bytes, qtype, nb, 0, panel, dw, mw);
+    pack_16_rows(wp + (n0 + 16) * row_bytes, row_bytes, qtype, nb, 16, panel, dw, mw);
+    return;
+  }
+#endif
   if (rows < kPanel) {
     std::memset(panel, 0, nb * kBlockBytes);
     std::fill(dw, dw + nb * kPanel, 0.f);
@@ -219,6 +295,8 @@ void gemm(const Acts& a, int64_t m, const uint8_t* wp, int64_t n, int64_t row_by
       int64_t r = 0;
       for (; r + kRows <= m; r += kRows) panel_rows<kRows>(panel, dw, mw, a, r, out + n0, ldo, valid);
       switch (m - r) {
+        case 5: panel_rows<5>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
+        case 4: panel_rows<4>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
         case 3: panel_rows<3>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
         case 2: panel_rows<2>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
         case 1: panel_rows<1>(panel, dw, mw, a, r, out + n0, ldo, valid); break;
