@@ -502,10 +502,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_q", [&] {
       const scalar_t* qp = q.data_ptr<scalar_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
-      at::parallel_for(0, batch * kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+      // Threads take contiguous ranges of the task order; requests later in a batch are usually the
+      // younger, shorter ones, so the order is zigzag (first, last, second, second to last, ...) and
+      // each range gets a share of long and short contexts.
+      const int64_t tasks = batch * kv_heads * splits;
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(group * d), scores;
         std::vector<int64_t> limit(group);
-        for (int64_t task = begin; task < end; ++task) {
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t task = p % 2 == 0 ? p / 2 : tasks - 1 - p / 2;
           const int64_t b = task / (kv_heads * splits), h = (task / splits) % kv_heads, s = task % splits;
           const int64_t len = pages.seq_len(b), chunk = (len + splits - 1) / splits;
           const int64_t lo = std::min(len, s * chunk), hi = std::min(len, lo + chunk);
