@@ -19,7 +19,10 @@ Each figure's limit is the lower of two rooflines:
                                                         where its logits are computed) + attention
 
 Batch-1 decode is bound by memory, prefill and wide decode by compute; the table says which bound
-applies. The compute peak is bf16's when the model runs in bfloat16, else fp32's. FLOPs come from the
+applies. The compute peak is bf16's when the model runs in bfloat16, else fp32's; where the layers'
+GGUF weights run on the int8 tiles (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI without AMX,
+docs/quantization.md), their FLOPs take the int8 peak and the rest (LM head, attention) that one, so a
+compute limit is FLOPs / (layer FLOPs / int8 peak + other FLOPs / peak). FLOPs come from the
 config of a dense model (MoE experts and MLA latents are not modelled: a warning says so).
 """
 
@@ -127,6 +130,16 @@ def weights_read_per_step(runner: ModelRunner) -> int:
     return total
 
 
+def int8_tile_layers(runner) -> bool:
+    """Whether the model's linear layers run on the int8 tiles at prefill and wide-decode sizes."""
+    from srt.utils import cpu_int8_tiles
+
+    formats = str(runner.weight_report.get("formats", {}).get("linear", ""))
+    mode = cpu_int8_tiles()
+    dtype_ok = mode == 2 or (mode == 1 and runner.dtype in (torch.bfloat16, torch.float16))
+    return dtype_ok and bool(formats) and set(formats.split("+")) <= {"Q4_0", "Q4_1", "Q8_0"}
+
+
 def figure(name, measured, bw_gb_s, peak_gflop_s, weights_step, tokens_per_step, kv_token, flops_token) -> dict:
     """One figure against both rooflines; the lower one is its limit."""
     bytes_token = weights_step / tokens_per_step + kv_token
@@ -171,6 +184,9 @@ def bench_model(args, bw_gb_s: float, gemm: dict) -> dict:
     peak_kind = "bf16" if bf16 else "fp32"
     peak = gemm[peak_kind]
     assert peak is not None, f"no {peak_kind} GEMM peak"
+    layers_int8 = int8_tile_layers(runner) and gemm.get("int8") is not None
+    if layers_int8:
+        peak_kind = f"int8 (layers) + {peak_kind} (LM head, attention)"
     weights = weights_read_per_step(runner)
     kv_per_ctx = runner.kv_bytes_per_token  # 2 (K, V) * layers * kv heads * head dim * bytes per value
 
@@ -182,19 +198,35 @@ def bench_model(args, bw_gb_s: float, gemm: dict) -> dict:
     decode_flops = 2 * (params["layers"] + params["lm_head"]) + attn_flops(decode_ctx)
     # a prefill computes logits of its last token only
     prefill_flops = 2 * params["layers"] + 2 * params["lm_head"] / args.prefill_len + attn_flops(prefill_ctx)
+
+    def peak_for(flops: float) -> float:  # the effective peak of a token's FLOPs
+        if not layers_int8:
+            return peak
+        layer_flops = 2 * params["layers"]
+        return flops / (layer_flops / gemm["int8"] + (flops - layer_flops) / peak)
+
     figures = [
         figure(
             "batch-1 decode",
             speeds["decode_tok_s"][1],
             bw_gb_s,
-            peak,
+            peak_for(decode_flops),
             weights,
             1,
             kv_per_ctx * decode_ctx,
             decode_flops,
         ),
         # prefill writes its KV once; attention reads it from cache-resident blocks
-        figure("prefill", speeds["prefill_tok_s"], bw_gb_s, peak, weights, args.prefill_len, kv_per_ctx, prefill_flops),
+        figure(
+            "prefill",
+            speeds["prefill_tok_s"],
+            bw_gb_s,
+            peak_for(prefill_flops),
+            weights,
+            args.prefill_len,
+            kv_per_ctx,
+            prefill_flops,
+        ),
     ]
     if args.batch != 1:
         figures.append(
@@ -202,7 +234,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict) -> dict:
                 f"batch-{args.batch} decode",
                 speeds["decode_tok_s"][args.batch],
                 bw_gb_s,
-                peak,
+                peak_for(decode_flops),
                 weights,
                 args.batch,
                 kv_per_ctx * decode_ctx,
