@@ -40,11 +40,12 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def cpu_int8_tiles() -> int:
-    """When batches above the decode sizes multiply Q4_0 / Q4_1 / Q8_0 GGUF weights with int8
-    activations (kernels/csrc/cpu_qvnni.h, llama.cpp's numerics): 0 never, 1 for bf16 / fp16
-    activations, 2 for float32 ones too. 1 on AVX-512 VNNI CPUs without AMX (whose bf16 tiles are
-    faster), unless RADIXSERVE_CPU_ISA caps the kernels below avx512; RADIXSERVE_INT8_TILES=0 turns
-    them off, =1 on for every dtype (where the CPU has VNNI)."""
+    """When GGUF weights multiply int8 activations (kernels/csrc/cpu_qvnni.h, llama.cpp's numerics):
+    Q4_0 / Q4_1 / Q8_0 in batches above the decode sizes (int8 tiles), and Q4_0 / Q4_1 at decode
+    sizes on CPUs with AVX-512 VBMI as well (one streaming pass per weight row). 0 never, 1 for
+    bf16 / fp16 activations, 2 for float32 ones too. 1 on AVX-512 VNNI CPUs without AMX (whose bf16
+    tiles are faster), unless RADIXSERVE_CPU_ISA caps the kernels below avx512;
+    RADIXSERVE_INT8_TILES=0 turns them off, =1 on for every dtype (where the CPU has VNNI)."""
     from kernels.cpu import cpu_flags, cpu_isa_cap
 
     forced = os.environ.get("RADIXSERVE_INT8_TILES", "").strip()

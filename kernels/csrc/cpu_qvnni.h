@@ -27,6 +27,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -305,6 +306,188 @@ void gemm(const Acts& a, int64_t m, const uint8_t* wp, int64_t n, int64_t row_by
     }
   });
 }
+
+// ---- decode sizes (a few rows of x): one pass over each weight row, no packing ----
+//
+// At M <= 24 a panel would be packed for a handful of rows; instead each weight row is read once
+// and multiplied with every row of x as it streams by. Four blocks (128 weights) at a time: two
+// 64-byte loads cover the group (Q4_0: 72 bytes, Q4_1: 80), one vpermt2b gathers its 64 quant bytes
+// as [A | B | C | D] (16 each), a shift and two masks split them into the low nibbles (each block's
+// weights 0..15) and the high ones (16..31), and two vpdpbusd multiply them with x's bytes laid out
+// to match; lane l of the int32 sums then belongs to block l / 4. The blocks' fp16 scales are in the
+// first load: one vpermw spreads them over those lanes. About 20 instructions per 128 weights,
+// against about 45 for the bf16 products (cpu_bf16x2.h), so the 4-bit GEMV of a 2-core Zen 4 is
+// bounded by memory rather than by instructions.
+//
+// Per block the same terms as the tiles': the exact int32 sum(u * q_x) times d_w * d_x, plus the
+// offset term m_w * s_x (Q4_0: m_w = -8 d_w; Q4_1: m), in float; the blocks are summed per lane and
+// the 16 lanes at the end, so a row's result differs from the tiles' by float32 rounding only, and
+// does not depend on the number of threads or on the other rows of x.
+//
+// Two-core Zen 4, weights streamed from memory, 2 threads (`torch.sum` reads 28-31 GB/s, a plain
+// AVX-512 read loop 38): Q4_0 at K = 4096 and 14336 and Q4_1 at K = 576 and 1536 run at 37-44 GB/s,
+// against 26-32 for the bf16 products; an 8B model's down projection (K = 14336) 41 against 27.
+#if defined(__AVX512VBMI__)
+#define RADIXSERVE_HAVE_QVNNI_GEMV 1
+
+constexpr int kGemvRows = 4;  // rows of x per pass over a weight row
+
+// Activations in the group layout, per row of x and group of 4 blocks: 128 bytes of q_x ([A 0..15 |
+// B 0..15 | C 0..15 | D 0..15] then the same for inputs 16..31) and 8 floats: the 4 blocks' d_x,
+// then their s_x / 4 (each block's weights' offset term m_w * s_x is added over its 4 lanes).
+// 1.25 bytes an input: a long row's activations (K = 14336, 8B models' down projection) mostly stay
+// in L1 beside the weights streaming through it (with the offsets as 16 int32 and d_x per lane, 2
+// bytes an input, that row ran at half the bandwidth).
+struct GroupActs {
+  const int8_t* q;   // [m][groups][128]
+  const float* ds;   // [m][groups][8]
+  int64_t groups;
+};
+
+inline int64_t groups_for(int64_t k) { return (k / 32 + 3) / 4; }
+
+// Row r of the quantized activations a (q, d, s) into the group layout (missing blocks of the last
+// group are zeros).
+inline void group_row(const Acts& a, int64_t r, int8_t* q, float* ds) {
+  const int64_t nb = a.nb, groups = groups_for(a.k);
+  const int8_t* xq = a.q + r * a.k;
+  for (int64_t g = 0; g < groups; ++g) {
+    int8_t* qg = q + g * 128;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t b = 4 * g + j;
+      if (b < nb) {
+        std::memcpy(qg + 16 * j, xq + 32 * b, 16);
+        std::memcpy(qg + 64 + 16 * j, xq + 32 * b + 16, 16);
+      } else {
+        std::memset(qg + 16 * j, 0, 16);
+        std::memset(qg + 64 + 16 * j, 0, 16);
+      }
+      ds[g * 8 + j] = b < nb ? a.d[r * nb + b] : 0.f;
+      ds[g * 8 + 4 + j] = b < nb ? a.s[r * nb + b] * 0.25f : 0.f;  // four lanes per block: exact
+    }
+  }
+}
+
+// The byte and word indices of one group: the 64 quant bytes from the two loads (at 0 and at
+// kSecond), the blocks' d (and Q4_1's m) words from the first.
+template <bool HAS_MIN>
+struct GroupIndex {
+  static constexpr int64_t kBytes = HAS_MIN ? 20 : 18, kQoff = HAS_MIN ? 4 : 2, kSecond = 4 * kBytes - 64;
+  __m512i qidx, didx, midx;
+  GroupIndex() {
+    alignas(64) uint8_t qi[64];
+    alignas(64) uint16_t di[32], mi[32];
+    for (int t = 0; t < 64; ++t) {
+      const int64_t off = (t / 16) * kBytes + kQoff + t % 16;
+      qi[t] = static_cast<uint8_t>(off < 64 ? off : 64 + off - kSecond);
+    }
+    for (int l = 0; l < 32; ++l) {
+      di[l] = static_cast<uint16_t>(((l % 16) / 4) * kBytes / 2);
+      mi[l] = static_cast<uint16_t>(di[l] + 1);
+    }
+    qidx = _mm512_load_si512(qi);
+    didx = _mm512_load_si512(di);
+    midx = _mm512_load_si512(mi);
+  }
+};
+
+// out[c] += nothing; res[r] = row . x_r for the R rows of x at r0 (group layout), one weight row of
+// Q4_0 / Q4_1 blocks (nb of them, row_bytes long).
+// Weight rows [j0, j1) of Q4_0 / Q4_1 blocks (nb of them, row_bytes apart from wp) times the R rows of
+// x at r0 (group layout): out[(r0 + r) * ldo + j]. Each row is one pass over its groups with R float
+// accumulators (lane l: block l / 4 of each group, summed in group order), reduced at its end.
+template <bool HAS_MIN, int R, typename out_t>
+void gemv_range(const uint8_t* wp, int64_t row_bytes, int64_t j0, int64_t j1, int64_t nb, const GroupActs& x,
+                int64_t r0, out_t* out, int64_t ldo) {
+  using Ix = GroupIndex<HAS_MIN>;
+  static const Ix ix;
+  const __m512i qidx = ix.qidx, didx = ix.didx, midx = ix.midx;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i spread_s = _mm512_add_epi32(spread, _mm512_set1_epi32(4));
+  const int64_t full = nb / 4, groups = x.groups;
+  // the last group's bytes when it is partial: masked loads (never read past the row; missing blocks are zeros)
+  const auto mask = [](int64_t n) { return n >= 64 ? ~__mmask64{0} : n <= 0 ? __mmask64{0} : (__mmask64{1} << n) - 1; };
+  const int64_t tail = (nb - 4 * full) * Ix::kBytes;
+  const __mmask64 m0 = mask(tail), m1 = mask(tail - Ix::kSecond);
+  const int8_t* xq = x.q + r0 * groups * 128;
+  const float* xs = x.ds + r0 * groups * 8;
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* row = wp + j * row_bytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = row + g * 4 * Ix::kBytes;
+      __m512i z0, z1;
+      if (g < full) {
+        // far ahead and non-temporal: long rows' activations (up to 17.5 KB) stay in L1 (K = 14336:
+        // 35 GB/s on a 2-core Zen 4 against 25 without)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_NTA);
+        z0 = _mm512_loadu_si512(p);
+        z1 = _mm512_loadu_si512(p + Ix::kSecond);
+      } else {
+        z0 = _mm512_maskz_loadu_epi8(m0, p);
+        z1 = _mm512_maskz_loadu_epi8(m1, p + Ix::kSecond);
+      }
+      const __m512i q = _mm512_permutex2var_epi8(z0, qidx, z1);
+      const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+      const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, z0)));
+      // the offset term's m_w: Q4_1's m, Q4_0's -8 d
+      const __m512 mw = HAS_MIN ? _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(midx, z0)))
+                                : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qg = xq + (r * groups + g) * 128;
+        __m512i is = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(qg));
+        is = _mm512_dpbusd_epi32(is, hi, _mm512_loadu_si512(qg + 64));
+        const __m512 ds = _mm512_castps256_ps512(_mm256_loadu_ps(xs + (r * groups + g) * 8));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw, _mm512_permutexvar_ps(spread, ds)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_permutexvar_ps(spread_s, ds), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + j] = static_cast<out_t>(_mm512_reduce_add_ps(acc[r]));
+  }
+}
+
+template <bool HAS_MIN, typename out_t>
+void gemv_range_rows(int rows, const uint8_t* wp, int64_t row_bytes, int64_t j0, int64_t j1, int64_t nb,
+                     const GroupActs& x, int64_t r0, out_t* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return gemv_range<HAS_MIN, 1>(wp, row_bytes, j0, j1, nb, x, r0, out, ldo);
+    case 2: return gemv_range<HAS_MIN, 2>(wp, row_bytes, j0, j1, nb, x, r0, out, ldo);
+    case 3: return gemv_range<HAS_MIN, 3>(wp, row_bytes, j0, j1, nb, x, r0, out, ldo);
+    default: return gemv_range<HAS_MIN, 4>(wp, row_bytes, j0, j1, nb, x, r0, out, ldo);
+  }
+}
+
+// out[:, 0:n] (row stride ldo) = x @ W.T for m <= 24 rows of x in the group layout and the n
+// Q4_0 / Q4_1 (qtype 2 / 3) weight rows at wp. The rows go in chunks of about 128 KB of weights that
+// the threads take from a shared counter: a thread slowed down (a shared machine's other load, an
+// interrupt) holds up no other at the end of the call, as equal halves did (8-9 % of a 2-thread 8B
+// decode step was spent waiting there). A row's sum is one thread's, whichever, so the result does
+// not depend on the number of threads.
+template <typename out_t>
+void gemv(const GroupActs& x, int64_t m, int64_t k, const uint8_t* wp, int64_t n, int64_t row_bytes, int64_t qtype,
+          out_t* out, int64_t ldo) {
+  const int64_t nb = k / 32;
+  const bool has_min = qtype == 3;
+  const int64_t chunk = std::max<int64_t>(4, (int64_t{128} << 10) / row_bytes), chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t j0 = c * chunk, j1 = std::min(n, j0 + chunk);
+      for (int64_t r = 0; r < m; r += kGemvRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kGemvRows, m - r));
+        if (has_min)
+          gemv_range_rows<true>(rows, wp, row_bytes, j0, j1, nb, x, r, out, ldo);
+        else
+          gemv_range_rows<false>(rows, wp, row_bytes, j0, j1, nb, x, r, out, ldo);
+      }
+    }
+  });
+}
+#endif  // __AVX512VBMI__
 #endif  // RADIXSERVE_HAVE_QVNNI
 
 }  // namespace radixserve_qvnni

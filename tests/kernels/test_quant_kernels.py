@@ -283,6 +283,63 @@ def test_int8_tiles(ops, type_name, dtype):
     check(exact_path, ref, bound, k, bf16=dtype == torch.bfloat16)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [160, 576, 14336])
+def test_int8_decode(ops, type_name, k):
+    """Decode sizes (M <= 24) in the int8 mode on AVX-512 VNNI + VBMI CPUs: Q4_0 / Q4_1 rows stream once
+    through vpdpbusd with x quantized per block of 32, as the tiles do (kernels/csrc/cpu_qvnni.h: gemv), so
+    the result is the quantized x times the exact weights up to float32 summation; bf16 activations in
+    mode 1, float32 only in mode 2. K = 160 and 576 end in a partial group of 4 blocks, 14336 is an 8B
+    model's down projection. A row's result is the same alone or in a batch, with 1 or 2 threads, and
+    within float32 rounding of the tiles' (M > 24) for the same row. Without VBMI the decode sizes keep
+    their bf16 / int16 kernels."""
+    from kernels.cpu import cpu_flags
+
+    if not ops.quant_int8_tiles(0):
+        pytest.skip("this CPU build has no AVX-512 VNNI")
+    if ops.quant_isa("") not in ("avx512", "avx512_bf16"):
+        pytest.skip("the kernels are capped below avx512")
+    qtype = int(GGMLQuantizationType[type_name])
+    w = [torch.from_numpy(random_blocks(type_name, 37, k, seed=k))]
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(30, k, generator=gen)
+    x[2, 32:64] = 0  # an all-zero block
+    threads = torch.get_num_threads()
+    try:
+        ops.quant_int8_tiles(1)
+        for dtype in (torch.bfloat16, torch.float32):
+            xs = x.to(dtype)
+            xq_ref, ref, bound, act = int8_tiles_reference(xs[:5], w[0].numpy(), type_name)
+            out = ops.quant_linear(xs[:5], w, [qtype])
+            ops.quant_int8_tiles(0)
+            before = ops.quant_linear(xs[:5], w, [qtype])
+            ops.quant_int8_tiles(1)
+            if "avx512vbmi" not in cpu_flags() or dtype == torch.float32:
+                assert torch.equal(out, before)  # float32 in mode 1, or no VBMI: the decode kernels as before
+                continue
+            assert not torch.equal(out, before)
+            tol = 2 * (k // 32) * 2.0**-24 * (bound + act) + 1e-6 + xq_ref.abs() * 2.0**-8
+            assert ((out.double() - xq_ref).abs() <= tol).all(), (out.double() - xq_ref).abs().max()
+            assert ((out.double() - ref).abs() <= tol + act).all()
+            for r in range(5):  # alone, as the only row, with one thread: the same bits
+                assert torch.equal(ops.quant_linear(xs[r : r + 1], w, [qtype]), out[r : r + 1])
+            torch.set_num_threads(1)
+            assert torch.equal(ops.quant_linear(xs[:5], w, [qtype]), out)
+            torch.set_num_threads(threads)
+            tiles = ops.quant_linear(xs, w, [qtype])  # 30 rows: the int8 tiles
+            assert torch.allclose(tiles[:5].float(), out.float(), rtol=2**-7, atol=1e-5)
+        if "avx512vbmi" in cpu_flags():
+            ops.quant_int8_tiles(2)  # float32 too: tighter (no bf16 output rounding)
+            xq_ref, ref, bound, act = int8_tiles_reference(x[:3], w[0].numpy(), type_name)
+            out = ops.quant_linear(x[:3], w, [qtype])
+            tol = 2 * (k // 32) * 2.0**-24 * (bound + act) + 1e-6
+            assert out.dtype == torch.float32 and ((out.double() - xq_ref).abs() <= tol).all()
+            assert not torch.equal(out, ops.quant_linear(x[:3], w, [qtype], True))  # exact: the LM head's path
+    finally:
+        torch.set_num_threads(threads)
+        ops.quant_int8_tiles(0)
+
+
 def test_int8_tiles_choice(monkeypatch):
     """RADIXSERVE_INT8_TILES: 0 turns the int8 tiles off, 1 on for float32 activations too (where the
     CPU has VNNI), anything else is an error naming the variable; unset, they serve bf16 / fp16
