@@ -139,6 +139,22 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def tree_pss(pid: int) -> int:
+    """PSS of a process and all its descendants, in bytes: each page shared by k processes counts 1/k
+    in each, so the sum is the memory the tree really holds (RSS sums count a page the server and its
+    forked workers share once per process). 0 where the kernel does not report it."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            total += p.memory_full_info().pss
+    return total
+
+
 class RssSampler:
     """Peak RSS of a process tree, sampled on a thread every `interval` seconds."""
 

@@ -4,8 +4,11 @@
     python benchmark/bench_roofline.py --skip-model                     # the machine's limits only
     python benchmark/bench_roofline.py --threads 1 --batch 16 --output-file roofline.jsonl
 
-The machine: memory read bandwidth (torch.sum over a --bandwidth-mb float32 buffer, bigger than any
-cache) at 1 and --threads threads (the limits use the higher), and GEMM peaks (torch.mm of --gemm-size
+The machine: memory read bandwidth over a --bandwidth-mb buffer (bigger than any cache) at 1 and
+--threads threads, the faster of two readers: torch.sum over it as float32, and the extension's
+stream_read (kernels/csrc/cpu_membw.cpp: 64-byte loads and nothing else; torch.sum's arithmetic bounds
+it below the memory on some CPUs: 28-31 against 38 GB/s on a 2-core Zen 4); the limits use the higher
+thread count's unless one thread read faster. GEMM peaks (torch.mm of --gemm-size
 cubed, 2048 by default, in fp32 and bf16; torch._int_mm in int8) at --threads threads; each the best
 of --repeats runs.
 
@@ -79,9 +82,19 @@ def best_seconds(fn, repeats: int) -> float:
     return min(times)
 
 
-def read_bandwidth_gb_s(buf: torch.Tensor, threads: int, repeats: int) -> float:
+def read_bandwidth_gb_s(buf: torch.Tensor, threads: int, repeats: int) -> dict[str, float]:
+    """GB/s of reading `buf` (uint8) at `threads` threads: by torch.sum (over it as float32) and by the
+    extension's stream_read (kernels/csrc/cpu_membw.cpp: 64-byte loads, nothing else), where built."""
+    from kernels import cpu as cpu_kernels
+    from srt.configs.runtime_choices import cache_root
+
     torch.set_num_threads(threads)
-    return buf.numel() * buf.element_size() / best_seconds(buf.sum, repeats) / 1e9
+    floats = buf.view(torch.float32)
+    rates = {"torch.sum": buf.numel() / best_seconds(floats.sum, repeats) / 1e9}
+    ops = cpu_kernels.load(cache_root())
+    if ops is not None and hasattr(ops, "stream_read"):
+        rates["stream_read"] = buf.numel() / best_seconds(lambda: ops.stream_read(buf), repeats) / 1e9
+    return rates
 
 
 def gemm_gflop_s(kind: str, n: int, repeats: int) -> float | None:
@@ -254,14 +267,15 @@ def bench_model(args, bw_gb_s: float, gemm: dict) -> dict:
     }
 
 
-def print_machine(cpu: dict, threads: int, bw: dict, gemm: dict, args) -> None:
+def print_machine(cpu: dict, threads: int, bw: dict, readers: dict, gemm: dict, args) -> None:
     isa = " ".join(f if on else f"(no {f})" for f, on in cpu["isa"].items())
     print(f"\nCPU {cpu['model']}; {cpu['cpu_count']} cores, {cpu['usable_cores']} usable; {isa}")
     print(f"best of {args.repeats}; bandwidth over {args.bandwidth_mb} MB, GEMM {args.gemm_size}^3\n")
     print("| measurement | threads | value |")
     print("|---|---|---|")
     for n, v in bw.items():
-        print(f"| memory read bandwidth | {n} | {v:,.1f} GB/s |")
+        by = ", ".join(f"{name} {rate:,.1f}" for name, rate in readers[n].items())
+        print(f"| memory read bandwidth | {n} | {v:,.1f} GB/s ({by}) |")
     for kind, v in gemm.items():
         print(f"| {kind} GEMM peak | {threads} | " + (f"{v:,.1f} GFLOP/s |" if v is not None else "n/a |"))
 
@@ -363,19 +377,28 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     cpu = cpu_info()
     threads = args.threads or cpu["usable_cores"]
-    buf = torch.ones(args.bandwidth_mb * 2**20 // 4)
-    bw = {n: read_bandwidth_gb_s(buf, n, args.repeats) for n in tqdm(sorted({1, threads}), desc="bandwidth")}
+    buf = torch.ones(args.bandwidth_mb * 2**20, dtype=torch.uint8)
+    readers = {n: read_bandwidth_gb_s(buf, n, args.repeats) for n in tqdm(sorted({1, threads}), desc="bandwidth")}
     del buf
+    # the machine's rate is the fastest reader's: a library's reduction can be bound by its arithmetic
+    bw = {n: max(r.values()) for n, r in readers.items()}
     torch.set_num_threads(threads)
     gemm = {k: gemm_gflop_s(k, args.gemm_size, args.repeats) for k in tqdm(["fp32", "bf16", "int8"], desc="GEMM")}
     model = None
     if not args.skip_model:
         # the best bandwidth seen: on a busy machine more threads can read slower than one
         model = bench_model(args, max(bw.values()), gemm)
-    print_machine(cpu, threads, bw, gemm, args)
+    print_machine(cpu, threads, bw, readers, gemm, args)
     if model is not None:
         print_model(model, threads, args)
-    record = {"cpu": cpu, "threads": threads, "bandwidth_gb_s": bw, "gemm_gflop_s": gemm, "model": model}
+    record = {
+        "cpu": cpu,
+        "threads": threads,
+        "bandwidth_gb_s": bw,
+        "bandwidth_by_reader_gb_s": readers,
+        "gemm_gflop_s": gemm,
+        "model": model,
+    }
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps({**record, "args": vars(args)}, default=str) + "\n")

@@ -30,6 +30,7 @@ SOURCES = [
         "cpu_lora.cpp",
         "cpu_moe.cpp",
         "cpu_mla.cpp",
+        "cpu_membw.cpp",
     )
 ]
 HEADERS = [

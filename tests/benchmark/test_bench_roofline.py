@@ -35,6 +35,10 @@ def check_machine(stdout: str, rec: dict) -> None:
     assert set(rec["cpu"]["isa"]) == {"amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2"}
     assert set(rec["bandwidth_gb_s"]) == {"1", str(rec["threads"])}
     assert all(v > 0 for v in rec["bandwidth_gb_s"].values())
+    # the limit takes the faster reader: torch.sum's, and the extension's stream_read where built
+    for n, rate in rec["bandwidth_gb_s"].items():
+        readers = rec["bandwidth_by_reader_gb_s"][n]
+        assert "torch.sum" in readers and rate == max(readers.values())
     assert rec["gemm_gflop_s"]["fp32"] > 0 and rec["gemm_gflop_s"]["bf16"] > 0
     assert rec["gemm_gflop_s"]["int8"] is None or rec["gemm_gflop_s"]["int8"] > 0
     assert "| memory read bandwidth | 1 |" in stdout and "| fp32 GEMM peak |" in stdout

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import isa_variants, random_tree_mask
@@ -227,3 +228,15 @@ def test_fused_rotary_matches_reference(ops, rotary_dim):
     expect = reference.rotary_embedding(pos, q.clone(), head_dim, rotary_dim, default_inv_freq(10000.0, rotary_dim))
     ops.rotary_neox(q, pos, rope.cos_cache, rope.sin_cache, head_dim)
     torch.testing.assert_close(q, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nbytes", [0, 8, 1000, 4096 * 8 * 3 + 72, 1 << 20])
+def test_stream_read(ops, nbytes):
+    """bench_roofline's memory reader reads every 64-bit word once, whatever the slices of the threads:
+    it returns their XOR (a length that is not a multiple of 8 leaves its last bytes out)."""
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    words = buf[: nbytes // 8 * 8].numpy().view(np.uint64)
+    expect = int(np.bitwise_xor.reduce(words)) if len(words) else 0
+    assert ops.stream_read(buf) & (2**64 - 1) == expect
+    with pytest.raises(RuntimeError, match="contiguous CPU uint8"):
+        ops.stream_read(buf.float())
