@@ -125,24 +125,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_rss(pid: int) -> int:
-    """RSS of a process and all its descendants, in bytes (shared pages counted once per process)."""
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
-
-
-def tree_pss(pid: int) -> int:
-    """PSS of a process and all its descendants, in bytes: each page shared by k processes counts 1/k
-    in each, so the sum is the memory the tree really holds (RSS sums count a page the server and its
-    forked workers share once per process). 0 where the kernel does not report it."""
+def _tree_sum(pid: int, measure) -> int:
+    """measure(process) summed over a process and all its descendants (processes that are gone or
+    unreadable count 0)."""
     try:
         proc = psutil.Process(pid)
         procs = [proc, *proc.children(recursive=True)]
@@ -151,8 +136,20 @@ def tree_pss(pid: int) -> int:
     total = 0
     for p in procs:
         with contextlib.suppress(psutil.Error, AttributeError):
-            total += p.memory_full_info().pss
+            total += measure(p)
     return total
+
+
+def tree_rss(pid: int) -> int:
+    """RSS of a process and all its descendants, in bytes (shared pages counted once per process)."""
+    return _tree_sum(pid, lambda p: p.memory_info().rss)
+
+
+def tree_pss(pid: int) -> int:
+    """PSS of a process and all its descendants, in bytes: each page shared by k processes counts 1/k
+    in each, so the sum is the memory the tree really holds (RSS sums count a page the server and its
+    forked workers share once per process). 0 where the kernel does not report it."""
+    return _tree_sum(pid, lambda p: p.memory_full_info().pss)
 
 
 class RssSampler:
