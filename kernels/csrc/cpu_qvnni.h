@@ -460,23 +460,19 @@ void gemv_range_rows(int rows, const uint8_t* wp, int64_t row_bytes, int64_t j0,
 }
 
 // out[:, 0:n] (row stride ldo) = x @ W.T for m <= 24 rows of x in the group layout and the n
-// Q4_0 / Q4_1 (qtype 2 / 3) weight rows at wp. The rows go in chunks of about 128 KB of weights that
-// the threads take from a shared counter: a thread slowed down (a shared machine's other load, an
-// interrupt) holds up no other at the end of the call, as equal halves did (8-9 % of a 2-thread 8B
-// decode step was spent waiting there). A row's sum is one thread's, whichever, so the result does
-// not depend on the number of threads.
+// Q4_0 / Q4_1 (qtype 2 / 3) weight rows at wp. Each thread streams one contiguous range of rows (chunks
+// taken from a shared counter, which interleave the threads' ranges, ran a small model's decode step
+// 20 % slower on a 2-core Zen 4: its memory streams restarted at every chunk). A row's sum is one
+// thread's, whichever, so the result does not depend on the number of threads.
 template <typename out_t>
 void gemv(const GroupActs& x, int64_t m, int64_t k, const uint8_t* wp, int64_t n, int64_t row_bytes, int64_t qtype,
           out_t* out, int64_t ldo) {
   const int64_t nb = k / 32;
   const bool has_min = qtype == 3;
-  const int64_t chunk = std::max<int64_t>(4, (int64_t{128} << 10) / row_bytes), chunks = (n + chunk - 1) / chunk;
-  const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t j0 = c * chunk, j1 = std::min(n, j0 + chunk);
+  const int64_t grain = std::max<int64_t>(4, 16384 / k / 4 * 4);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t j0 = begin; j0 < end; j0 += 64) {  // 64 weight rows over each group of 4 rows of x
+      const int64_t j1 = std::min(end, j0 + 64);
       for (int64_t r = 0; r < m; r += kGemvRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kGemvRows, m - r));
         if (has_min)
