@@ -391,8 +391,6 @@ struct GroupIndex {
   }
 };
 
-// out[c] += nothing; res[r] = row . x_r for the R rows of x at r0 (group layout), one weight row of
-// Q4_0 / Q4_1 blocks (nb of them, row_bytes long).
 // Weight rows [j0, j1) of Q4_0 / Q4_1 blocks (nb of them, row_bytes apart from wp) times the R rows of
 // x at r0 (group layout): out[(r0 + r) * ldo + j]. Each row is one pass over its groups with R float
 // accumulators (lane l: block l / 4 of each group, summed in group order), reduced at its end.
