@@ -37,9 +37,16 @@ from srt.mem_cache.memory_pool import (
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, graph_memory_estimate, graph_unsupported_reason
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.gguf_loader import gguf_source
-from srt.model_loader.loader import load_model
+from srt.model_loader.loader import load_model, weight_tensors
 from srt.models.registry import get_model_class
-from srt.utils import available_memory_bytes, cpu_has_fast_bf16, resolve_dtype, set_random_seed, set_torch_threads
+from srt.utils import (
+    available_memory_bytes,
+    cpu_has_fast_bf16,
+    move_to_huge_pages,
+    resolve_dtype,
+    set_random_seed,
+    set_torch_threads,
+)
 
 if TYPE_CHECKING:
     from srt.lora.manager import LoRAManager
@@ -233,6 +240,9 @@ class ModelRunner:
         if self.device == "cpu" and not server_args.disable_cpu_weight_prepack:
             packed = prepack_cpu_weights(self.model, keep_dense=server_args.enable_torch_compile)
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
+        if self.device == "cpu":  # after packing: the packed copies are what the kernels stream
+            moved = move_to_huge_pages(weight_tensors(self.model))
+            logger.info("Weights on huge pages where the OS grants them: %.1f MiB", moved / 2**20)
         if cpu_ops is not None:
             logger.info(
                 "Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, cpu_ops)

@@ -154,3 +154,23 @@ def load_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model's modules hold, in module order: parameters, buffers, and the tensors
+    (and lists of tensors) that modules and their weight formats keep as attributes (GGUF block
+    rows, oneDNN-packed weights, stacked experts)."""
+    out: list[torch.Tensor] = []
+    for module in model.modules():
+        holders = [module.__dict__]
+        if (method := getattr(module, "quant_method", None)) is not None and hasattr(method, "__dict__"):
+            holders.append(vars(method))
+        for holder in holders:
+            for value in holder.values():
+                if isinstance(value, dict) and holder is module.__dict__:
+                    value = list(value.values())  # _parameters, _buffers
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+                elif isinstance(value, (list, tuple)):
+                    out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out

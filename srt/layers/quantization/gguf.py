@@ -125,6 +125,8 @@ class GGUFLinearMethod(LinearMethodBase):
             data = rows.data
             if not data.is_contiguous() or data.untyped_storage().nbytes() != data.numel():
                 data = data.contiguous().clone()  # this rank's part only, so the whole tensor can go
+            elif data._base is not None:  # a view of the read buffer, which it keeps alive: own the storage
+                data = torch.empty(0, dtype=data.dtype).set_(data.untyped_storage(), 0, data.shape, data.stride())
             self.segments.append(_Segment(p.dst_row, int(loaded.qtype), data))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
