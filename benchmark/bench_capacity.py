@@ -310,13 +310,21 @@ def main() -> None:
         if not args.skip_llama_cpp:
             import llama_cpp
 
-            try:
-                res["llama_cpp"] = llama_cpp.run_llama_bench(
-                    path, threads, n_prompt=0, n_gen=args.decode_tokens, reps=args.bench_reps, progress=not args.quiet
-                )
-            except Exception as e:
-                traceback.print_exc()
-                res["llama_cpp"] = err(e)
+            # as it runs by default, and with its weights on huge pages as ours are (llama_cpp.py)
+            for key, huge in (("llama_cpp", False), ("llama_cpp_huge_pages", True)):
+                try:
+                    res[key] = llama_cpp.run_llama_bench(
+                        path,
+                        threads,
+                        n_prompt=0,
+                        n_gen=args.decode_tokens,
+                        reps=args.bench_reps,
+                        progress=not args.quiet,
+                        huge_pages=huge,
+                    )
+                except Exception as e:
+                    traceback.print_exc()
+                    res[key] = err(e)
     finally:
         if tmp is not None:
             if args.keep:
@@ -371,6 +379,16 @@ def report(res: dict, args) -> str:
             + (f"{dec:.2f}{ratio}" if dec else "n/a")
             + f" (e2e {ours['e2e_tok_s']:.2f}) | tg{args.decode_tokens} {ll_cell} |",
         ]
+        hp = res.get("llama_cpp_huge_pages")
+        if isinstance(hp, dict) and hp.get("tg_tok_s"):
+            hp_tg = hp["tg_tok_s"]
+            load = " ".join(hp.get("load_args") or [])
+            lines.append(
+                "| decode bs=1 against llama.cpp with its weights on huge pages "
+                f"(`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, `{load}`) | "
+                + (f"{dec / hp_tg:.2f}x" if dec else "n/a")
+                + f" | tg{args.decode_tokens} {hp_tg:.2f} ± {hp.get('tg_stddev', 0):.2f} |"
+            )
     else:
         lines += [
             f"| our server | {str(ours)[:100]} | - |",

@@ -478,6 +478,16 @@ def report(res: dict) -> str:
         + " | ".join(_cell(ours(c, "inprocess", "prefill_tok_s"), lb_pp) for c in cfgs)
         + f" | {llama_cell(lb_pp if lb else ll.get('bench_error'), lb.get('pp_stddev'))} |"
     )
+    hp = ll.get("bench_huge_pages") or {}
+    if hp.get("tg_tok_s"):  # llama.cpp with its weights on huge pages, as ours are (llama_cpp.py)
+        for key, label in (("tg", f"decode bs=1 (tg{hp.get('n_gen', 128)})"), ("pp", "prefill")):
+            what = "its weights on huge pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, no mmap)"
+            field = "decode_tok_s" if key == "tg" else "prefill_tok_s"
+            lines.append(
+                f"| {label} against llama.cpp with {what} | "
+                + " | ".join(_cell(ours(c, "inprocess", field), hp.get(f"{key}_tok_s")) for c in cfgs)
+                + f" | {llama_cell(hp.get(f'{key}_tok_s'), hp.get(f'{key}_stddev'))} |"
+            )
     for conc in res["concurrency"]:
         base = ls.get(conc, ls.get(str(conc), {}))
         base_v = base.get("output_throughput") if isinstance(base, dict) and "error" not in base else None
@@ -700,6 +710,10 @@ def main() -> None:
             llama_cpp.ensure_built(progress=not args.quiet)
             ll["version"] = llama_cpp.version_info()
             ll["bench"] = llama_cpp.run_llama_bench(gguf, threads, 512, 128, args.bench_reps, progress=not args.quiet)
+            # with its weights on huge pages, as ours are (llama_cpp.py): reported beside the default run
+            ll["bench_huge_pages"] = llama_cpp.run_llama_bench(
+                gguf, threads, 512, 128, args.bench_reps, progress=not args.quiet, huge_pages=True
+            )
         except Exception as e:
             traceback.print_exc()
             ll["bench_error"] = err(e)

@@ -46,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_one_batch import ModelConfig, ModelRunner, bench_ours, resolve_model_path  # noqa: E402
 
+from srt.utils import huge_page_zeros  # noqa: E402
+
 ISA_FLAGS = ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 
 
@@ -386,7 +388,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     cpu = cpu_info()
     threads = args.threads or cpu["usable_cores"]
-    buf = torch.ones(args.bandwidth_mb * 2**20, dtype=torch.uint8)
+    # on huge pages, where the runtime keeps its weights and KV (srt/utils.py: huge_page_zeros); the
+    # same loop reads ~25 % slower from 4 KiB pages on the Zen 4 VM, which would understate the limit
+    buf = huge_page_zeros(args.bandwidth_mb * 2**20).fill_(1)
     readers = {n: read_bandwidth_gb_s(buf, n, args.repeats) for n in tqdm(sorted({1, threads}), desc="bandwidth")}
     # the machine's rate is the fastest reader's: a library's reduction can be bound by its arithmetic
     bw = {n: max(r.values()) for n, r in readers.items()}

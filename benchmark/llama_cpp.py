@@ -307,14 +307,31 @@ def run_llama_bench(
     extra_args: list[str] | None = None,
     progress: bool = True,
     timeout: float | None = None,
+    huge_pages: bool = False,
 ) -> dict:
-    """llama-bench pp{n_prompt} and tg{n_gen} on gguf: tok/s (mean over reps) and their stddev."""
+    """llama-bench pp{n_prompt} and tg{n_gen} on gguf: tok/s (mean over reps) and their stddev.
+
+    `huge_pages`: its weights on transparent huge pages, as our runtime keeps its own (srt/utils.py:
+    huge_page_zeros): loaded into malloc'd memory (`--load-mode none`; `-mmp 0` before that option)
+    with glibc asked to madvise its large blocks (GLIBC_TUNABLES=glibc.malloc.hugetlb=1). llama.cpp
+    has no option of its own for this; by default it maps the file (4 KiB page-cache pages) and
+    repacks some types into malloc'd 4 KiB pages."""
     bins = ensure_built(progress=progress)
     cmd = [bins["llama-bench"], "-m", gguf, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen)]
     cmd += ["-r", str(reps), "-o", "json", *(extra_args or [])]
-    _log(progress, f"llama-bench pp{n_prompt}/tg{n_gen}, {threads} threads, {reps} reps: {os.path.basename(gguf)}")
+    env, load_args = None, []
+    if huge_pages:
+        load_args = ["-lm", "none"] if "--load-mode" in _server_help(bins["llama-bench"]) else ["-mmp", "0"]
+        cmd += load_args
+        tunables = os.environ.get("GLIBC_TUNABLES")
+        env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, "glibc.malloc.hugetlb=1"]))}
+    what = ", weights on huge pages" if huge_pages else ""
+    _log(
+        progress,
+        f"llama-bench pp{n_prompt}/tg{n_gen}, {threads} threads, {reps} reps{what}: {os.path.basename(gguf)}",
+    )
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(
             f"llama-bench exited {proc.returncode} ({_signal_name(proc.returncode)}):\n{proc.stderr[-3000:]}"
@@ -328,6 +345,8 @@ def run_llama_bench(
         "n_prompt": n_prompt,
         "n_gen": n_gen,
         "reps": reps,
+        "huge_pages": huge_pages,
+        "load_args": load_args,
         "wall_s": round(time.monotonic() - start, 1),
         **version_info(),
     }
