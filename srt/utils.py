@@ -158,9 +158,15 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     prefetchers at each page boundary: on the 2-core Zen 4 VM a plain read loop ran at 27 GB/s
     from 4 KiB pages and 35 GB/s from huge pages, and a batch-1 decode step of the default model,
     which streams its weights once, went from 6.1 to 4.9 ms."""
-    import mmap
+    view = _huge_page_mapping(nbytes)
+    return _tensor_over(view, 0, nbytes)
 
-    import torch
+
+def _huge_page_mapping(nbytes: int) -> memoryview:
+    """A memoryview of `nbytes` at a 2 MiB boundary of a fresh private anonymous mapping, advised
+    as huge pages (see `huge_page_zeros`); whatever holds it (or a slice) keeps the mapping alive."""
+    import ctypes
+    import mmap
 
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if not os.environ.get("RADIXSERVE_DISABLE_HUGE_PAGES"):  # =1: 4 KiB pages (A/B measurements)
@@ -168,9 +174,18 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):  # no THP on this kernel / platform: 4 KiB pages
             pass
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    offset = -raw.data_ptr() % HUGE_PAGE
-    return raw[offset : offset + nbytes]
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    offset = -address % HUGE_PAGE
+    return memoryview(mapping)[offset : offset + nbytes]
+
+
+def _tensor_over(view: memoryview, offset: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over view[offset : offset + nbytes] with a storage of its own (no base, no
+    storage shared with other tensors over the same mapping: torch.compile's freezing treats
+    parameters that share a storage as aliases, and its compiled decode steps went wrong)."""
+    import torch
+
+    return torch.frombuffer(view[offset : offset + nbytes], dtype=torch.uint8)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -193,8 +208,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.d
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor], min_bytes: int = 64 << 10) -> int:
-    """Move CPU tensors of `min_bytes` or more into one `huge_page_zeros` arena, in order, each in
-    place (`Tensor.set_`: every reference, the kernels' weight lists included, sees the new memory),
+    """Move CPU tensors of `min_bytes` or more into one huge-page mapping (see `huge_page_zeros`), in
+    order, each in place and with a storage of its own (`Tensor.set_`: every reference, the kernels'
+    weight lists included, sees the new memory),
     and return the bytes moved. Only a tensor that is not a view and spans its whole storage moves
     (a view keeps its base alive, and a part would stop sharing memory with the rest). The old
     storage is freed as each tensor moves and the C heap trimmed every 256 MiB, so the peak is the
@@ -218,14 +234,13 @@ def move_to_huge_pages(tensors: list[torch.Tensor], min_bytes: int = 64 << 10) -
         return 0
     sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in movable]  # each cache-line aligned
     release_free_heap()  # what loading left in the C heap, before the arena's pages add up
-    arena = huge_page_zeros(sum(sizes))
-    storage, base = arena.untyped_storage(), arena.data_ptr() - arena.untyped_storage().data_ptr()
+    arena = _huge_page_mapping(sum(sizes))
     offset = trimmed = 0
     with torch.no_grad():
         for t, size in zip(movable, sizes):
-            nbytes = t.numel() * t.element_size()
-            arena[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
-            t.set_(storage, (base + offset) // t.element_size(), t.shape, t.stride())
+            piece = _tensor_over(arena, offset, t.numel() * t.element_size())
+            piece.view(t.dtype).view(t.shape).copy_(t)
+            t.set_(piece.untyped_storage(), 0, t.shape, t.stride())
             offset += size
             if offset - trimmed >= 256 << 20:  # old tensors below malloc's mmap threshold free into its heap
                 release_free_heap()
