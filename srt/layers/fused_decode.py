@@ -8,6 +8,10 @@ the same kernels in the same order, so its output is unchanged; LoRA adapters' d
 the C++ LoRA kernels inside it (srt/lora, backend cpu). Extend batches, compiled graphs and other
 backends take the Python path. `RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off (for
 A/B measurements).
+
+When every decoder layer of a model is fused, the model runs them all from one call per step
+(`FusedDecodeStack`, kernels/csrc/cpu_decode_stack.cpp: the same decode_layer calls from C++, without
+30 trips through Python and the op dispatcher); a batch with LoRA rows takes the per-layer calls.
 """
 
 from __future__ import annotations
@@ -103,6 +107,63 @@ class FusedDecodeLayer:
         return out, residual
 
 
+class FusedDecodeStack:
+    """All of a model's fused layers, run by one C++ call per decode step (DecodeStack)."""
+
+    def __init__(self, layers: list[FusedDecodeLayer]):
+        self.layers = layers
+        self.layer_ids = [f.layer_id for f in layers]
+        self.stack = torch.classes.radixserve.DecodeStack()
+        for f in layers:
+            self.stack.add_layer(
+                f.ln1,
+                f.ln2,
+                f.eps,
+                *f.qkv,
+                f.qkv_bias,
+                f.q_size,
+                f.kv_size,
+                f.q_norm,
+                f.k_norm,
+                f.cos,
+                f.sin,
+                f.head_dim,
+                f.scaling,
+                *f.o,
+                f.o_bias,
+                *f.gate_up,
+                *f.down,
+            )
+
+    def __call__(self, positions, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(last layer's output, residual stream), or None where the per-layer calls must run."""
+        backend = fb.attn_backend
+        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2:
+            return None
+        if self.layers[0].lora_args() != ([], []):
+            return None  # LoRA rows in the batch (or a LoRA backend other than the C++ one)
+        args = [fb.token_to_kv_pool.kernel_args(i) for i in self.layer_ids]
+        k_buffers, v_buffers, k_scales, v_scales, formats, k_scale, v_scale = (list(x) for x in zip(*args))
+        if any(s is None for s in k_scales):
+            k_scales, v_scales = [], []
+        return self.stack.run(
+            hidden,
+            positions,
+            k_buffers,
+            v_buffers,
+            k_scales,
+            v_scales,
+            formats[0],
+            k_scale,
+            v_scale,
+            fb.out_cache_loc,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            backend.num_splits,
+        )
+
+
 def _eligible(layer: Any, tp_size: int) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None or tp_size != 1:
@@ -130,4 +191,14 @@ def enable_fused_decode_layers(model: nn.Module, ops, tp_size: int) -> int:
         if hasattr(module, "fused_decode") and _eligible(module, tp_size):
             setattr(module, "fused_decode", FusedDecodeLayer(module, ops))  # noqa: B010 - a plain attribute
             count += 1
+    if not hasattr(torch.classes.radixserve, "DecodeStack"):
+        return count
+    for module in model.modules():  # a decoder stack whose layers are all fused: one call per step
+        layers = getattr(module, "layers", None)
+        if (
+            hasattr(module, "fused_decode_stack")
+            and layers
+            and all(isinstance(getattr(x, "fused_decode", None), FusedDecodeLayer) for x in layers)
+        ):
+            setattr(module, "fused_decode_stack", FusedDecodeStack([x.fused_decode for x in layers]))  # noqa: B010
     return count

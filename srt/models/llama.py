@@ -186,6 +186,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # EAGLE-3 targets: the layers whose input (the residual stream) a capturing forward returns
         self.aux_layers: tuple[int, ...] = ()
+        self.fused_decode_stack: Callable | None = None  # set by srt.layers.fused_decode on CPU
 
     def forward(
         self,
@@ -201,10 +202,19 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual: torch.Tensor | None = None
         seen: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if aux is not None and i in self.aux_layers:
-                seen[i] = hidden_states if residual is None else hidden_states + residual
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if (
+            aux is None
+            and self.fused_decode_stack is not None
+            and forward_batch.forward_mode.is_decode()
+            and not torch.compiler.is_dynamo_compiling()
+            and (out := self.fused_decode_stack(positions, hidden_states, forward_batch)) is not None
+        ):
+            hidden_states, residual = out
+        else:
+            for i, layer in enumerate(self.layers):
+                if aux is not None and i in self.aux_layers:
+                    seen[i] = hidden_states if residual is None else hidden_states + residual
+                hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
         if aux is not None and len(self.layers) in self.aux_layers:
             seen[len(self.layers)] = hidden_states if residual is None else hidden_states + residual
         if aux is not None:

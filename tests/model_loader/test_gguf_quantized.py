@@ -169,26 +169,35 @@ def test_default_model_quantized_tracks_float32_reference(default_server, shared
 )
 def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, arch, kv_cache_dtype):
     """The one-op-per-layer decode step (kernels/csrc/cpu_decode_layer.cpp) runs the same kernels in
-    the same order as the Python layers: same tokens, same logprobs, also over an 8-bit KV cache."""
+    the same order as the Python layers, and the one-call-per-step stack of them
+    (cpu_decode_stack.cpp) the same ops: same tokens, same logprobs, also over an 8-bit KV cache."""
     from srt.model_executor.static_batch import StaticBatchGenerator
     from srt.model_loader.default_model import resolve_model_path
     from srt.sampling.sampling_params import SamplingParams
 
     runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", kv_cache_dtype=kv_cache_dtype)
-    layers = list(runner.model.model.layers)
-    fused = [layer.fused_decode for layer in layers]
-    assert all(f is not None for f in fused)
+    model = runner.model.model
+    layers = list(model.layers)
+    fused, stack = [layer.fused_decode for layer in layers], model.fused_decode_stack
+    assert all(f is not None for f in fused) and stack is not None
     gen = StaticBatchGenerator(runner)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    calls = []
+    model.fused_decode_stack = lambda *a: calls.append(1) or stack(*a)
+    with_stack = gen.generate(PROMPTS, params, return_logprob=True)
+    assert len(calls) >= 11  # every decode step ran the stack
+    model.fused_decode_stack = None
     with_op = gen.generate(PROMPTS, params, return_logprob=True)
     for layer in layers:
         layer.fused_decode = None
     without = gen.generate(PROMPTS, params, return_logprob=True)
     for layer, f in zip(layers, fused):
         layer.fused_decode = f
-    assert [r.output_ids for r in with_op] == [r.output_ids for r in without]
-    for a, b in zip(with_op, without):
-        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-6)
+    model.fused_decode_stack = stack
+    for other in (with_op, with_stack):
+        assert [r.output_ids for r in other] == [r.output_ids for r in without]
+        for a, b in zip(other, without):
+            np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-6)
 
 
 def test_bad_quantization_choices_name_the_flag(tiny_model_factory, runner_factory):
