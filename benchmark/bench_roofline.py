@@ -389,8 +389,12 @@ def main() -> None:
     cpu = cpu_info()
     threads = args.threads or cpu["usable_cores"]
     # on huge pages, where the runtime keeps its weights and KV (srt/utils.py: huge_page_zeros); the
-    # same loop reads ~25 % slower from 4 KiB pages on the Zen 4 VM, which would understate the limit
-    buf = huge_page_zeros(args.bandwidth_mb * 2**20).fill_(1)
+    # same loop reads ~25 % slower from 4 KiB pages on the Zen 4 VM, which would understate the limit.
+    # Every page distinct, so no host can share or compress them. (The 2-core Zen 4 VM's rate is bimodal
+    # whatever the content: ~33-36 GB/s or ~56-65, switching every few tens of seconds; hence the
+    # readings before and after the model, and the limits use the fastest.)
+    buf = huge_page_zeros(args.bandwidth_mb * 2**20)
+    torch.arange(buf.numel() // 8, out=buf.view(torch.int64))
     readers = {n: read_bandwidth_gb_s(buf, n, args.repeats) for n in tqdm(sorted({1, threads}), desc="bandwidth")}
     # the machine's rate is the fastest reader's: a library's reduction can be bound by its arithmetic
     bw = {n: max(r.values()) for n, r in readers.items()}
