@@ -27,7 +27,6 @@ SOURCES = [
         "cpu_norm_act.cpp",
         "cpu_quant.cpp",
         "cpu_decode_layer.cpp",
-        "cpu_decode_stack.cpp",
         "cpu_lora.cpp",
         "cpu_moe.cpp",
         "cpu_mla.cpp",

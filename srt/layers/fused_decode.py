@@ -10,7 +10,7 @@ backends take the Python path. `RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off 
 A/B measurements).
 
 When every decoder layer of a model is fused, the model runs them all from one call per step
-(`FusedDecodeStack`, kernels/csrc/cpu_decode_stack.cpp: the same decode_layer calls from C++, without
+(`FusedDecodeStack`, DecodeStack in the same C++ file: the same decode_layer calls from C++, without
 30 trips through Python and the op dispatcher); a batch with LoRA rows takes the per-layer calls.
 """
 

@@ -170,7 +170,7 @@ def test_default_model_quantized_tracks_float32_reference(default_server, shared
 def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, arch, kv_cache_dtype):
     """The one-op-per-layer decode step (kernels/csrc/cpu_decode_layer.cpp) runs the same kernels in
     the same order as the Python layers, and the one-call-per-step stack of them
-    (cpu_decode_stack.cpp) the same ops: same tokens, same logprobs, also over an 8-bit KV cache."""
+    (its DecodeStack) the same ops: same tokens, same logprobs, also over an 8-bit KV cache."""
     from srt.model_executor.static_batch import StaticBatchGenerator
     from srt.model_loader.default_model import resolve_model_path
     from srt.sampling.sampling_params import SamplingParams
