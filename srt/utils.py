@@ -162,6 +162,19 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     return _tensor_over(view, 0, nbytes)
 
 
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"), or None where there
+    is no such setting (not Linux, or no THP)."""
+    import re
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            m = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
 def _huge_page_mapping(nbytes: int) -> memoryview:
     """A memoryview of `nbytes` at a 2 MiB boundary of a fresh private anonymous mapping, advised
     as huge pages (see `huge_page_zeros`); whatever holds it (or a slice) keeps the mapping alive."""

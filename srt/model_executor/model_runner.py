@@ -46,6 +46,7 @@ from srt.utils import (
     resolve_dtype,
     set_random_seed,
     set_torch_threads,
+    thp_mode,
 )
 
 if TYPE_CHECKING:
@@ -242,7 +243,11 @@ class ModelRunner:
             logger.info("Prepacked %d weight matrices for oneDNN", packed)
         if self.device == "cpu":  # after packing: the packed copies are what the kernels stream
             moved = move_to_huge_pages(weight_tensors(self.model))
-            logger.info("Weights on huge pages where the OS grants them: %.1f MiB", moved / 2**20)
+            logger.info(
+                "Weights moved to huge-page memory: %.1f MiB (transparent huge pages: %s)",
+                moved / 2**20,
+                thp_mode() or "not available",
+            )
         if cpu_ops is not None:
             logger.info(
                 "Fused CPU kernels for %d norm/activation/rotary modules", enable_fused_cpu_ops(self.model, cpu_ops)
@@ -255,7 +260,12 @@ class ModelRunner:
         if cpu_ops is not None and self.attn_backend.name == "cpu":
             fused = enable_fused_decode_layers(self.model, cpu_ops, self.tp_size)
             if fused:
-                logger.info("Fused decode op for %d decoder layers", fused)
+                stacked = any(getattr(m, "fused_decode_stack", None) is not None for m in self.model.modules())
+                logger.info(
+                    "Fused decode op for %d decoder layers%s",
+                    fused,
+                    ", all run by one call per step" if stacked else "",
+                )
         if server_args.enable_deterministic_inference:
             if has_experts(model_config):
                 raise ModelLoadError("--enable-deterministic-inference supports dense models; this one has MoE layers")

@@ -5,16 +5,7 @@ import re
 import pytest
 import torch
 
-from srt.utils import HUGE_PAGE, huge_page_zeros, lazy_zeros, move_to_huge_pages
-
-
-def _thp_mode() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            m = re.search(r"\[(\w+)\]", f.read())
-    except OSError:
-        return None
-    return m.group(1) if m else None
+from srt.utils import HUGE_PAGE, huge_page_zeros, lazy_zeros, move_to_huge_pages, thp_mode
 
 
 def _anon_huge_kb(ptr: int) -> int:
@@ -36,7 +27,7 @@ def test_huge_page_zeros_is_aligned_zeroed_and_huge():
     assert int(buf.sum()) == 0
     buf.fill_(7)  # touch every page
     assert int(buf[-1]) == 7
-    if _thp_mode() in ("always", "madvise"):
+    if thp_mode() in ("always", "madvise"):
         assert _anon_huge_kb(buf.data_ptr()) >= 2048, "the kernel's THP mode allows huge pages here"
 
 
