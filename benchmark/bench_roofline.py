@@ -328,6 +328,9 @@ def plot_roofline(record: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     bw = max(float(v) for v in record["bandwidth_gb_s"].values())  # GB/s = GFLOP/s per FLOP/byte
+    bw = float(
+        (record.get("model") or {}).get("bandwidth_used_gb_s") or bw
+    )  # the limits' rate, re-read after the model
     peaks = {k: v for k, v in record["gemm_gflop_s"].items() if v}
     model = record.get("model") or {}
     figures = model.get("figures") or []
