@@ -391,9 +391,10 @@ def bench_our_server(gguf: str, cfg: Config, threads: int, tokenizer, args) -> d
         }
 
 
-def bench_llama_server(gguf: str, threads: int, tokenizer, args) -> dict:
+def bench_llama_server(gguf: str, threads: int, tokenizer, args, huge_pages: bool = False) -> dict:
     """llama-server -np C for each level C, each slot with its own KV stream sized to the level's longest
-    prompt (as the client tokenizer counts it) + the output + 64 tokens of margin."""
+    prompt (as the client tokenizer counts it) + the output + 64 tokens of margin; `huge_pages`: its
+    weights on huge pages (llama_cpp.huge_page_settings)."""
     from llama_cpp import llama_server
 
     out: dict = {"levels": {}, "rss_peak_bytes": {}, "config": {}}
@@ -402,7 +403,9 @@ def bench_llama_server(gguf: str, threads: int, tokenizer, args) -> dict:
             reqs, warm = level_requests(tokenizer, args, conc)
             ctx = max(r.prompt_len for r in reqs + warm) + args.output_len + 64
             extra = shlex.split(args.llama_server_args)
-            with llama_server(gguf, threads, conc, ctx, free_port(), extra_args=extra, progress=not args.quiet) as url:
+            with llama_server(
+                gguf, threads, conc, ctx, free_port(), extra_args=extra, progress=not args.quiet, huge_pages=huge_pages
+            ) as url:
                 out["config"][conc] = url.config
                 sampler = RssSampler(url.pid)
                 out["levels"].update(serve_levels("openai", url, tokenizer, args, f"llama-server -np {conc}", [conc]))
@@ -488,14 +491,19 @@ def report(res: dict) -> str:
                 + " | ".join(_cell(ours(c, "inprocess", field), hp.get(f"{key}_tok_s")) for c in cfgs)
                 + f" | {llama_cell(hp.get(f'{key}_tok_s'), hp.get(f'{key}_stddev'))} |"
             )
+    hp_levels = (ll.get("server_huge_pages") or {}).get("levels", {})
     for conc in res["concurrency"]:
-        base = ls.get(conc, ls.get(str(conc), {}))
-        base_v = base.get("output_throughput") if isinstance(base, dict) and "error" not in base else None
-        lines.append(
-            f"| serving c={conc} out tok/s | "
-            + " | ".join(_cell(_level(ours(c, "serving"), conc), base_v) for c in cfgs)
-            + f" | {_val(base_v if base_v is not None else (base.get('error') if isinstance(base, dict) else None))} |"
-        )
+        for levels_of, what in ((ls, ""), (hp_levels, " against llama-server with its weights on huge pages")):
+            if levels_of is hp_levels and not hp_levels:
+                continue
+            base = levels_of.get(conc, levels_of.get(str(conc), {}))
+            base_v = base.get("output_throughput") if isinstance(base, dict) and "error" not in base else None
+            shown = base_v if base_v is not None else (base.get("error") if isinstance(base, dict) else None)
+            lines.append(
+                f"| serving c={conc} out tok/s{what} | "
+                + " | ".join(_cell(_level(ours(c, "serving"), conc), base_v) for c in cfgs)
+                + f" | {_val(shown)} |"
+            )
     lines.append(
         "| weights (format, kernels) | "
         + " | ".join(_format_cell(res["ours"].get(c.name, {})) for c in cfgs)
@@ -655,6 +663,11 @@ def main() -> None:
     p.add_argument("--bench-reps", type=int, default=3, help="llama-bench -r")
     p.add_argument("--server-args", default="", help="extra flags for our servers")
     p.add_argument("--llama-server-args", default="", help="extra flags for llama-server (e.g. '--poll 0')")
+    p.add_argument(
+        "--llama-huge-pages",
+        action="store_true",
+        help="also serve with llama-server's weights on huge pages, as ours are (reported beside its default run)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None, help="write all figures here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -731,6 +744,10 @@ def main() -> None:
                 res["ours"][name]["serving"] = err(e)
         if not args.skip_llama_cpp and "bench_error" not in res["llama_cpp"]:
             res["llama_cpp"]["server"] = bench_llama_server(gguf, threads, tokenizer, args)
+            if args.llama_huge_pages:
+                res["llama_cpp"]["server_huge_pages"] = bench_llama_server(
+                    gguf, threads, tokenizer, args, huge_pages=True
+                )
 
     res["goals"] = goals(res)
     print("\n" + report(res), flush=True)

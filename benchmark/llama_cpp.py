@@ -321,10 +321,8 @@ def run_llama_bench(
     cmd += ["-r", str(reps), "-o", "json", *(extra_args or [])]
     env, load_args = None, []
     if huge_pages:
-        load_args = ["-lm", "none"] if "--load-mode" in _server_help(bins["llama-bench"]) else ["-mmp", "0"]
+        env, load_args = huge_page_settings(_server_help(bins["llama-bench"]), "-mmp", "0")
         cmd += load_args
-        tunables = os.environ.get("GLIBC_TUNABLES")
-        env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, "glibc.malloc.hugetlb=1"]))}
     what = ", weights on huge pages" if huge_pages else ""
     _log(
         progress,
@@ -362,6 +360,16 @@ def run_llama_bench(
         if k in first:
             result[k] = first[k]
     return result
+
+
+def huge_page_settings(help_text: str, *no_mmap: str) -> tuple[dict[str, str], list[str]]:
+    """(environment, arguments) that put a llama.cpp binary's weights on transparent huge pages, as our
+    runtime keeps its own: loaded into malloc'd memory (`--load-mode none`; `no_mmap` for builds
+    before that option) with glibc asked to madvise its large blocks."""
+    load_args = ["-lm", "none"] if "--load-mode" in help_text else list(no_mmap)
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, "glibc.malloc.hugetlb=1"]))}
+    return env, load_args
 
 
 def _signal_name(rc: int) -> str:
@@ -436,6 +444,7 @@ def llama_server(
     ready_timeout: float = 600,
     progress: bool = True,
     unified_kv: bool = False,
+    huge_pages: bool = False,
 ) -> Iterator[ServerURL]:
     """Run llama-server with -np parallel slots of ctx_per_slot tokens each and continuous batching; yields
     its base URL (a str with .pid and .config) once /health answers 200, and stops it (SIGTERM, then
@@ -446,7 +455,8 @@ def llama_server(
     unified cache on). With `--kv-unified` every slot's n_ctx_seq becomes the whole -c and each sequence's
     attention runs over every cell in use, so 64 slots of 576 tokens attend over ~37k cells per step:
     that made an earlier harness measure llama-server at a fifth of its speed (unified_kv=True keeps the
-    option for comparison, capped per slot with --kv-unified-per-slot where the binary has it)."""
+    option for comparison, capped per slot with --kv-unified-per-slot where the binary has it).
+    `huge_pages`: its weights on transparent huge pages (as run_llama_bench's)."""
     bins = ensure_built(progress=progress)
     binary = bins["llama-server"]
     help_text = _server_help(binary)
@@ -463,10 +473,14 @@ def llama_server(
     if "--no-webui" in help_text:
         cmd.append("--no-webui")
     cmd += list(extra_args or [])
+    env = None
+    if huge_pages:
+        env, load_args = huge_page_settings(help_text, "--no-mmap")
+        cmd += load_args
     base_url = ServerURL(f"http://{host}:{port}")
     log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
     _log(progress, f"llama-server -np {parallel} on {base_url} (log {log.name})")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     base_url.pid = proc.pid
     try:
         deadline = time.monotonic() + ready_timeout

@@ -49,3 +49,11 @@ def test_llama_bench_huge_pages(fake_bin, huge):
         assert "-lm" not in args and res["load_args"] == []
         assert env == "glibc.malloc.arena_max=2"
     json.dumps(res)  # the benchmarks write it as it is
+
+
+def test_huge_page_settings_for_older_builds(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    env, args = llama_cpp.huge_page_settings("  --no-mmap  do not memory-map the model", "--no-mmap")
+    assert args == ["--no-mmap"] and env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    env, args = llama_cpp.huge_page_settings("-lm, --load-mode MODE", "--no-mmap")
+    assert args == ["-lm", "none"]
