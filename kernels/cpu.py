@@ -34,7 +34,8 @@ SOURCES = [
     )
 ]
 HEADERS = [
-    os.path.join(CSRC, name) for name in ("cpu_common.h", "cpu_int8.h", "cpu_bf16x2.h", "cpu_i16act.h", "cpu_qvnni.h")
+    os.path.join(CSRC, name)
+    for name in ("cpu_common.h", "cpu_int8.h", "cpu_bf16x2.h", "cpu_i16act.h", "cpu_qvnni.h", "cpu_rowops.h")
 ]
 # -fopenmp: ATen's parallel_for is a header template that runs serially unless the extension itself
 # is compiled with OpenMP; linking it resolves to the libgomp.so.1 torch already loaded.

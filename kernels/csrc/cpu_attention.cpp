@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_rowops.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -475,6 +476,57 @@ void load_query(const Q* q, int64_t rows, int64_t d, float scale, float* dst) {
   for (int64_t i = 0; i < rows * d; ++i) dst[i] = to_float(q[i]) * scale;
 }
 
+// One decode task: `rows` query rows of one request (consecutive heads of KV head h's group, at q)
+// over positions [lo, hi) of its len: per row the running max and sum into ml[2r], ml[2r + 1] and
+// the unnormalized output into acc[r * d].
+template <typename kv_t, int F, typename Q>
+void decode_rows(const Q* q, int64_t rows, float q_scale, const KvView& kv, int64_t h, int64_t d, const int32_t* slots,
+                 int64_t len, int64_t lo, int64_t hi, float* ml, float* acc) {
+  thread_local std::vector<float> qf, scores, mm, ll;
+  thread_local std::vector<int64_t> limit;
+  qf.resize(rows * d);
+  mm.assign(rows, kNegInf);
+  ll.assign(rows, 0.f);
+  limit.assign(rows, len);
+  std::fill(acc, acc + rows * d, 0.f);
+  load_query(q, rows, d, q_scale, qf.data());
+  attend<kv_t, F>(qf.data(), rows, limit.data(), kv, h, d, slots, lo, hi, mm.data(), ll.data(), acc, scores);
+  for (int64_t r = 0; r < rows; ++r) {
+    ml[2 * r] = mm[r];
+    ml[2 * r + 1] = ll[r];
+  }
+}
+
+// Query rows [g0, g1) of one (request, KV head) merged over its splits by log-sum-exp: ml and po hold
+// [splits][group] of (max, sum) and outputs; row g is written at dst + g * d.
+template <typename Q>
+void merge_rows(const float* ml, const float* po, int64_t splits, int64_t group, int64_t g0, int64_t g1, int64_t d,
+                float v_scale, Q* dst) {
+  thread_local std::vector<float> o;
+  o.resize(d);
+  for (int64_t g = g0; g < g1; ++g) {
+    float gmax = kNegInf;
+    for (int64_t s = 0; s < splits; ++s) gmax = std::max(gmax, ml[(s * group + g) * 2]);
+    std::fill(o.begin(), o.end(), 0.f);
+    float total = 0.f;
+    for (int64_t s = 0; s < splits; ++s) {
+      const float* mls = ml + (s * group + g) * 2;
+      if (mls[0] == kNegInf) continue;
+      const float w = std::exp(mls[0] - gmax);
+      total += w * mls[1];
+      const float* a = po + (s * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+    }
+    const float inv = total > 0.f ? v_scale / total : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[g * d + i] = static_cast<Q>(o[i] * inv);
+  }
+}
+
+// Task p of n in the zigzag order (first, last, second, second to last, ...): requests later in a
+// batch are usually the younger, shorter ones, so each thread's contiguous range of p gets a share of
+// long and short contexts.
+inline int64_t zigzag(int64_t p, int64_t n) { return p % 2 == 0 ? p / 2 : n - 1 - p / 2; }
+
 }  // namespace
 
 // q, out: [batch, heads, dim]; seq_lens count the new token, whose KV is already in the pool.
@@ -502,55 +554,22 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at:
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_q", [&] {
       const scalar_t* qp = q.data_ptr<scalar_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
-      // Threads take contiguous ranges of the task order; requests later in a batch are usually the
-      // younger, shorter ones, so the order is zigzag (first, last, second, second to last, ...) and
-      // each range gets a share of long and short contexts.
       const int64_t tasks = batch * kv_heads * splits;
       at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qf(group * d), scores;
-        std::vector<int64_t> limit(group);
         for (int64_t p = begin; p < end; ++p) {
-          const int64_t task = p % 2 == 0 ? p / 2 : tasks - 1 - p / 2;
+          const int64_t task = zigzag(p, tasks);
           const int64_t b = task / (kv_heads * splits), h = (task / splits) % kv_heads, s = task % splits;
           const int64_t len = pages.seq_len(b), chunk = (len + splits - 1) / splits;
           const int64_t lo = std::min(len, s * chunk), hi = std::min(len, lo + chunk);
-          float* m = ml + task * group * 2;  // [group][2]: max, sum
-          float* acc = po + task * group * d;
-          std::vector<float> mm(group, kNegInf), ll(group, 0.f);
-          std::fill(acc, acc + group * d, 0.f);
-          load_query(qp + (b * heads + h * group) * d, group, d, q_scale, qf.data());
-          std::fill(limit.begin(), limit.end(), len);
-          attend<kv_t, F>(qf.data(), group, limit.data(), kv, h, d, pages.slots(b), lo, hi, mm.data(), ll.data(), acc,
-                          scores);
-          for (int64_t g = 0; g < group; ++g) {
-            m[2 * g] = mm[g];
-            m[2 * g + 1] = ll[g];
-          }
+          decode_rows<kv_t, F>(qp + (b * heads + h * group) * d, group, q_scale, kv, h, d, pages.slots(b), len, lo, hi,
+                               ml + task * group * 2, po + task * group * d);
         }
       });
       // merge the splits of each (request, head) by log-sum-exp
       at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> o(d);
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t b = bh / kv_heads, h = bh % kv_heads;
-          for (int64_t g = 0; g < group; ++g) {
-            float gmax = kNegInf;
-            for (int64_t s = 0; s < splits; ++s) gmax = std::max(gmax, ml[((bh * splits + s) * group + g) * 2]);
-            std::fill(o.begin(), o.end(), 0.f);
-            float total = 0.f;
-            for (int64_t s = 0; s < splits; ++s) {
-              const float* mls = ml + ((bh * splits + s) * group + g) * 2;
-              if (mls[0] == kNegInf) continue;
-              const float w = std::exp(mls[0] - gmax);
-              total += w * mls[1];
-              const float* a = po + ((bh * splits + s) * group + g) * d;
-              for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
-            }
-            scalar_t* dst = op + (b * heads + h * group + g) * d;
-            const float inv = total > 0.f ? kv.v_scale / total : 0.f;
-            for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(o[i] * inv);
-          }
-        }
+        for (int64_t bh = begin; bh < end; ++bh)
+          merge_rows(ml + bh * splits * group * 2, po + bh * splits * group * d, splits, group, 0, group, d, kv.v_scale,
+                     op + bh * group * d);
       });
     });
   });
@@ -772,6 +791,122 @@ void kv_store(at::Tensor& k_buffer, at::Tensor& v_buffer, const c10::optional<at
     });
   });
 }
+
+namespace radixserve_rows {
+
+DecodeAttention::DecodeAttention(const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                                 const at::Tensor& seq_lens, const at::Tensor& out_cache_loc, int64_t heads,
+                                 int64_t head_dim, int64_t kv_format, int64_t num_splits, int64_t threads)
+    : req_idx_(req_pool_indices.to(at::kLong).contiguous()),
+      lens_(seq_lens.to(at::kLong).contiguous()),
+      req_to_token_(req_to_token),
+      slots_(out_cache_loc.to(at::kLong).contiguous()),
+      batch_(seq_lens.size(0)),
+      heads_(heads),
+      d_(head_dim),
+      format_(kv_format),
+      splits_(std::max<int64_t>(1, num_splits)),
+      threads_(std::max<int64_t>(1, threads)) {
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.is_contiguous(), "req_to_token: int32");
+  const int64_t* lens = lens_.data_ptr<int64_t>();
+  const int64_t* ridx = req_idx_.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch_; ++b)
+    TORCH_CHECK(ridx[b] >= 0 && ridx[b] < req_to_token.size(0) && lens[b] >= 0 && lens[b] <= req_to_token.size(1),
+                "DecodeAttention: request ", b, " is outside req_to_token");
+  TORCH_CHECK(req_idx_.numel() == batch_ && slots_.numel() == batch_, "DecodeAttention: one new token per request");
+  TORCH_CHECK(heads > 0 && head_dim > 0, "DecodeAttention: heads and head_dim");
+}
+
+void DecodeAttention::add_layer(const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                                const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
+                                double k_scale, double v_scale) {
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() && k_buffer.dim() == 3 &&
+                  k_buffer.sizes() == v_buffer.sizes() && k_buffer.scalar_type() == v_buffer.scalar_type() &&
+                  k_buffer.size(2) == d_ && heads_ % k_buffer.size(1) == 0,
+              "DecodeAttention: k/v buffers must be contiguous [slots, kv_heads, head_dim] of the queries' heads");
+  make_view(k_buffer, v_buffer, k_scales, v_scales, format_, k_scale, v_scale);  // checks the int8 scales
+  dispatch_kv(k_buffer, format_, [](auto, auto) {});                             // and the format
+  const int64_t* sp = slots_.data_ptr<int64_t>();
+  for (int64_t t = 0; t < batch_; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_buffer.size(0), "kv_store: slot ", sp[t], " out of range");
+  TORCH_CHECK(layers_.empty() || k_buffer.size(1) == kv_heads_, "DecodeAttention: every layer's KV heads alike");
+  kv_heads_ = k_buffer.size(1);
+  group_ = heads_ / kv_heads_;
+  // query rows per task: enough tasks for every thread to get a near-equal share (a batch-1 step of
+  // a model with 3 KV heads on 2 threads was 2 : 1 with whole groups)
+  const int64_t tasks = batch_ * kv_heads_ * splits_;
+  parts_ = std::min<int64_t>(group_, (4 * threads_ + tasks - 1) / std::max<int64_t>(1, tasks));
+  layers_.push_back({k_buffer, v_buffer, k_scales, v_scales, k_scale, v_scale});
+  if (splits_ > 1) {
+    ml_.resize(tasks * group_ * 2);
+    po_.resize(tasks * group_ * d_);
+  }
+}
+
+void DecodeAttention::store(int64_t layer, int64_t t, int64_t kv_head, const c10::BFloat16* k,
+                            const c10::BFloat16* v) const {
+  const Layer& L = layers_[layer];
+  const int64_t slot = slots_.data_ptr<int64_t>()[t];
+  const KvView kv = make_view(L.k_buffer, L.v_buffer, L.k_scales, L.v_scales, format_, L.k_scale, L.v_scale);
+  const int64_t row = slot * kv_heads_ + kv_head;
+  float dummy = 0.f;
+  dispatch_kv(L.k_buffer, format_, [&](auto kv_tag, auto format) {
+    using kv_t = decltype(kv_tag);
+    constexpr int F = decltype(format)::value;
+    kv_t* kdst = static_cast<kv_t*>(L.k_buffer.data_ptr());
+    kv_t* vdst = static_cast<kv_t*>(L.v_buffer.data_ptr());
+    store_row<kv_t, F>(k, d_, kdst + row * d_, F == kInt8 ? const_cast<float*>(kv.ks) + row : &dummy, kv.k_scale);
+    store_row<kv_t, F>(v, d_, vdst + row * d_, F == kInt8 ? const_cast<float*>(kv.vs) + row : &dummy, kv.v_scale);
+  });
+}
+
+void DecodeAttention::attend(int64_t layer, const c10::BFloat16* q, int64_t q_stride, c10::BFloat16* out, double scale,
+                             int64_t thread, int64_t threads) {
+  const Layer& L = layers_[layer];
+  const KvView kv = make_view(L.k_buffer, L.v_buffer, L.k_scales, L.v_scales, format_, L.k_scale, L.v_scale);
+  const float q_scale = static_cast<float>(scale) * kv.k_scale;
+  const int64_t* lens = lens_.data_ptr<int64_t>();
+  const int64_t* ridx = req_idx_.data_ptr<int64_t>();
+  const int32_t* table = req_to_token_.data_ptr<int32_t>();
+  const int64_t stride = req_to_token_.stride(0);
+  const int64_t tasks = batch_ * kv_heads_ * splits_ * parts_, rows = (group_ + parts_ - 1) / parts_;
+  const int64_t begin = tasks * thread / threads, end = tasks * (thread + 1) / threads;
+  thread_local std::vector<float> ml1, po1;
+  dispatch_kv(L.k_buffer, format_, [&](auto kv_tag, auto format) {
+    using kv_t = decltype(kv_tag);
+    constexpr int F = decltype(format)::value;
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t task = zigzag(p, tasks), part = task % parts_, whole = task / parts_;
+      const int64_t b = whole / (kv_heads_ * splits_), h = (whole / splits_) % kv_heads_, s = whole % splits_;
+      const int64_t g0 = std::min(group_, part * rows), g1 = std::min(group_, g0 + rows);
+      if (g0 >= g1) continue;
+      const int64_t len = lens[b], chunk = (len + splits_ - 1) / splits_;
+      const int64_t lo = std::min(len, s * chunk), hi = std::min(len, lo + chunk);
+      const c10::BFloat16* qr = q + b * q_stride + (h * group_ + g0) * d_;
+      if (splits_ == 1) {  // the whole context in this task: normalized straight into out
+        ml1.resize(group_ * 2);
+        po1.resize(group_ * d_);
+        decode_rows<kv_t, F>(qr, g1 - g0, q_scale, kv, h, d_, table + ridx[b] * stride, len, lo, hi,
+                             ml1.data() + g0 * 2, po1.data() + g0 * d_);
+        merge_rows(ml1.data(), po1.data(), 1, group_, g0, g1, d_, kv.v_scale, out + (b * heads_ + h * group_) * d_);
+      } else {
+        decode_rows<kv_t, F>(qr, g1 - g0, q_scale, kv, h, d_, table + ridx[b] * stride, len, lo, hi,
+                             ml_.data() + (whole * group_ + g0) * 2, po_.data() + (whole * group_ + g0) * d_);
+      }
+    }
+  });
+}
+
+void DecodeAttention::merge(int64_t layer, c10::BFloat16* out, int64_t thread, int64_t threads) {
+  const Layer& L = layers_[layer];
+  const float v_scale = format_ == kFp8E4M3 || format_ == kFp8E5M2 ? static_cast<float>(L.v_scale) : 1.f;
+  const int64_t heads = batch_ * kv_heads_;
+  for (int64_t bh = heads * thread / threads; bh < heads * (thread + 1) / threads; ++bh)
+    merge_rows(ml_.data() + bh * splits_ * group_ * 2, po_.data() + bh * splits_ * group_ * d_, splits_, group_, 0,
+               group_, d_, v_scale, out + bh * group_ * d_);
+}
+
+}  // namespace radixserve_rows
 
 TORCH_LIBRARY(radixserve, m) {
   m.def(

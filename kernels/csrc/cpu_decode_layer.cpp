@@ -13,12 +13,18 @@
 // output, as the Python layers do.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <tuple>
-
 #include <vector>
+
+#include "cpu_qvnni.h"
+#include "cpu_rowops.h"
 
 // Kernels of the other translation units of this extension.
 void rms_norm(at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
@@ -36,6 +42,7 @@ void kv_store(at::Tensor& k_buffer, at::Tensor& v_buffer, const c10::optional<at
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
 void lora_apply(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, at::Tensor& out, at::IntArrayRef segs,
                 at::IntArrayRef parts);
+bool quant_int8_gemv(at::ScalarType dtype, int64_t m);
 
 namespace {
 
@@ -146,6 +153,131 @@ c10::optional<at::Tensor> maybe(const c10::optional<at::Tensor>& t) {
 
 }  // namespace
 
+// The stack's layers in one parallel region per step ("lean" path). Each op of decode_layer is its
+// own parallel region, with ATen allocations and serial work between them: in a 2-thread batch-1 step
+// of the default model about half of each layer's time was the second thread waiting. Here every
+// thread runs the whole step, with barriers between the phases of a layer:
+//   norm and int8 activations (each thread its own copy of the residual stream and of the quantized
+//   activations: a few KB, cheaper than a barrier) -> its share of the QKV rows | rotary and KV store
+//   per (token, head) | attention tasks (| split merge) | O rows | norm, gate/up rows | SiLU and the
+//   down projection's int8 activations per group of 128 inputs | down rows |
+// The pieces are the ops' own (the same row functions, the same GEMV kernel per weight row), so the
+// output is decode_layer's bit for bit. Taken for bf16 activations whose projections are all Q4_0 /
+// Q4_1 rows that quant_linear would multiply by the int8 GEMV (radixserve_qvnni::gemv); otherwise
+// the per-layer ops run.
+namespace {
+
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3;
+
+// A projection's weight segments (stacked along N) as the GEMV reads them.
+struct LeanLinear {
+  // tensors, not pointers: the weights move to huge-page memory after loading (Tensor.set_)
+  struct Seg {
+    at::Tensor w;
+    int64_t rows, row_bytes, col;
+    bool has_min;
+  };
+  std::vector<Seg> segs;
+  int64_t n = 0, k = 0;
+  at::Tensor bias;
+
+  static bool supported(const std::vector<at::Tensor>& w, const std::vector<int64_t>& t, int64_t k) {
+    if (w.empty() || k % 32 != 0) return false;
+    for (size_t i = 0; i < w.size(); ++i)
+      if ((t[i] != kQ4_0 && t[i] != kQ4_1) || w[i].scalar_type() != at::kByte || w[i].dim() != 2 ||
+          !w[i].is_contiguous() || w[i].size(1) != k / 32 * (t[i] == kQ4_1 ? 20 : 18))
+        return false;
+    return true;
+  }
+
+  LeanLinear(const std::vector<at::Tensor>& w, const std::vector<int64_t>& t, int64_t k_,
+             const c10::optional<at::Tensor>& b)
+      : k(k_) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      segs.push_back({w[i], w[i].size(0), w[i].size(1), n, t[i] == kQ4_1});
+      n += w[i].size(0);
+    }
+    if (b.has_value()) bias = *b;
+  }
+
+  // Rows [c0, c1) of x (m rows, group layout) @ W.T into out (row stride ldo), and the bias: the rows
+  // of radixserve_qvnni::gemv and bf16 add_ (float sum, rounded).
+  void rows(const radixserve_qvnni::GroupActs& x, int64_t m, int64_t c0, int64_t c1, c10::BFloat16* out,
+            int64_t ldo) const {
+    for (const Seg& s : segs) {
+      const uint8_t* w = static_cast<const uint8_t*>(s.w.const_data_ptr());
+      const int64_t b = std::max(c0, s.col) - s.col, e = std::min(c1, s.col + s.rows) - s.col;
+      for (int64_t j0 = b; j0 < e; j0 += 64) {
+        const int64_t j1 = std::min(e, j0 + 64);
+        for (int64_t r = 0; r < m; r += radixserve_qvnni::kGemvRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(radixserve_qvnni::kGemvRows, m - r));
+          if (s.has_min)
+            radixserve_qvnni::gemv_range_rows<true>(rows, w, s.row_bytes, j0, j1, k / 32, x, r, out + s.col, ldo);
+          else
+            radixserve_qvnni::gemv_range_rows<false>(rows, w, s.row_bytes, j0, j1, k / 32, x, r, out + s.col, ldo);
+        }
+      }
+    }
+    if (!bias.defined()) return;
+    const c10::BFloat16* bp = static_cast<const c10::BFloat16*>(bias.const_data_ptr());
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t j = c0; j < c1; ++j)
+        out[t * ldo + j] = static_cast<c10::BFloat16>(static_cast<float>(out[t * ldo + j]) + static_cast<float>(bp[j]));
+  }
+
+  // This thread's share of the rows: contiguous, multiples of 4.
+  void share(int64_t thread, int64_t threads, int64_t& c0, int64_t& c1) const {
+    c0 = n * thread / threads / 4 * 4;
+    c1 = thread + 1 == threads ? n : n * (thread + 1) / threads / 4 * 4;
+  }
+};
+
+// One thread's int8 activations of m rows of k values (quant_linear's: per-block quantization, then
+// the group layout).
+struct LeanActs {
+  std::vector<int8_t> q, gq;
+  std::vector<float> ds, gds;
+
+  radixserve_qvnni::GroupActs make(const c10::BFloat16* x, int64_t m, int64_t k) {
+    const int64_t nb = k / 32, groups = radixserve_qvnni::groups_for(k);
+    q.resize(m * k);
+    ds.resize(2 * m * nb);
+    gq.resize(m * groups * 128);
+    gds.resize(m * groups * 8);
+    radixserve_qvnni::quantize(x, m, k, q.data(), ds.data(), ds.data() + m * nb);
+    const radixserve_qvnni::Acts a{q.data(), ds.data(), ds.data() + m * nb, k, nb};
+    for (int64_t r = 0; r < m; ++r) radixserve_qvnni::group_row(a, r, gq.data() + r * groups * 128, gds.data() + r * groups * 8);
+    return {gq.data(), gds.data(), groups};
+  }
+};
+
+// Groups [g0, g1) of row x (k values) quantized straight into the group layout (group_row's bytes).
+void quantize_groups(const c10::BFloat16* x, int64_t k, int64_t g0, int64_t g1, int8_t* gq, float* gds) {
+  const int64_t nb = k / 32;
+  alignas(64) int8_t qb[32];
+  for (int64_t g = g0; g < g1; ++g) {
+    int8_t* qg = gq + g * 128;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t b = 4 * g + j;
+      float d = 0.f, sum = 0.f;
+      if (b < nb) {
+        radixserve_qvnni::quantize_block(x + 32 * b, qb, &d, &sum);
+        std::memcpy(qg + 16 * j, qb, 16);
+        std::memcpy(qg + 64 + 16 * j, qb + 16, 16);
+      } else {
+        std::memset(qg + 16 * j, 0, 16);
+        std::memset(qg + 64 + 16 * j, 0, 16);
+      }
+      gds[g * 8 + j] = d;
+      gds[g * 8 + 4 + j] = sum * 0.25f;
+    }
+  }
+}
+#endif  // RADIXSERVE_HAVE_QVNNI_GEMV
+
+}  // namespace
+
 struct DecodeStack : torch::CustomClassHolder {
   struct Layer {
     at::Tensor ln1, ln2;
@@ -167,6 +299,13 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<int64_t> down_t;
   };
   std::vector<Layer> layers;
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  struct Lean {
+    LeanLinear qkv, o, gate_up, down;
+  };
+  std::vector<Lean> lean;  // one per layer while every layer qualifies, else empty
+#endif
+  bool lean_ok = true;
 
   // The layer's arguments of decode_layer that stay fixed between steps, in its order.
   int64_t add_layer(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> qkv_w,
@@ -182,7 +321,52 @@ struct DecodeStack : torch::CustomClassHolder {
                            maybe(qkv_bias), q_size, kv_size, maybe(q_norm), maybe(k_norm), std::move(cos_cache),
                            std::move(sin_cache), head_dim, scale, std::move(o_w), std::move(o_t), maybe(o_bias),
                            std::move(gate_up_w), std::move(gate_up_t), std::move(down_w), std::move(down_t)});
+    add_lean(layers.back());
     return static_cast<int64_t>(layers.size());
+  }
+
+  // Whether the layer can run on the lean path (see above), and its projections as LeanLinear.
+  void add_lean(const Layer& L) {
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (!lean_ok) return;
+    const int64_t hidden = L.ln1.numel();
+    auto bf16_vec = [](const c10::optional<at::Tensor>& t, int64_t n) {
+      return !t.has_value() ||
+             (t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->dim() == 1 && t->size(0) == n);
+    };
+    int64_t intermediate = 0;
+    for (const auto& w : L.gate_up_w) intermediate += w.size(0);
+    intermediate /= 2;
+    const Layer& first = layers.front();
+    lean_ok = L.head_dim > 0 && L.q_size % L.head_dim == 0 && L.kv_size % L.head_dim == 0 && L.kv_size > 0 &&
+              (L.q_size / L.head_dim) % (L.kv_size / L.head_dim) == 0 && bf16_vec(L.ln1, hidden) &&
+              bf16_vec(L.ln2, hidden) && bf16_vec(L.qkv_bias, L.q_size + 2 * L.kv_size) &&
+              bf16_vec(L.o_bias, hidden) && bf16_vec(L.q_norm, L.head_dim) && bf16_vec(L.k_norm, L.head_dim) &&
+              L.q_norm.has_value() == L.k_norm.has_value() && L.cos_cache.scalar_type() == at::kFloat &&
+              L.sin_cache.scalar_type() == at::kFloat && L.cos_cache.is_contiguous() && L.sin_cache.is_contiguous() &&
+              L.cos_cache.dim() == 2 && L.cos_cache.sizes() == L.sin_cache.sizes() &&
+              L.cos_cache.size(1) <= L.head_dim && L.cos_cache.size(1) % 2 == 0 &&
+              LeanLinear::supported(L.qkv_w, L.qkv_t, hidden) && LeanLinear::supported(L.o_w, L.o_t, L.q_size) &&
+              LeanLinear::supported(L.gate_up_w, L.gate_up_t, hidden) &&
+              LeanLinear::supported(L.down_w, L.down_t, intermediate) && L.ln1.numel() == first.ln1.numel() &&
+              L.q_size == first.q_size && L.kv_size == first.kv_size && L.head_dim == first.head_dim;
+    if (!lean_ok) {
+      lean.clear();
+      return;
+    }
+    Lean l{LeanLinear(L.qkv_w, L.qkv_t, hidden, L.qkv_bias), LeanLinear(L.o_w, L.o_t, L.q_size, L.o_bias),
+           LeanLinear(L.gate_up_w, L.gate_up_t, hidden, c10::nullopt),
+           LeanLinear(L.down_w, L.down_t, intermediate, c10::nullopt)};
+    lean_ok = l.qkv.n == L.q_size + 2 * L.kv_size && l.o.n == hidden && l.down.n == hidden &&
+              l.gate_up.n == 2 * intermediate;
+    if (lean_ok)
+      lean.push_back(std::move(l));
+    else
+      lean.clear();
+#else
+    (void)L;
+    lean_ok = false;
+#endif
   }
 
   // Every layer on hidden [T, hidden_size]: returns the last layer's output and the residual stream
@@ -201,6 +385,11 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(k_scales.empty() ? v_scales.empty() : k_scales.size() == n && v_scales.size() == n,
                 "DecodeStack.run: int8 KV scales for every layer or none");
     TORCH_CHECK(hidden.dim() == 2, "DecodeStack.run: hidden must be [T, hidden_size]");
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (lean_for(hidden.scalar_type(), hidden.size(0)) && hidden.size(1) == layers[0].ln1.numel())
+      return run_lean(hidden, positions, k_buffers, v_buffers, k_scales, v_scales, kv_format, k_scale, v_scale,
+                      out_cache_loc, req_to_token, req_pool_indices, seq_lens, num_splits);
+#endif
     at::Tensor residual = at::empty_like(hidden);
     at::Tensor h = hidden;
     for (size_t i = 0; i < n; ++i) {
@@ -216,7 +405,142 @@ struct DecodeStack : torch::CustomClassHolder {
     return {h, residual};
   }
 
+  // RADIXSERVE_DISABLE_LEAN_DECODE=1: the per-layer ops (for A/B runs and tests).
+  static bool lean_disabled() {
+    static const bool off = [] {
+      const char* v = std::getenv("RADIXSERVE_DISABLE_LEAN_DECODE");
+      return v != nullptr && v[0] != '\0' && v[0] != '0';
+    }();
+    return off;
+  }
+
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  std::tuple<at::Tensor, at::Tensor> run_lean(const at::Tensor& hidden_in, const at::Tensor& positions,
+                                              const std::vector<at::Tensor>& k_buffers,
+                                              const std::vector<at::Tensor>& v_buffers,
+                                              const std::vector<at::Tensor>& k_scales,
+                                              const std::vector<at::Tensor>& v_scales, int64_t kv_format,
+                                              const std::vector<double>& k_scale, const std::vector<double>& v_scale,
+                                              const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+                                              const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                                              int64_t num_splits) {
+    using bf16 = c10::BFloat16;
+    const Layer& L0 = layers[0];
+    const at::Tensor hidden = hidden_in.contiguous();
+    const int64_t T = hidden.size(0), H = hidden.size(1), hd = L0.head_dim;
+    const int64_t q_size = L0.q_size, kv_size = L0.kv_size, qkv_n = q_size + 2 * kv_size;
+    const int64_t qh = q_size / hd, kh = kv_size / hd, inter = lean[0].down.k;
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const at::Tensor pos = positions.to(at::kLong).contiguous();
+    TORCH_CHECK(pos.numel() == T, "DecodeStack.run: one position per token");
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)
+      for (const Layer& L : layers)
+        TORCH_CHECK(pp[t] >= 0 && pp[t] < L.cos_cache.size(0), "DecodeStack.run: position ", pp[t], " out of range");
+    radixserve_rows::DecodeAttention attn(req_to_token, req_pool_indices, seq_lens, out_cache_loc, qh, hd, kv_format,
+                                          num_splits, threads);
+    TORCH_CHECK(seq_lens.size(0) == T, "DecodeStack.run: one token per request in a decode batch");
+    for (size_t i = 0; i < layers.size(); ++i)
+      attn.add_layer(k_buffers[i], v_buffers[i],
+                     k_scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(k_scales[i]),
+                     v_scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(v_scales[i]), k_scale[i], v_scale[i]);
+    TORCH_CHECK(attn.kv_heads() == kh, "DecodeStack.run: the KV pool's heads do not match the model's");
+    const auto opts = hidden.options();
+    at::Tensor residual = at::empty({T, H}, opts), down = at::empty({T, H}, opts);
+    at::Tensor qkv = at::empty({T, qkv_n}, opts), att = at::empty({T, q_size}, opts), o = at::empty({T, H}, opts);
+    at::Tensor gu = at::empty({T, 2 * inter}, opts), act = at::empty({T, inter}, opts);
+    const int64_t groups = radixserve_qvnni::groups_for(inter);
+    std::vector<int8_t> act_q(T * groups * 128);
+    std::vector<float> act_ds(T * groups * 8);
+    const bf16* xin = hidden.data_ptr<bf16>();
+    bf16 *res_out = residual.data_ptr<bf16>(), *dp = down.data_ptr<bf16>(), *qp = qkv.data_ptr<bf16>();
+    bf16 *ap = att.data_ptr<bf16>(), *op = o.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *xp = act.data_ptr<bf16>();
+    const int64_t rot = L0.cos_cache.size(1);
+
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      std::vector<bf16> res(T * H), h(T * H);
+      LeanActs acts;
+      int64_t c0, c1;
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const Layer& L = layers[i];
+        const Lean& W = lean[i];
+        const bf16 *ln1 = L.ln1.data_ptr<bf16>(), *ln2 = L.ln2.data_ptr<bf16>();
+        const float eps = static_cast<float>(L.eps);
+        // residual += x; h = norm(residual)   (first layer: residual = x; h = norm(x))
+        for (int64_t t = 0; t < T; ++t) {
+          const bf16* x = (i == 0 ? xin : dp) + t * H;
+          if (i == 0) std::copy(x, x + H, res.data() + t * H);
+          radixserve_rows::rms_norm_row(x, i == 0 ? static_cast<bf16*>(nullptr) : res.data() + t * H, ln1, H, eps,
+                                        h.data() + t * H);
+        }
+        W.qkv.share(tid, nt, c0, c1);
+        W.qkv.rows(acts.make(h.data(), T, H), T, c0, c1, qp, qkv_n);
+#pragma omp barrier
+        // QK-norm and rotary per (token, head); K and V rows into the pool
+        {
+          const int64_t tasks = T * (qh + kh);
+          const bf16* qn = L.q_norm.has_value() ? L.q_norm->data_ptr<bf16>() : nullptr;
+          const bf16* kn = L.k_norm.has_value() ? L.k_norm->data_ptr<bf16>() : nullptr;
+          const float* cp = L.cos_cache.data_ptr<float>();
+          const float* sp = L.sin_cache.data_ptr<float>();
+          for (int64_t task = tasks * tid / nt; task < tasks * (tid + 1) / nt; ++task) {
+            const int64_t t = task / (qh + kh), j = task % (qh + kh);
+            bf16* v = qp + t * qkv_n + j * hd;  // q heads, then k heads
+            if (qn != nullptr) radixserve_rows::rms_norm_row(v, static_cast<bf16*>(nullptr), j < qh ? qn : kn, hd, eps, v);
+            radixserve_rows::rotary_head(v, cp + pp[t] * rot, sp + pp[t] * rot, rot);
+            if (j >= qh) attn.store(static_cast<int64_t>(i), t, j - qh, v, v + kv_size);
+          }
+        }
+#pragma omp barrier
+        attn.attend(static_cast<int64_t>(i), qp, qkv_n, ap, L.scale, tid, nt);
+#pragma omp barrier
+        if (attn.needs_merge()) {
+          attn.merge(static_cast<int64_t>(i), ap, tid, nt);
+#pragma omp barrier
+        }
+        W.o.share(tid, nt, c0, c1);
+        W.o.rows(acts.make(ap, T, q_size), T, c0, c1, op, H);
+#pragma omp barrier
+        for (int64_t t = 0; t < T; ++t)
+          radixserve_rows::rms_norm_row(op + t * H, res.data() + t * H, ln2, H, eps, h.data() + t * H);
+        W.gate_up.share(tid, nt, c0, c1);
+        W.gate_up.rows(acts.make(h.data(), T, H), T, c0, c1, gp, 2 * inter);
+#pragma omp barrier
+        // SiLU and the down projection's int8 activations, per group of 128 inputs
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+          const int64_t e0 = std::min(inter, g0 * 128), e1 = std::min(inter, g1 * 128);
+          const uint16_t* g = reinterpret_cast<const uint16_t*>(gp + t * 2 * inter);
+          if (e1 > e0)
+            radixserve_rows::silu_mul_bf16(g + e0, g + inter + e0, reinterpret_cast<uint16_t*>(xp + t * inter) + e0,
+                                           e1 - e0);
+          quantize_groups(xp + t * inter, inter, g0, g1, act_q.data() + t * groups * 128, act_ds.data() + t * groups * 8);
+        }
+#pragma omp barrier
+        W.down.share(tid, nt, c0, c1);
+        W.down.rows({act_q.data(), act_ds.data(), groups}, T, c0, c1, dp, H);
+#pragma omp barrier
+      }
+      if (tid == 0) std::copy(res.begin(), res.end(), res_out);
+    }
+    return {down, residual};
+  }
+#endif
+
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
+
+  // Whether `run` takes the lean path for `tokens` rows of `dtype` activations now.
+  bool lean_for(at::ScalarType dtype, int64_t tokens) const {
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    return lean_ok && !layers.empty() && lean.size() == layers.size() && dtype == at::kBFloat16 && tokens > 0 &&
+           quant_int8_gemv(dtype, tokens) && !lean_disabled();
+#else
+    (void)dtype, (void)tokens;
+    return false;
+#endif
+  }
 };
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
@@ -224,5 +548,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
       .def(torch::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("run", &DecodeStack::run)
-      .def("size", &DecodeStack::size);
+      .def("size", &DecodeStack::size)
+      .def("lean_for", [](const c10::intrusive_ptr<DecodeStack>& self, at::ScalarType dtype, int64_t tokens) {
+        return self->lean_for(dtype, tokens);
+      });
 }

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_rowops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +15,73 @@
 
 using radixserve_cpu::to_float;
 using radixserve_cpu::vexp;
+
+namespace radixserve_rows {
+
+template <typename T>
+void rms_norm_row(const T* x, T* res, const T* w, int64_t h, float eps, T* dst) {
+  const T* src = x;
+  if (res != nullptr) {
+    for (int64_t i = 0; i < h; ++i) res[i] = static_cast<T>(to_float(x[i]) + to_float(res[i]));
+    src = res;  // the norm reads the sum
+  }
+  float ss = 0.f;
+_Pragma("omp simd reduction(+ : ss)")
+  for (int64_t i = 0; i < h; ++i) ss += to_float(src[i]) * to_float(src[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) {
+    const T normed = static_cast<T>(to_float(src[i]) * inv);
+    dst[i] = static_cast<T>(to_float(w[i]) * to_float(normed));
+  }
+}
+
+template <typename T>
+void rotary_head(T* v, const float* c, const float* s, int64_t rot) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const T x1 = v[i], x2 = v[i + half];
+    const T c1 = static_cast<T>(c[i]), s1 = static_cast<T>(s[i]);
+    const T c2 = static_cast<T>(c[i + half]), s2 = static_cast<T>(s[i + half]);
+    const T a = static_cast<T>(to_float(x1) * to_float(c1));
+    const T b = static_cast<T>(-to_float(x2) * to_float(s1));
+    const T e = static_cast<T>(to_float(x2) * to_float(c2));
+    const T f = static_cast<T>(to_float(x1) * to_float(s2));
+    v[i] = static_cast<T>(to_float(a) + to_float(b));
+    v[i + half] = static_cast<T>(to_float(e) + to_float(f));
+  }
+}
+
+// bf16 through bit conversions the compiler vectorizes (c10's per-element rounding does not), in
+// pieces of 256 in registers/L1; the same roundings as the generic loop: silu rounded to bf16, then
+// the product rounded to bf16
+void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t d) {
+  constexpr int64_t kPiece = 256;
+  alignas(64) float g[kPiece], u[kPiece];
+  alignas(64) uint16_t s16[kPiece];
+  for (int64_t i0 = 0; i0 < d; i0 += kPiece) {
+    const int64_t n = std::min(kPiece, d - i0);
+    radixserve_cpu::bf16_to_floats(gate + i0, g, n);
+    radixserve_cpu::bf16_to_floats(up + i0, u, n);
+_Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + vexp(-g[i]));
+    radixserve_cpu::floats_to_bf16(g, s16, n);
+    radixserve_cpu::bf16_to_floats(s16, g, n);
+_Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) g[i] *= u[i];
+    radixserve_cpu::floats_to_bf16(g, out + i0, n);
+  }
+}
+
+#define RADIXSERVE_ROWS(T)                                                                   \
+  template void rms_norm_row<T>(const T*, T*, const T*, int64_t, float, T*);                \
+  template void rotary_head<T>(T*, const float*, const float*, int64_t);
+RADIXSERVE_ROWS(float)
+RADIXSERVE_ROWS(double)
+RADIXSERVE_ROWS(c10::BFloat16)
+RADIXSERVE_ROWS(c10::Half)
+#undef RADIXSERVE_ROWS
+
+}  // namespace radixserve_rows
 
 // In place: residual += x; x = rmsnorm(residual) * weight. With no residual (undefined tensor):
 // x = rmsnorm(x) * weight. Both [tokens, hidden], contiguous. Same operation order as HF: the norm
@@ -28,23 +96,9 @@ void rms_norm(at::Tensor& x, const c10::optional<at::Tensor>& residual, const at
     scalar_t* rp = has_res ? residual->data_ptr<scalar_t>() : nullptr;
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        scalar_t* xr = xp + t * h;
-        if (rp != nullptr) {
-          scalar_t* rr = rp + t * h;
-          for (int64_t i = 0; i < h; ++i) rr[i] = static_cast<scalar_t>(to_float(xr[i]) + to_float(rr[i]));
-          xr = rr;  // the norm reads the sum
-        }
-        float ss = 0.f;
-_Pragma("omp simd reduction(+ : ss)")
-        for (int64_t i = 0; i < h; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-        scalar_t* dst = xp + t * h;
-        for (int64_t i = 0; i < h; ++i) {
-          const scalar_t normed = static_cast<scalar_t>(to_float(xr[i]) * inv);
-          dst[i] = static_cast<scalar_t>(to_float(wp[i]) * to_float(normed));
-        }
-      }
+      for (int64_t t = begin; t < end; ++t)
+        radixserve_rows::rms_norm_row(xp + t * h, rp != nullptr ? rp + t * h : nullptr, wp, h,
+                                      static_cast<float>(eps), xp + t * h);
     });
   });
 }
@@ -54,29 +108,10 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "silu_and_mul: contiguous inputs");
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   if (x.scalar_type() == at::kBFloat16) {
-    // bf16 through bit conversions the compiler vectorizes (c10's per-element rounding does not), in
-    // pieces of 256 in registers/L1; the same roundings as the generic loop: silu rounded to bf16, then
-    // the product rounded to bf16
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      constexpr int64_t kPiece = 256;
-      alignas(64) float g[kPiece], u[kPiece];
-      alignas(64) uint16_t s16[kPiece];
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t i0 = 0; i0 < d; i0 += kPiece) {
-          const int64_t n = std::min(kPiece, d - i0);
-          radixserve_cpu::bf16_to_floats(xp + t * 2 * d + i0, g, n);
-          radixserve_cpu::bf16_to_floats(xp + t * 2 * d + d + i0, u, n);
-_Pragma("omp simd")
-          for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + vexp(-g[i]));
-          radixserve_cpu::floats_to_bf16(g, s16, n);
-          radixserve_cpu::bf16_to_floats(s16, g, n);
-_Pragma("omp simd")
-          for (int64_t i = 0; i < n; ++i) g[i] *= u[i];
-          radixserve_cpu::floats_to_bf16(g, op + t * d + i0, n);
-        }
-      }
+      for (int64_t t = begin; t < end; ++t) radixserve_rows::silu_mul_bf16(xp + t * 2 * d, xp + t * 2 * d + d, op + t * d, d);
     });
     return;
   }
@@ -106,7 +141,7 @@ void rotary_neox(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
                  const at::Tensor& sin_cache, int64_t head_dim) {
   TORCH_CHECK(x.stride(1) == 1, "rotary_neox: rows must be contiguous");
   TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && cos_cache.is_contiguous(), "rotary_neox: float32 caches");
-  const int64_t rows = x.size(0), heads = x.size(1) / head_dim, rot = cos_cache.size(1), half = rot / 2;
+  const int64_t rows = x.size(0), heads = x.size(1) / head_dim, rot = cos_cache.size(1);
   const int64_t row_stride = x.stride(0);
   auto pos = positions.to(at::kLong).contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -118,20 +153,7 @@ void rotary_neox(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
       for (int64_t t = begin; t < end; ++t) {
         const float* c = cp + pp[t] * rot;
         const float* s = sp + pp[t] * rot;
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          scalar_t* v = xp + t * row_stride + hd * head_dim;
-          for (int64_t i = 0; i < half; ++i) {
-            const scalar_t x1 = v[i], x2 = v[i + half];
-            const scalar_t c1 = static_cast<scalar_t>(c[i]), s1 = static_cast<scalar_t>(s[i]);
-            const scalar_t c2 = static_cast<scalar_t>(c[i + half]), s2 = static_cast<scalar_t>(s[i + half]);
-            const scalar_t a = static_cast<scalar_t>(to_float(x1) * to_float(c1));
-            const scalar_t b = static_cast<scalar_t>(-to_float(x2) * to_float(s1));
-            const scalar_t e = static_cast<scalar_t>(to_float(x2) * to_float(c2));
-            const scalar_t f = static_cast<scalar_t>(to_float(x1) * to_float(s2));
-            v[i] = static_cast<scalar_t>(to_float(a) + to_float(b));
-            v[i + half] = static_cast<scalar_t>(to_float(e) + to_float(f));
-          }
-        }
+        for (int64_t hd = 0; hd < heads; ++hd) radixserve_rows::rotary_head(xp + t * row_stride + hd * head_dim, c, s, rot);
       }
     });
   });

@@ -1008,6 +1008,19 @@ std::string quant_isa(const std::string& isa) {
 // The ISA variant in use, for the other kernels of this extension (0 scalar, 1 AVX2, 2+ AVX-512).
 int radixserve_kernel_isa() { return g_isa.load(std::memory_order_relaxed); }
 
+// Whether quant_linear multiplies up to `m` rows of `dtype` activations with Q4_0 / Q4_1 weights by
+// radixserve_qvnni::gemv (the fused decode stack then runs the same rows itself).
+bool quant_int8_gemv(at::ScalarType dtype, int64_t m) {
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  const int mode = g_int8_tiles.load();
+  return m <= kSmallM && g_isa.load(std::memory_order_relaxed) >= AVX512 &&
+         (mode == 2 || (mode == 1 && dtype != at::kFloat));
+#else
+  (void)dtype, (void)m;
+  return false;
+#endif
+}
+
 // Whether prefill-sized bf16 batches may multiply bf16 tiles (CPUs with AMX / AVX512-BF16).
 bool quant_fast_bf16(bool enable) {
   g_fast_bf16.store(enable);

@@ -14,9 +14,12 @@ import gguf
 import numpy as np
 import pytest
 import requests
+import torch
 from conftest import chat_prompt_ids, forcing_body, top1_agreement
 from gguf import GGMLQuantizationType as Q
 from test_gguf_loader import TOKENS, add_tokenizer, llama_cpp_permute
+
+from kernels.cpu import cpu_flags
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
 VOCAB = len(TOKENS)
@@ -27,6 +30,12 @@ LAYER_TYPES = [
      "ffn_gate": Q.Q4_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q5_K},
     {"attn_q": Q.Q5_1, "attn_k": Q.Q5_1, "attn_v": Q.Q5_1, "attn_output": Q.Q4_K,
      "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q2_K},
+]  # fmt: skip
+Q4_LAYER_TYPES = [
+    {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
+     "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1},
+    {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_1,
+     "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1},
 ]  # fmt: skip
 # Byte offsets of the fp16 scale fields of the K-quant blocks written as random bytes, and a scale
 # that keeps the random weights around 0.05 so activations stay finite and logits spread out.
@@ -45,7 +54,7 @@ def quantized(rng: np.random.Generator, shape: tuple[int, int], qtype: Q) -> np.
     return gguf.quants.quantize((rng.standard_normal(shape) * 0.08).astype(np.float32), qtype)
 
 
-def write_quantized_gguf(path: Path, arch: str, seed: int = 0) -> Path:
+def write_quantized_gguf(path: Path, arch: str, seed: int = 0, layer_types: list[dict] | None = None) -> Path:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -72,7 +81,7 @@ def write_quantized_gguf(path: Path, arch: str, seed: int = 0) -> Path:
     if arch == "llama":  # Qwen3's output projection stays tied to the embedding
         add("output.weight", (VOCAB, HIDDEN), Q.Q6_K)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    for i, types in enumerate(LAYER_TYPES):
+    for i, types in enumerate(layer_types or LAYER_TYPES):
         b = f"blk.{i}"
         add(f"{b}.attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), types["attn_q"], HEADS)
         add(f"{b}.attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), types["attn_k"], KV_HEADS)
@@ -96,7 +105,10 @@ def write_quantized_gguf(path: Path, arch: str, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("quantized-gguf")
-    return {arch: str(write_quantized_gguf(folder / f"tiny-{arch}.gguf", arch)) for arch in ("llama", "qwen3")}
+    files = {arch: str(write_quantized_gguf(folder / f"tiny-{arch}.gguf", arch)) for arch in ("llama", "qwen3")}
+    for arch in ("llama", "qwen3"):  # Q4_0 / Q4_1 projections only: the fused stack's lean path
+        files[f"{arch}-q4"] = str(write_quantized_gguf(folder / f"tiny-{arch}-q4.gguf", arch, 1, Q4_LAYER_TYPES))
+    return files
 
 
 PROMPTS = [[5 + (7 * i + 3 * j) % (VOCAB - 10) for j in range(12 + 5 * i)] for i in range(4)]
@@ -165,32 +177,50 @@ def test_default_model_quantized_tracks_float32_reference(default_server, shared
 
 
 @pytest.mark.parametrize(
-    "arch,kv_cache_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8"), ("qwen3", "fp8_e4m3")]
+    "arch,kv_cache_dtype,dtype,long",
+    [
+        ("llama", "auto", "float32", False),
+        ("qwen3", "auto", "float32", False),
+        ("llama", "int8", "float32", False),
+        ("qwen3", "fp8_e4m3", "float32", False),
+        ("llama-q4", "auto", "bfloat16", False),
+        ("qwen3-q4", "int8", "bfloat16", True),
+        pytest.param("llama-q4", "fp8_e4m3", "bfloat16", True, marks=pytest.mark.full),
+    ],
 )
-def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, arch, kv_cache_dtype):
+def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, arch, kv_cache_dtype, dtype, long):
     """The one-op-per-layer decode step (kernels/csrc/cpu_decode_layer.cpp) runs the same kernels in
     the same order as the Python layers, and the one-call-per-step stack of them
-    (its DecodeStack) the same ops: same tokens, same logprobs, also over an 8-bit KV cache."""
+    (its DecodeStack) the same ops: same tokens, same logprobs, also over an 8-bit KV cache. With
+    bf16 activations and Q4_0 / Q4_1 projections the stack runs each step in one parallel region (its
+    lean path, where the int8 GEMV applies): bit for bit the per-layer ops' output, also with the
+    attention split over a long context (`long`: one 300-token prompt, merged by log-sum-exp)."""
     from srt.model_executor.static_batch import StaticBatchGenerator
     from srt.model_loader.default_model import resolve_model_path
     from srt.sampling.sampling_params import SamplingParams
 
-    runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", kv_cache_dtype=kv_cache_dtype)
+    runner = runner_factory(
+        resolve_model_path(gguf_files[arch]), quantization="gguf", kv_cache_dtype=kv_cache_dtype, dtype=dtype
+    )
     model = runner.model.model
     layers = list(model.layers)
     fused, stack = [layer.fused_decode for layer in layers], model.fused_decode_stack
     assert all(f is not None for f in fused) and stack is not None
+    prompts = [PROMPTS[0] * 25] if long else PROMPTS
+    lean = stack.stack.lean_for(torch.bfloat16, len(prompts))
+    if dtype == "bfloat16" and "avx512vbmi" in cpu_flags() and "avx512_vnni" in cpu_flags():
+        assert lean, "Q4 projections in bf16 on an AVX-512 VNNI + VBMI CPU take the lean path"
     gen = StaticBatchGenerator(runner)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     calls = []
     model.fused_decode_stack = lambda *a: calls.append(1) or stack(*a)
-    with_stack = gen.generate(PROMPTS, params, return_logprob=True)
+    with_stack = gen.generate(prompts, params, return_logprob=True)
     assert len(calls) >= 11  # every decode step ran the stack
     model.fused_decode_stack = None
-    with_op = gen.generate(PROMPTS, params, return_logprob=True)
+    with_op = gen.generate(prompts, params, return_logprob=True)
     for layer in layers:
         layer.fused_decode = None
-    without = gen.generate(PROMPTS, params, return_logprob=True)
+    without = gen.generate(prompts, params, return_logprob=True)
     for layer, f in zip(layers, fused):
         layer.fused_decode = f
     model.fused_decode_stack = stack
@@ -198,6 +228,8 @@ def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, ar
         assert [r.output_ids for r in other] == [r.output_ids for r in without]
         for a, b in zip(other, without):
             np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-6)
+    if lean:
+        assert [r.output_logprobs for r in with_stack] == [r.output_logprobs for r in with_op]
 
 
 def test_bad_quantization_choices_name_the_flag(tiny_model_factory, runner_factory):
