@@ -832,10 +832,10 @@ void DecodeAttention::add_layer(const at::Tensor& k_buffer, const at::Tensor& v_
   TORCH_CHECK(layers_.empty() || k_buffer.size(1) == kv_heads_, "DecodeAttention: every layer's KV heads alike");
   kv_heads_ = k_buffer.size(1);
   group_ = heads_ / kv_heads_;
-  // query rows per task: enough tasks for every thread to get a near-equal share (a batch-1 step of
-  // a model with 3 KV heads on 2 threads was 2 : 1 with whole groups)
+  // a group's query rows share each K / V row's loads and score reductions (one row per task made a
+  // batch-1 step's attention slower, balance or not); split only where threads would otherwise idle
   const int64_t tasks = batch_ * kv_heads_ * splits_;
-  parts_ = std::min<int64_t>(group_, (4 * threads_ + tasks - 1) / std::max<int64_t>(1, tasks));
+  parts_ = tasks >= threads_ ? 1 : std::min<int64_t>(group_, (threads_ + tasks - 1) / std::max<int64_t>(1, tasks));
   layers_.push_back({k_buffer, v_buffer, k_scales, v_scales, k_scale, v_scale});
   if (splits_ > 1) {
     ml_.resize(tasks * group_ * 2);
@@ -843,8 +843,7 @@ void DecodeAttention::add_layer(const at::Tensor& k_buffer, const at::Tensor& v_
   }
 }
 
-void DecodeAttention::store(int64_t layer, int64_t t, int64_t kv_head, const c10::BFloat16* k,
-                            const c10::BFloat16* v) const {
+void DecodeAttention::store(int64_t layer, int64_t t, int64_t kv_head, bool value, const c10::BFloat16* x) const {
   const Layer& L = layers_[layer];
   const int64_t slot = slots_.data_ptr<int64_t>()[t];
   const KvView kv = make_view(L.k_buffer, L.v_buffer, L.k_scales, L.v_scales, format_, L.k_scale, L.v_scale);
@@ -853,10 +852,9 @@ void DecodeAttention::store(int64_t layer, int64_t t, int64_t kv_head, const c10
   dispatch_kv(L.k_buffer, format_, [&](auto kv_tag, auto format) {
     using kv_t = decltype(kv_tag);
     constexpr int F = decltype(format)::value;
-    kv_t* kdst = static_cast<kv_t*>(L.k_buffer.data_ptr());
-    kv_t* vdst = static_cast<kv_t*>(L.v_buffer.data_ptr());
-    store_row<kv_t, F>(k, d_, kdst + row * d_, F == kInt8 ? const_cast<float*>(kv.ks) + row : &dummy, kv.k_scale);
-    store_row<kv_t, F>(v, d_, vdst + row * d_, F == kInt8 ? const_cast<float*>(kv.vs) + row : &dummy, kv.v_scale);
+    kv_t* dst = static_cast<kv_t*>(value ? L.v_buffer.data_ptr() : L.k_buffer.data_ptr());
+    float* scales = const_cast<float*>(value ? kv.vs : kv.ks);
+    store_row<kv_t, F>(x, d_, dst + row * d_, F == kInt8 ? scales + row : &dummy, value ? kv.v_scale : kv.k_scale);
   });
 }
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_qvnni.h"
+
 #include "cpu_rowops.h"
 
 // Kernels of the other translation units of this extension.
@@ -156,15 +157,20 @@ c10::optional<at::Tensor> maybe(const c10::optional<at::Tensor>& t) {
 // The stack's layers in one parallel region per step ("lean" path). Each op of decode_layer is its
 // own parallel region, with ATen allocations and serial work between them: in a 2-thread batch-1 step
 // of the default model about half of each layer's time was the second thread waiting. Here every
-// thread runs the whole step, with barriers between the phases of a layer:
-//   norm and int8 activations (each thread its own copy of the residual stream and of the quantized
-//   activations: a few KB, cheaper than a barrier) -> its share of the QKV rows | rotary and KV store
-//   per (token, head) | attention tasks (| split merge) | O rows | norm, gate/up rows | SiLU and the
-//   down projection's int8 activations per group of 128 inputs | down rows |
+// thread runs the whole step, with a barrier after each of a layer's five phases:
+//   1. norm and int8 activations (each thread its own copy of the residual stream and of the quantized
+//      activations: a few KB, cheaper than a barrier); its whole heads of the QKV rows, then their
+//      QK-norm, rotary and K / V rows into the pool
+//   2. attention tasks (and, with split contexts, a merge phase)
+//   3. its share of the O rows
+//   4. norm; gate rows with the matching up rows, then SiLU and the down projection's int8
+//      activations of those inputs (whole groups of 128)
+//   5. its share of the down rows
 // The pieces are the ops' own (the same row functions, the same GEMV kernel per weight row), so the
-// output is decode_layer's bit for bit. Taken for bf16 activations whose projections are all Q4_0 /
-// Q4_1 rows that quant_linear would multiply by the int8 GEMV (radixserve_qvnni::gemv); otherwise
-// the per-layer ops run.
+// output is decode_layer's bit for bit (batch-1 step of the default model on a 2-core Zen 4: 4.9 ->
+// about 3.7 ms). Taken for bf16 activations whose projections are all Q4_0 / Q4_1 rows that
+// quant_linear would multiply by the int8 GEMV (radixserve_qvnni::gemv); otherwise the per-layer
+// ops run.
 namespace {
 
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
@@ -226,10 +232,11 @@ struct LeanLinear {
         out[t * ldo + j] = static_cast<c10::BFloat16>(static_cast<float>(out[t * ldo + j]) + static_cast<float>(bp[j]));
   }
 
-  // This thread's share of the rows: contiguous, multiples of 4.
-  void share(int64_t thread, int64_t threads, int64_t& c0, int64_t& c1) const {
-    c0 = n * thread / threads / 4 * 4;
-    c1 = thread + 1 == threads ? n : n * (thread + 1) / threads / 4 * 4;
+  // This thread's share of `n` rows: contiguous, multiples of `align` (but the last).
+  static void share(int64_t n, int64_t align, int64_t thread, int64_t threads, int64_t& c0, int64_t& c1) {
+    const int64_t units = (n + align - 1) / align;
+    c0 = std::min(n, units * thread / threads * align);
+    c1 = std::min(n, units * (thread + 1) / threads * align);
   }
 };
 
@@ -370,25 +377,37 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // Every layer on hidden [T, hidden_size]: returns the last layer's output and the residual stream
-  // (the model's final norm adds them). Layer i's cache: k_buffers[i], v_buffers[i], the int8
+  // (the model's final norm adds them). Layer i's cache (set_kv): k_buffers[i], v_buffers[i], the int8
   // formats' k_scales[i] / v_scales[i] (empty lists otherwise), fp8's k_scale[i] / v_scale[i].
-  std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> k_buffers,
-                                         std::vector<at::Tensor> v_buffers, std::vector<at::Tensor> k_scales,
-                                         std::vector<at::Tensor> v_scales, int64_t kv_format,
-                                         std::vector<double> k_scale, std::vector<double> v_scale,
-                                         at::Tensor out_cache_loc, at::Tensor req_to_token,
-                                         at::Tensor req_pool_indices, at::Tensor seq_lens, int64_t num_splits) {
+  // The KV pool's per-layer buffers, set when the pool changes (a step passes only what changes).
+  std::vector<at::Tensor> k_buffers, v_buffers, k_scales, v_scales;
+  std::vector<double> k_scale, v_scale;
+  int64_t kv_format = -1;
+
+  void set_kv(std::vector<at::Tensor> k_buffers_, std::vector<at::Tensor> v_buffers_,
+              std::vector<at::Tensor> k_scales_, std::vector<at::Tensor> v_scales_, int64_t kv_format_,
+              std::vector<double> k_scale_, std::vector<double> v_scale_) {
     const size_t n = layers.size();
-    TORCH_CHECK(n > 0 && k_buffers.size() == n && v_buffers.size() == n && k_scale.size() == n &&
-                    v_scale.size() == n,
-                "DecodeStack.run: one KV buffer pair and fp8 scale pair per layer (", n, " layers)");
-    TORCH_CHECK(k_scales.empty() ? v_scales.empty() : k_scales.size() == n && v_scales.size() == n,
-                "DecodeStack.run: int8 KV scales for every layer or none");
+    TORCH_CHECK(n > 0 && k_buffers_.size() == n && v_buffers_.size() == n && k_scale_.size() == n &&
+                    v_scale_.size() == n,
+                "DecodeStack.set_kv: one KV buffer pair and fp8 scale pair per layer (", n, " layers)");
+    TORCH_CHECK(k_scales_.empty() ? v_scales_.empty() : k_scales_.size() == n && v_scales_.size() == n,
+                "DecodeStack.set_kv: int8 KV scales for every layer or none");
+    k_buffers = std::move(k_buffers_), v_buffers = std::move(v_buffers_);
+    k_scales = std::move(k_scales_), v_scales = std::move(v_scales_);
+    k_scale = std::move(k_scale_), v_scale = std::move(v_scale_);
+    kv_format = kv_format_;
+  }
+
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor positions, at::Tensor out_cache_loc,
+                                         at::Tensor req_to_token, at::Tensor req_pool_indices, at::Tensor seq_lens,
+                                         int64_t num_splits) {
+    const size_t n = layers.size();
+    TORCH_CHECK(kv_format >= 0 && k_buffers.size() == n, "DecodeStack.run: set_kv first");
     TORCH_CHECK(hidden.dim() == 2, "DecodeStack.run: hidden must be [T, hidden_size]");
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
     if (lean_for(hidden.scalar_type(), hidden.size(0)) && hidden.size(1) == layers[0].ln1.numel())
-      return run_lean(hidden, positions, k_buffers, v_buffers, k_scales, v_scales, kv_format, k_scale, v_scale,
-                      out_cache_loc, req_to_token, req_pool_indices, seq_lens, num_splits);
+      return run_lean(hidden, positions, out_cache_loc, req_to_token, req_pool_indices, seq_lens, num_splits);
 #endif
     at::Tensor residual = at::empty_like(hidden);
     at::Tensor h = hidden;
@@ -416,11 +435,6 @@ struct DecodeStack : torch::CustomClassHolder {
 
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
   std::tuple<at::Tensor, at::Tensor> run_lean(const at::Tensor& hidden_in, const at::Tensor& positions,
-                                              const std::vector<at::Tensor>& k_buffers,
-                                              const std::vector<at::Tensor>& v_buffers,
-                                              const std::vector<at::Tensor>& k_scales,
-                                              const std::vector<at::Tensor>& v_scales, int64_t kv_format,
-                                              const std::vector<double>& k_scale, const std::vector<double>& v_scale,
                                               const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                                               const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                                               int64_t num_splits) {
@@ -475,23 +489,24 @@ struct DecodeStack : torch::CustomClassHolder {
           radixserve_rows::rms_norm_row(x, i == 0 ? static_cast<bf16*>(nullptr) : res.data() + t * H, ln1, H, eps,
                                         h.data() + t * H);
         }
-        W.qkv.share(tid, nt, c0, c1);
+        // this thread's whole heads of q, k and v: then QK-norm and rotary, and K / V rows into the pool
+        LeanLinear::share(qkv_n, hd, tid, nt, c0, c1);
         W.qkv.rows(acts.make(h.data(), T, H), T, c0, c1, qp, qkv_n);
-#pragma omp barrier
-        // QK-norm and rotary per (token, head); K and V rows into the pool
         {
-          const int64_t tasks = T * (qh + kh);
           const bf16* qn = L.q_norm.has_value() ? L.q_norm->data_ptr<bf16>() : nullptr;
           const bf16* kn = L.k_norm.has_value() ? L.k_norm->data_ptr<bf16>() : nullptr;
           const float* cp = L.cos_cache.data_ptr<float>();
           const float* sp = L.sin_cache.data_ptr<float>();
-          for (int64_t task = tasks * tid / nt; task < tasks * (tid + 1) / nt; ++task) {
-            const int64_t t = task / (qh + kh), j = task % (qh + kh);
-            bf16* v = qp + t * qkv_n + j * hd;  // q heads, then k heads
-            if (qn != nullptr) radixserve_rows::rms_norm_row(v, static_cast<bf16*>(nullptr), j < qh ? qn : kn, hd, eps, v);
-            radixserve_rows::rotary_head(v, cp + pp[t] * rot, sp + pp[t] * rot, rot);
-            if (j >= qh) attn.store(static_cast<int64_t>(i), t, j - qh, v, v + kv_size);
-          }
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = c0 / hd; j < c1 / hd; ++j) {  // q heads, k heads, v heads
+              bf16* v = qp + t * qkv_n + j * hd;
+              if (j < qh + kh) {
+                if (qn != nullptr)
+                  radixserve_rows::rms_norm_row(v, static_cast<bf16*>(nullptr), j < qh ? qn : kn, hd, eps, v);
+                radixserve_rows::rotary_head(v, cp + pp[t] * rot, sp + pp[t] * rot, rot);
+              }
+              if (j >= qh) attn.store(static_cast<int64_t>(i), t, (j - qh) % kh, j >= qh + kh, v);
+            }
         }
 #pragma omp barrier
         attn.attend(static_cast<int64_t>(i), qp, qkv_n, ap, L.scale, tid, nt);
@@ -500,26 +515,28 @@ struct DecodeStack : torch::CustomClassHolder {
           attn.merge(static_cast<int64_t>(i), ap, tid, nt);
 #pragma omp barrier
         }
-        W.o.share(tid, nt, c0, c1);
+        LeanLinear::share(H, 4, tid, nt, c0, c1);
         W.o.rows(acts.make(ap, T, q_size), T, c0, c1, op, H);
 #pragma omp barrier
         for (int64_t t = 0; t < T; ++t)
           radixserve_rows::rms_norm_row(op + t * H, res.data() + t * H, ln2, H, eps, h.data() + t * H);
-        W.gate_up.share(tid, nt, c0, c1);
-        W.gate_up.rows(acts.make(h.data(), T, H), T, c0, c1, gp, 2 * inter);
-#pragma omp barrier
-        // SiLU and the down projection's int8 activations, per group of 128 inputs
+        // gate rows [e0, e1) with the matching up rows: then SiLU and the down projection's int8
+        // activations of those inputs (whole groups of 128)
+        int64_t e0, e1;
+        LeanLinear::share(inter, 128, tid, nt, e0, e1);
+        const radixserve_qvnni::GroupActs ga = acts.make(h.data(), T, H);
+        W.gate_up.rows(ga, T, e0, e1, gp, 2 * inter);
+        W.gate_up.rows(ga, T, inter + e0, inter + e1, gp, 2 * inter);
         for (int64_t t = 0; t < T; ++t) {
-          const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-          const int64_t e0 = std::min(inter, g0 * 128), e1 = std::min(inter, g1 * 128);
           const uint16_t* g = reinterpret_cast<const uint16_t*>(gp + t * 2 * inter);
           if (e1 > e0)
             radixserve_rows::silu_mul_bf16(g + e0, g + inter + e0, reinterpret_cast<uint16_t*>(xp + t * inter) + e0,
                                            e1 - e0);
-          quantize_groups(xp + t * inter, inter, g0, g1, act_q.data() + t * groups * 128, act_ds.data() + t * groups * 8);
+          quantize_groups(xp + t * inter, inter, e0 / 128, (e1 + 127) / 128, act_q.data() + t * groups * 128,
+                          act_ds.data() + t * groups * 8);
         }
 #pragma omp barrier
-        W.down.share(tid, nt, c0, c1);
+        LeanLinear::share(H, 4, tid, nt, c0, c1);
         W.down.rows({act_q.data(), act_ds.data(), groups}, T, c0, c1, dp, H);
 #pragma omp barrier
       }
@@ -547,6 +564,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_kv", &DecodeStack::set_kv)
       .def("run", &DecodeStack::run)
       .def("size", &DecodeStack::size)
       .def("lean_for", [](const c10::intrusive_ptr<DecodeStack>& self, at::ScalarType dtype, int64_t tokens) {

@@ -37,8 +37,8 @@ class DecodeAttention {
                   int64_t num_splits, int64_t threads);
   void add_layer(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const c10::optional<at::Tensor>& k_scales,
                  const c10::optional<at::Tensor>& v_scales, double k_scale, double v_scale);
-  // Token t's K / V rows of one KV head into its slot of out_cache_loc.
-  void store(int64_t layer, int64_t t, int64_t kv_head, const c10::BFloat16* k, const c10::BFloat16* v) const;
+  // Token t's K (or V) row of one KV head into its slot of out_cache_loc.
+  void store(int64_t layer, int64_t t, int64_t kv_head, bool value, const c10::BFloat16* row) const;
   void attend(int64_t layer, const c10::BFloat16* q, int64_t q_stride, c10::BFloat16* out, double scale,
               int64_t thread, int64_t threads);
   void merge(int64_t layer, c10::BFloat16* out, int64_t thread, int64_t threads);

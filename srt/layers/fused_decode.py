@@ -114,6 +114,7 @@ class FusedDecodeStack:
         self.layers = layers
         self.layer_ids = [f.layer_id for f in layers]
         self.stack = torch.classes.radixserve.DecodeStack()
+        self.kv_key: tuple | None = None
         for f in layers:
             self.stack.add_layer(
                 f.ln1,
@@ -142,20 +143,18 @@ class FusedDecodeStack:
             return None
         if self.layers[0].lora_args() != ([], []):
             return None  # LoRA rows in the batch (or a LoRA backend other than the C++ one)
-        args = [fb.token_to_kv_pool.kernel_args(i) for i in self.layer_ids]
-        k_buffers, v_buffers, k_scales, v_scales, formats, k_scale, v_scale = (list(x) for x in zip(*args))
-        if any(s is None for s in k_scales):
-            k_scales, v_scales = [], []
+        pool = fb.token_to_kv_pool
+        key = (id(pool), id(pool.k_buffer), pool.k_buffer[self.layer_ids[0]].data_ptr())
+        if key != self.kv_key:  # the pool's buffers go over once, not every step
+            args = [pool.kernel_args(i) for i in self.layer_ids]
+            k_buffers, v_buffers, k_scales, v_scales, formats, k_scale, v_scale = (list(x) for x in zip(*args))
+            if any(s is None for s in k_scales):
+                k_scales, v_scales = [], []
+            self.stack.set_kv(k_buffers, v_buffers, k_scales, v_scales, formats[0], k_scale, v_scale)
+            self.kv_key = key
         return self.stack.run(
             hidden,
             positions,
-            k_buffers,
-            v_buffers,
-            k_scales,
-            v_scales,
-            formats[0],
-            k_scale,
-            v_scale,
             fb.out_cache_loc,
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
