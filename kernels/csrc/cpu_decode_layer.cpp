@@ -244,7 +244,7 @@ struct LeanLinear {
 // the group layout).
 struct LeanActs {
   std::vector<int8_t> q, gq;
-  std::vector<float> ds, gds;
+  std::vector<float> ds, gds, spread;
 
   radixserve_qvnni::GroupActs make(const c10::BFloat16* x, int64_t m, int64_t k) {
     const int64_t nb = k / 32, groups = radixserve_qvnni::groups_for(k);
@@ -255,7 +255,17 @@ struct LeanActs {
     radixserve_qvnni::quantize(x, m, k, q.data(), ds.data(), ds.data() + m * nb);
     const radixserve_qvnni::Acts a{q.data(), ds.data(), ds.data() + m * nb, k, nb};
     for (int64_t r = 0; r < m; ++r) radixserve_qvnni::group_row(a, r, gq.data() + r * groups * 128, gds.data() + r * groups * 8);
-    return {gq.data(), gds.data(), groups};
+    return with_spread({gq.data(), gds.data(), groups}, m, k);
+  }
+
+  // x's `spread` where quant_linear would use one (same results either way: the same products).
+  radixserve_qvnni::GroupActs with_spread(radixserve_qvnni::GroupActs x, int64_t m, int64_t k) {
+    if (k > radixserve_qvnni::kSpreadMaxK) return x;
+    spread.resize(m * x.groups * 32);
+    for (int64_t r = 0; r < m; ++r)
+      radixserve_qvnni::spread_row(x.ds + r * x.groups * 8, x.groups, spread.data() + r * x.groups * 32);
+    x.spread = spread.data();
+    return x;
   }
 };
 
@@ -537,7 +547,7 @@ struct DecodeStack : torch::CustomClassHolder {
         }
 #pragma omp barrier
         LeanLinear::share(H, 4, tid, nt, c0, c1);
-        W.down.rows({act_q.data(), act_ds.data(), groups}, T, c0, c1, dp, H);
+        W.down.rows(acts.with_spread({act_q.data(), act_ds.data(), groups}, T, inter), T, c0, c1, dp, H);
 #pragma omp barrier
       }
       if (tid == 0) std::copy(res.begin(), res.end(), res_out);

@@ -884,6 +884,13 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     for (int64_t r = 0; r < m; ++r)
       radixserve_qvnni::group_row(qacts, r, gq.data() + r * groups * 128, gds.data() + r * groups * 8);
     gacts = {gq.data(), gds.data(), groups};
+    if (k <= radixserve_qvnni::kSpreadMaxK) {
+      thread_local std::vector<float> spread;
+      if (static_cast<int64_t>(spread.size()) < m * groups * 32) spread.resize(m * groups * 32);
+      for (int64_t r = 0; r < m; ++r)
+        radixserve_qvnni::spread_row(gds.data() + r * groups * 8, groups, spread.data() + r * groups * 32);
+      gacts.spread = spread.data();
+    }
   }
 #endif
   const at::Tensor xf =
