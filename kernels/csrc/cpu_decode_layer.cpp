@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <tuple>
 #include <vector>
@@ -157,15 +158,16 @@ c10::optional<at::Tensor> maybe(const c10::optional<at::Tensor>& t) {
 // The stack's layers in one parallel region per step ("lean" path). Each op of decode_layer is its
 // own parallel region, with ATen allocations and serial work between them: in a 2-thread batch-1 step
 // of the default model about half of each layer's time was the second thread waiting. Here every
-// thread runs the whole step, with a barrier after each of a layer's five phases:
+// thread runs the whole step, with a barrier after each of a layer's five phases, whose units of work
+// the threads share out (Steal: each its own range first, then the others' tails):
 //   1. norm and int8 activations (each thread its own copy of the residual stream and of the quantized
-//      activations: a few KB, cheaper than a barrier); its whole heads of the QKV rows, then their
+//      activations: a few KB, cheaper than a barrier); per head of q, k and v its rows, then the head's
 //      QK-norm, rotary and K / V rows into the pool
 //   2. attention tasks (and, with split contexts, a merge phase)
-//   3. its share of the O rows
-//   4. norm; gate rows with the matching up rows, then SiLU and the down projection's int8
-//      activations of those inputs (whole groups of 128)
-//   5. its share of the down rows
+//   3. the O rows, 16 at a time
+//   4. norm; per group of 128 inputs of the down projection its gate rows and the matching up rows,
+//      then SiLU and the int8 activations of those inputs
+//   5. the down rows, 16 at a time
 // The pieces are the ops' own (the same row functions, the same GEMV kernel per weight row), so the
 // output is decode_layer's bit for bit (batch-1 step of the default model on a 2-core Zen 4: 4.9 ->
 // about 3.7 ms). Taken for bf16 activations whose projections are all Q4_0 / Q4_1 rows that
@@ -231,12 +233,52 @@ struct LeanLinear {
       for (int64_t j = c0; j < c1; ++j)
         out[t * ldo + j] = static_cast<c10::BFloat16>(static_cast<float>(out[t * ldo + j]) + static_cast<float>(bp[j]));
   }
+};
 
-  // This thread's share of `n` rows: contiguous, multiples of `align` (but the last).
-  static void share(int64_t n, int64_t align, int64_t thread, int64_t threads, int64_t& c0, int64_t& c1) {
-    const int64_t units = (n + align - 1) / align;
-    c0 = std::min(n, units * thread / threads * align);
-    c1 = std::min(n, units * (thread + 1) / threads * align);
+// A phase's units of work (heads, groups of rows) handed out from per-thread ranges: each thread takes
+// its own from the front, in order (one memory stream), then the others' from the back, so a thread
+// that finishes early takes over the tail of a slower one instead of waiting at the barrier (a
+// batch-1 step's barrier waits were ~9 % of it on a 2-core Zen 4: 15 QKV heads split 7 / 8, and the
+// two cores' memory streams do not run at the same speed). A range is one 64-bit word: the phase's
+// epoch, front and back; a word from another phase is never taken from.
+class Steal {
+ public:
+  explicit Steal(int64_t threads) : slots_(threads) {}
+
+  void start(int64_t tid, int64_t nt, int64_t units, uint64_t epoch) {
+    slots_[tid].word.store(pack(epoch, units * tid / nt, units * (tid + 1) / nt), std::memory_order_release);
+  }
+
+  // This thread's next unit, or -1 when the phase has none left.
+  int64_t next(int64_t tid, int64_t nt, uint64_t epoch) {
+    int64_t u;
+    if (take(tid, epoch, true, u)) return u;
+    for (int64_t o = 1; o < nt; ++o)
+      if (take((tid + o) % nt, epoch, false, u)) return u;
+    return -1;
+  }
+
+ private:
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> word{0};
+  };
+  std::vector<Slot> slots_;
+
+  static uint64_t pack(uint64_t epoch, uint64_t front, uint64_t back) {
+    return (epoch & 0xFFFF) << 48 | (front & 0xFFFFFF) << 24 | (back & 0xFFFFFF);
+  }
+
+  bool take(int64_t t, uint64_t epoch, bool front, int64_t& u) {
+    uint64_t w = slots_[t].word.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t f = (w >> 24) & 0xFFFFFF, b = w & 0xFFFFFF;
+      if ((w >> 48) != (epoch & 0xFFFF) || f >= b) return false;
+      if (slots_[t].word.compare_exchange_weak(w, front ? pack(epoch, f + 1, b) : pack(epoch, f, b - 1),
+                                               std::memory_order_acq_rel)) {
+        u = static_cast<int64_t>(front ? f : b - 1);
+        return true;
+      }
+    }
   }
 };
 
@@ -480,13 +522,21 @@ struct DecodeStack : torch::CustomClassHolder {
     bf16 *res_out = residual.data_ptr<bf16>(), *dp = down.data_ptr<bf16>(), *qp = qkv.data_ptr<bf16>();
     bf16 *ap = att.data_ptr<bf16>(), *op = o.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *xp = act.data_ptr<bf16>();
     const int64_t rot = L0.cos_cache.size(1);
-
+    Steal steal(threads);
+    const uint64_t epoch0 = 0;
 #pragma omp parallel num_threads(threads)
     {
       const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
       std::vector<bf16> res(T * H), h(T * H);
       LeanActs acts;
-      int64_t c0, c1;
+      uint64_t epoch = epoch0;
+      // fn(u) for every unit of a phase of `units`, shared out as described at Steal
+      auto units_of = [&](int64_t units, auto&& fn) {
+        steal.start(tid, nt, units, ++epoch);
+        for (int64_t u; (u = steal.next(tid, nt, epoch)) >= 0;) fn(u);
+      };
+      constexpr int64_t kRowsPerUnit = 16;
+      const int64_t row_units = (H + kRowsPerUnit - 1) / kRowsPerUnit;
       for (size_t i = 0; i < layers.size(); ++i) {
         const Layer& L = layers[i];
         const Lean& W = lean[i];
@@ -499,16 +549,16 @@ struct DecodeStack : torch::CustomClassHolder {
           radixserve_rows::rms_norm_row(x, i == 0 ? static_cast<bf16*>(nullptr) : res.data() + t * H, ln1, H, eps,
                                         h.data() + t * H);
         }
-        // this thread's whole heads of q, k and v: then QK-norm and rotary, and K / V rows into the pool
-        LeanLinear::share(qkv_n, hd, tid, nt, c0, c1);
-        W.qkv.rows(acts.make(h.data(), T, H), T, c0, c1, qp, qkv_n);
+        // per head of q, k and v: its rows, then QK-norm and rotary, and K / V rows into the pool
         {
+          const radixserve_qvnni::GroupActs x = acts.make(h.data(), T, H);
           const bf16* qn = L.q_norm.has_value() ? L.q_norm->data_ptr<bf16>() : nullptr;
           const bf16* kn = L.k_norm.has_value() ? L.k_norm->data_ptr<bf16>() : nullptr;
           const float* cp = L.cos_cache.data_ptr<float>();
           const float* sp = L.sin_cache.data_ptr<float>();
-          for (int64_t t = 0; t < T; ++t)
-            for (int64_t j = c0 / hd; j < c1 / hd; ++j) {  // q heads, k heads, v heads
+          units_of(qh + 2 * kh, [&](int64_t j) {
+            W.qkv.rows(x, T, j * hd, (j + 1) * hd, qp, qkv_n);
+            for (int64_t t = 0; t < T; ++t) {
               bf16* v = qp + t * qkv_n + j * hd;
               if (j < qh + kh) {
                 if (qn != nullptr)
@@ -517,6 +567,7 @@ struct DecodeStack : torch::CustomClassHolder {
               }
               if (j >= qh) attn.store(static_cast<int64_t>(i), t, (j - qh) % kh, j >= qh + kh, v);
             }
+          });
         }
 #pragma omp barrier
         attn.attend(static_cast<int64_t>(i), qp, qkv_n, ap, L.scale, tid, nt);
@@ -525,29 +576,39 @@ struct DecodeStack : torch::CustomClassHolder {
           attn.merge(static_cast<int64_t>(i), ap, tid, nt);
 #pragma omp barrier
         }
-        LeanLinear::share(H, 4, tid, nt, c0, c1);
-        W.o.rows(acts.make(ap, T, q_size), T, c0, c1, op, H);
+        {
+          const radixserve_qvnni::GroupActs x = acts.make(ap, T, q_size);
+          units_of(row_units, [&](int64_t u) {
+            W.o.rows(x, T, u * kRowsPerUnit, std::min(H, (u + 1) * kRowsPerUnit), op, H);
+          });
+        }
 #pragma omp barrier
         for (int64_t t = 0; t < T; ++t)
           radixserve_rows::rms_norm_row(op + t * H, res.data() + t * H, ln2, H, eps, h.data() + t * H);
-        // gate rows [e0, e1) with the matching up rows: then SiLU and the down projection's int8
-        // activations of those inputs (whole groups of 128)
-        int64_t e0, e1;
-        LeanLinear::share(inter, 128, tid, nt, e0, e1);
-        const radixserve_qvnni::GroupActs ga = acts.make(h.data(), T, H);
-        W.gate_up.rows(ga, T, e0, e1, gp, 2 * inter);
-        W.gate_up.rows(ga, T, inter + e0, inter + e1, gp, 2 * inter);
-        for (int64_t t = 0; t < T; ++t) {
-          const uint16_t* g = reinterpret_cast<const uint16_t*>(gp + t * 2 * inter);
-          if (e1 > e0)
-            radixserve_rows::silu_mul_bf16(g + e0, g + inter + e0, reinterpret_cast<uint16_t*>(xp + t * inter) + e0,
-                                           e1 - e0);
-          quantize_groups(xp + t * inter, inter, e0 / 128, (e1 + 127) / 128, act_q.data() + t * groups * 128,
-                          act_ds.data() + t * groups * 8);
+        // per group of 128 inputs of the down projection: its gate rows and the matching up rows, then
+        // SiLU and the int8 activations of those inputs
+        {
+          const radixserve_qvnni::GroupActs x = acts.make(h.data(), T, H);
+          units_of(groups, [&](int64_t g) {
+            const int64_t e0 = g * 128, e1 = std::min(inter, e0 + 128);
+            W.gate_up.rows(x, T, e0, e1, gp, 2 * inter);
+            W.gate_up.rows(x, T, inter + e0, inter + e1, gp, 2 * inter);
+            for (int64_t t = 0; t < T; ++t) {
+              const uint16_t* gt = reinterpret_cast<const uint16_t*>(gp + t * 2 * inter);
+              radixserve_rows::silu_mul_bf16(gt + e0, gt + inter + e0,
+                                             reinterpret_cast<uint16_t*>(xp + t * inter) + e0, e1 - e0);
+              quantize_groups(xp + t * inter, inter, g, g + 1, act_q.data() + t * groups * 128,
+                              act_ds.data() + t * groups * 8);
+            }
+          });
         }
 #pragma omp barrier
-        LeanLinear::share(H, 4, tid, nt, c0, c1);
-        W.down.rows(acts.with_spread({act_q.data(), act_ds.data(), groups}, T, inter), T, c0, c1, dp, H);
+        {
+          const radixserve_qvnni::GroupActs x = acts.with_spread({act_q.data(), act_ds.data(), groups}, T, inter);
+          units_of(row_units, [&](int64_t u) {
+            W.down.rows(x, T, u * kRowsPerUnit, std::min(H, (u + 1) * kRowsPerUnit), dp, H);
+          });
+        }
 #pragma omp barrier
       }
       if (tid == 0) std::copy(res.begin(), res.end(), res_out);
