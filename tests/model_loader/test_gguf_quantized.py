@@ -232,6 +232,35 @@ def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, ar
         assert [r.output_logprobs for r in with_stack] == [r.output_logprobs for r in with_op]
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_lean_decode_stack_same_at_any_thread_count(gguf_files, runner_factory, threads):
+    """The lean stack shares each phase's work out between however many threads run it (stealing
+    from each other's tails); a row's arithmetic is one thread's, so 1 and 3 threads give the
+    per-layer ops' tokens and logprobs bit for bit too."""
+    from srt.model_executor.static_batch import StaticBatchGenerator
+    from srt.model_loader.default_model import resolve_model_path
+    from srt.sampling.sampling_params import SamplingParams
+
+    runner = runner_factory(resolve_model_path(gguf_files["llama-q4"]), quantization="gguf", dtype="bfloat16")
+    model = runner.model.model
+    stack = model.fused_decode_stack
+    if not stack.stack.lean_for(torch.bfloat16, len(PROMPTS)):
+        pytest.skip("the lean path needs AVX-512 VNNI + VBMI")
+    gen = StaticBatchGenerator(runner)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        lean = gen.generate(PROMPTS, params, return_logprob=True)
+        model.fused_decode_stack = None
+        per_layer = gen.generate(PROMPTS, params, return_logprob=True)
+    finally:
+        torch.set_num_threads(before)
+        model.fused_decode_stack = stack
+    assert [r.output_ids for r in lean] == [r.output_ids for r in per_layer]
+    assert [r.output_logprobs for r in lean] == [r.output_logprobs for r in per_layer]
+
+
 def test_bad_quantization_choices_name_the_flag(tiny_model_factory, runner_factory):
     from srt.configs.model_config import ModelLoadError
     from srt.server_args import ServerArgs
