@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_i16act.h"
 #include "cpu_qvnni.h"
 
 #include "cpu_rowops.h"
@@ -44,7 +45,11 @@ void kv_store(at::Tensor& k_buffer, at::Tensor& v_buffer, const c10::optional<at
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
 void lora_apply(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, at::Tensor& out, at::IntArrayRef segs,
                 at::IntArrayRef parts);
-bool quant_int8_gemv(at::ScalarType dtype, int64_t m);
+int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int64_t m);
+
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV) || defined(RADIXSERVE_HAVE_I16ACT)
+#define RADIXSERVE_LEAN_DECODE 1
+#endif
 
 namespace {
 
@@ -170,32 +175,50 @@ c10::optional<at::Tensor> maybe(const c10::optional<at::Tensor>& t) {
 //   5. the down rows, 16 at a time
 // The pieces are the ops' own (the same row functions, the same GEMV kernel per weight row), so the
 // output is decode_layer's bit for bit (batch-1 step of the default model on a 2-core Zen 4: 4.9 ->
-// about 3.7 ms). Taken for bf16 activations whose projections are all Q4_0 / Q4_1 rows that
-// quant_linear would multiply by the int8 GEMV (radixserve_qvnni::gemv); otherwise the per-layer
-// ops run.
+// about 3.5 ms). Taken for bf16 activations whose projections' rows quant_linear multiplies by the
+// int8 GEMV (radixserve_qvnni: Q4_0 / Q4_1 on AVX-512 VNNI + VBMI) or by the int16-activation dots
+// (radixserve_i16act: Q8_0, Q4_K, Q6_K, and Q4_0 / Q4_1 on AVX2), either or both in one projection;
+// otherwise the per-layer ops run.
 namespace {
 
-#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3;
+#if defined(RADIXSERVE_LEAN_DECODE)
+// GGML types the decode kernels below take, and their blocks: (weights, bytes).
+bool lean_geometry(int64_t qtype, int64_t& block, int64_t& bytes) {
+  switch (qtype) {
+    case 2: block = 32, bytes = 18; return true;    // Q4_0
+    case 3: block = 32, bytes = 20; return true;    // Q4_1
+    case 8: block = 32, bytes = 34; return true;    // Q8_0
+    case 12: block = 256, bytes = 144; return true;  // Q4_K
+    case 14: block = 256, bytes = 210; return true;  // Q6_K
+    default: return false;
+  }
+}
 
-// A projection's weight segments (stacked along N) as the GEMV reads them.
+// A projection's weight segments (stacked along N), each multiplied by the kernel quant_linear takes
+// for it (quant_decode_kernel): 1 the int8 GEMV, 2 the int16-activation dots.
 struct LeanLinear {
   // tensors, not pointers: the weights move to huge-page memory after loading (Tensor.set_)
   struct Seg {
     at::Tensor w;
-    int64_t rows, row_bytes, col;
-    bool has_min;
+    int64_t rows, row_bytes, col, qtype;
+    int64_t kind = 0;
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    radixserve_i16act::DotFn dots[4] = {nullptr, nullptr, nullptr, nullptr};
+#endif
   };
   std::vector<Seg> segs;
   int64_t n = 0, k = 0;
   at::Tensor bias;
+  bool int8 = false, int16 = false;  // the activation forms the chosen kernels take
 
   static bool supported(const std::vector<at::Tensor>& w, const std::vector<int64_t>& t, int64_t k) {
     if (w.empty() || k % 32 != 0) return false;
-    for (size_t i = 0; i < w.size(); ++i)
-      if ((t[i] != kQ4_0 && t[i] != kQ4_1) || w[i].scalar_type() != at::kByte || w[i].dim() != 2 ||
-          !w[i].is_contiguous() || w[i].size(1) != k / 32 * (t[i] == kQ4_1 ? 20 : 18))
+    for (size_t i = 0; i < w.size(); ++i) {
+      int64_t block = 0, bytes = 0;
+      if (!lean_geometry(t[i], block, bytes) || k % block != 0 || w[i].scalar_type() != at::kByte ||
+          w[i].dim() != 2 || !w[i].is_contiguous() || w[i].size(1) != k / block * bytes)
         return false;
+    }
     return true;
   }
 
@@ -203,29 +226,67 @@ struct LeanLinear {
              const c10::optional<at::Tensor>& b)
       : k(k_) {
     for (size_t i = 0; i < w.size(); ++i) {
-      segs.push_back({w[i], w[i].size(0), w[i].size(1), n, t[i] == kQ4_1});
+      segs.push_back({w[i], w[i].size(0), w[i].size(1), n, t[i]});
       n += w[i].size(0);
     }
     if (b.has_value()) bias = *b;
   }
 
-  // Rows [c0, c1) of x (m rows, group layout) @ W.T into out (row stride ldo), and the bias: the rows
-  // of radixserve_qvnni::gemv and bf16 add_ (float sum, rounded).
-  void rows(const radixserve_qvnni::GroupActs& x, int64_t m, int64_t c0, int64_t c1, c10::BFloat16* out,
-            int64_t ldo) const {
+  // Whether every segment has a kernel here for m rows of bf16 activations now (the ISA and the int8
+  // mode can change at run time).
+  bool runnable(int64_t m) const {
+    for (const Seg& s : segs)
+      if (quant_decode_kernel(s.qtype, k, at::kBFloat16, m) == 0) return false;
+    return true;
+  }
+
+  // The kernels for m rows (before the parallel region).
+  void choose(int64_t m) {
+    int8 = int16 = false;
+    for (Seg& s : segs) {
+      s.kind = quant_decode_kernel(s.qtype, k, at::kBFloat16, m);
+      int8 |= s.kind == 1;
+      int16 |= s.kind == 2;
+#if defined(RADIXSERVE_HAVE_I16ACT)
+      if (s.kind == 2)
+        for (int r = 1; r <= 4; ++r) s.dots[r - 1] = radixserve_i16act::dot_for(s.qtype, r);
+#endif
+    }
+  }
+
+  // Rows [c0, c1) of x (m rows) @ W.T into out (row stride ldo), and the bias: each row as quant_linear
+  // computes it, and the bias as bf16 add_ does (float sum, rounded).
+  template <class Acts>
+  void rows(const Acts& x, int64_t m, int64_t c0, int64_t c1, c10::BFloat16* out, int64_t ldo) const {
     for (const Seg& s : segs) {
       const uint8_t* w = static_cast<const uint8_t*>(s.w.const_data_ptr());
       const int64_t b = std::max(c0, s.col) - s.col, e = std::min(c1, s.col + s.rows) - s.col;
-      for (int64_t j0 = b; j0 < e; j0 += 64) {
-        const int64_t j1 = std::min(e, j0 + 64);
-        for (int64_t r = 0; r < m; r += radixserve_qvnni::kGemvRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(radixserve_qvnni::kGemvRows, m - r));
-          if (s.has_min)
-            radixserve_qvnni::gemv_range_rows<true>(rows, w, s.row_bytes, j0, j1, k / 32, x, r, out + s.col, ldo);
-          else
-            radixserve_qvnni::gemv_range_rows<false>(rows, w, s.row_bytes, j0, j1, k / 32, x, r, out + s.col, ldo);
+      if (b >= e) continue;
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+      if (s.kind == 1) {
+        for (int64_t j0 = b; j0 < e; j0 += 64) {
+          const int64_t j1 = std::min(e, j0 + 64);
+          for (int64_t r = 0; r < m; r += radixserve_qvnni::kGemvRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(radixserve_qvnni::kGemvRows, m - r));
+            if (s.qtype == 3)
+              radixserve_qvnni::gemv_range_rows<true>(rows, w, s.row_bytes, j0, j1, k / 32, x.g, r, out + s.col, ldo);
+            else
+              radixserve_qvnni::gemv_range_rows<false>(rows, w, s.row_bytes, j0, j1, k / 32, x.g, r, out + s.col, ldo);
+          }
         }
       }
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+      if (s.kind == 2) {
+        float res[4];
+        for (int64_t j = b; j < e; ++j)
+          for (int64_t r = 0; r < m; r += 4) {
+            const int rows = static_cast<int>(std::min<int64_t>(4, m - r));
+            s.dots[rows - 1](w + j * s.row_bytes, x.a16, r, res);
+            for (int i = 0; i < rows; ++i) out[(r + i) * ldo + s.col + j] = static_cast<c10::BFloat16>(res[i]);
+          }
+      }
+#endif
     }
     if (!bias.defined()) return;
     const c10::BFloat16* bp = static_cast<const c10::BFloat16*>(bias.const_data_ptr());
@@ -282,24 +343,57 @@ class Steal {
   }
 };
 
-// One thread's int8 activations of m rows of k values (quant_linear's: per-block quantization, then
-// the group layout).
+// Activations in the forms the kernels take: `g` (int8, group layout) and `a16` (int16 per block).
+struct LeanX {
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  radixserve_qvnni::GroupActs g{nullptr, nullptr, 0};
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+  radixserve_i16act::Acts a16{nullptr, nullptr, nullptr, 0};
+#endif
+};
+
+// One thread's activations of m rows of k values, made as quant_linear makes them: int8 per block then
+// the group layout (and the pre-spread scales), int16 per block from the float values.
 struct LeanActs {
   std::vector<int8_t> q, gq;
-  std::vector<float> ds, gds, spread;
+  std::vector<float> ds, gds, spread, xf, d16;
+  std::vector<int16_t> q16;
 
-  radixserve_qvnni::GroupActs make(const c10::BFloat16* x, int64_t m, int64_t k) {
-    const int64_t nb = k / 32, groups = radixserve_qvnni::groups_for(k);
-    q.resize(m * k);
-    ds.resize(2 * m * nb);
-    gq.resize(m * groups * 128);
-    gds.resize(m * groups * 8);
-    radixserve_qvnni::quantize(x, m, k, q.data(), ds.data(), ds.data() + m * nb);
-    const radixserve_qvnni::Acts a{q.data(), ds.data(), ds.data() + m * nb, k, nb};
-    for (int64_t r = 0; r < m; ++r) radixserve_qvnni::group_row(a, r, gq.data() + r * groups * 128, gds.data() + r * groups * 8);
-    return with_spread({gq.data(), gds.data(), groups}, m, k);
+  LeanX make(const c10::BFloat16* x, int64_t m, int64_t k, const LeanLinear& W) {
+    LeanX out;
+    const int64_t nb = k / 32;
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (W.int8) {
+      const int64_t groups = radixserve_qvnni::groups_for(k);
+      q.resize(m * k);
+      ds.resize(2 * m * nb);
+      gq.resize(m * groups * 128);
+      gds.resize(m * groups * 8);
+      radixserve_qvnni::quantize(x, m, k, q.data(), ds.data(), ds.data() + m * nb);
+      const radixserve_qvnni::Acts a{q.data(), ds.data(), ds.data() + m * nb, k, nb};
+      for (int64_t r = 0; r < m; ++r)
+        radixserve_qvnni::group_row(a, r, gq.data() + r * groups * 128, gds.data() + r * groups * 8);
+      out.g = with_spread({gq.data(), gds.data(), groups}, m, k);
+    }
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    if (W.int16) {
+      xf.resize(m * k);
+      q16.resize(m * k);
+      d16.resize(2 * m * nb);
+      for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(x[i]);
+      for (int64_t r = 0; r < m; ++r)
+        radixserve_i16act::prepare_row(xf.data() + r * k, k, q16.data() + r * k, d16.data() + r * nb,
+                                       d16.data() + (m + r) * nb);
+      out.a16 = {q16.data(), d16.data(), d16.data() + m * nb, nb};
+    }
+#endif
+    (void)x, (void)m, (void)nb, (void)W;
+    return out;
   }
 
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
   // x's `spread` where quant_linear would use one (same results either way: the same products).
   radixserve_qvnni::GroupActs with_spread(radixserve_qvnni::GroupActs x, int64_t m, int64_t k) {
     if (k > radixserve_qvnni::kSpreadMaxK) return x;
@@ -309,14 +403,56 @@ struct LeanActs {
     x.spread = spread.data();
     return x;
   }
+#endif
 };
 
-// Groups [g0, g1) of row x (k values) quantized straight into the group layout (group_row's bytes).
-void quantize_groups(const c10::BFloat16* x, int64_t k, int64_t g0, int64_t g1, int8_t* gq, float* gds) {
-  const int64_t nb = k / 32;
-  alignas(64) int8_t qb[32];
-  for (int64_t g = g0; g < g1; ++g) {
-    int8_t* qg = gq + g * 128;
+// The down projection's activations, written per group of 128 inputs by whichever thread ran that
+// group's SiLU: the int8 group layout and / or int16 blocks, as its kernels take them.
+struct DownActs {
+  int64_t T, k, nb, groups;
+  std::vector<int8_t> gq;
+  std::vector<float> gds, d16;
+  std::vector<int16_t> q16;
+
+  DownActs(int64_t T_, int64_t k_, bool int8, bool int16) : T(T_), k(k_), nb(k_ / 32), groups((k_ + 127) / 128) {
+    if (int8) gq.resize(T * groups * 128), gds.resize(T * groups * 8);
+    if (int16) q16.resize(T * k), d16.resize(2 * T * nb);
+  }
+
+  // Row t's inputs of group g (its 4 blocks), from the bf16 values at x (the row).
+  void write(int64_t t, int64_t g, const c10::BFloat16* x) {
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (!gq.empty()) quantize_groups(x, g, gq.data() + t * groups * 128, gds.data() + t * groups * 8);
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    if (!q16.empty()) {
+      const int64_t b0 = 4 * g, b1 = std::min(nb, b0 + 4);
+      alignas(64) float f[128];
+      for (int64_t i = 0; i < (b1 - b0) * 32; ++i) f[i] = static_cast<float>(x[b0 * 32 + i]);
+      radixserve_i16act::prepare_row(f, (b1 - b0) * 32, q16.data() + t * k + b0 * 32, d16.data() + t * nb + b0,
+                                     d16.data() + (T + t) * nb + b0);
+    }
+#endif
+    (void)t, (void)g, (void)x;
+  }
+
+  LeanX acts(LeanActs& own, int64_t m) {
+    LeanX out;
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (!gq.empty()) out.g = own.with_spread({gq.data(), gds.data(), groups}, m, k);
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    if (!q16.empty()) out.a16 = {q16.data(), d16.data(), d16.data() + T * nb, nb};
+#endif
+    (void)own, (void)m;
+    return out;
+  }
+
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  // Group g of row x quantized straight into the group layout (group_row's bytes).
+  void quantize_groups(const c10::BFloat16* x, int64_t g, int8_t* q, float* ds) const {
+    alignas(64) int8_t qb[32];
+    int8_t* qg = q + g * 128;
     for (int j = 0; j < 4; ++j) {
       const int64_t b = 4 * g + j;
       float d = 0.f, sum = 0.f;
@@ -328,12 +464,13 @@ void quantize_groups(const c10::BFloat16* x, int64_t k, int64_t g0, int64_t g1, 
         std::memset(qg + 16 * j, 0, 16);
         std::memset(qg + 64 + 16 * j, 0, 16);
       }
-      gds[g * 8 + j] = d;
-      gds[g * 8 + 4 + j] = sum * 0.25f;
+      ds[g * 8 + j] = d;
+      ds[g * 8 + 4 + j] = sum * 0.25f;
     }
   }
-}
-#endif  // RADIXSERVE_HAVE_QVNNI_GEMV
+#endif
+};
+#endif  // RADIXSERVE_LEAN_DECODE
 
 }  // namespace
 
@@ -358,7 +495,7 @@ struct DecodeStack : torch::CustomClassHolder {
     std::vector<int64_t> down_t;
   };
   std::vector<Layer> layers;
-#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+#if defined(RADIXSERVE_LEAN_DECODE)
   struct Lean {
     LeanLinear qkv, o, gate_up, down;
   };
@@ -386,7 +523,7 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // Whether the layer can run on the lean path (see above), and its projections as LeanLinear.
   void add_lean(const Layer& L) {
-#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+#if defined(RADIXSERVE_LEAN_DECODE)
     if (!lean_ok) return;
     const int64_t hidden = L.ln1.numel();
     auto bf16_vec = [](const c10::optional<at::Tensor>& t, int64_t n) {
@@ -457,9 +594,12 @@ struct DecodeStack : torch::CustomClassHolder {
     const size_t n = layers.size();
     TORCH_CHECK(kv_format >= 0 && k_buffers.size() == n, "DecodeStack.run: set_kv first");
     TORCH_CHECK(hidden.dim() == 2, "DecodeStack.run: hidden must be [T, hidden_size]");
-#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
-    if (lean_for(hidden.scalar_type(), hidden.size(0)) && hidden.size(1) == layers[0].ln1.numel())
+#if defined(RADIXSERVE_LEAN_DECODE)
+    if (lean_for(hidden.scalar_type(), hidden.size(0)) && hidden.size(1) == layers[0].ln1.numel()) {
+      for (Lean& l : lean)
+        for (LeanLinear* W : {&l.qkv, &l.o, &l.gate_up, &l.down}) W->choose(hidden.size(0));
       return run_lean(hidden, positions, out_cache_loc, req_to_token, req_pool_indices, seq_lens, num_splits);
+    }
 #endif
     at::Tensor residual = at::empty_like(hidden);
     at::Tensor h = hidden;
@@ -485,7 +625,7 @@ struct DecodeStack : torch::CustomClassHolder {
     return off;
   }
 
-#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+#if defined(RADIXSERVE_LEAN_DECODE)
   std::tuple<at::Tensor, at::Tensor> run_lean(const at::Tensor& hidden_in, const at::Tensor& positions,
                                               const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                                               const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
@@ -515,9 +655,10 @@ struct DecodeStack : torch::CustomClassHolder {
     at::Tensor residual = at::empty({T, H}, opts), down = at::empty({T, H}, opts);
     at::Tensor qkv = at::empty({T, qkv_n}, opts), att = at::empty({T, q_size}, opts), o = at::empty({T, H}, opts);
     at::Tensor gu = at::empty({T, 2 * inter}, opts), act = at::empty({T, inter}, opts);
-    const int64_t groups = radixserve_qvnni::groups_for(inter);
-    std::vector<int8_t> act_q(T * groups * 128);
-    std::vector<float> act_ds(T * groups * 8);
+    const int64_t groups = (inter + 127) / 128;
+    bool down_int8 = false, down_int16 = false;
+    for (const Lean& l : lean) down_int8 |= l.down.int8, down_int16 |= l.down.int16;
+    DownActs down_acts(T, inter, down_int8, down_int16);
     const bf16* xin = hidden.data_ptr<bf16>();
     bf16 *res_out = residual.data_ptr<bf16>(), *dp = down.data_ptr<bf16>(), *qp = qkv.data_ptr<bf16>();
     bf16 *ap = att.data_ptr<bf16>(), *op = o.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *xp = act.data_ptr<bf16>();
@@ -551,7 +692,7 @@ struct DecodeStack : torch::CustomClassHolder {
         }
         // per head of q, k and v: its rows, then QK-norm and rotary, and K / V rows into the pool
         {
-          const radixserve_qvnni::GroupActs x = acts.make(h.data(), T, H);
+          const LeanX x = acts.make(h.data(), T, H, W.qkv);
           const bf16* qn = L.q_norm.has_value() ? L.q_norm->data_ptr<bf16>() : nullptr;
           const bf16* kn = L.k_norm.has_value() ? L.k_norm->data_ptr<bf16>() : nullptr;
           const float* cp = L.cos_cache.data_ptr<float>();
@@ -577,7 +718,7 @@ struct DecodeStack : torch::CustomClassHolder {
 #pragma omp barrier
         }
         {
-          const radixserve_qvnni::GroupActs x = acts.make(ap, T, q_size);
+          const LeanX x = acts.make(ap, T, q_size, W.o);
           units_of(row_units, [&](int64_t u) {
             W.o.rows(x, T, u * kRowsPerUnit, std::min(H, (u + 1) * kRowsPerUnit), op, H);
           });
@@ -588,7 +729,7 @@ struct DecodeStack : torch::CustomClassHolder {
         // per group of 128 inputs of the down projection: its gate rows and the matching up rows, then
         // SiLU and the int8 activations of those inputs
         {
-          const radixserve_qvnni::GroupActs x = acts.make(h.data(), T, H);
+          const LeanX x = acts.make(h.data(), T, H, W.gate_up);
           units_of(groups, [&](int64_t g) {
             const int64_t e0 = g * 128, e1 = std::min(inter, e0 + 128);
             W.gate_up.rows(x, T, e0, e1, gp, 2 * inter);
@@ -597,14 +738,13 @@ struct DecodeStack : torch::CustomClassHolder {
               const uint16_t* gt = reinterpret_cast<const uint16_t*>(gp + t * 2 * inter);
               radixserve_rows::silu_mul_bf16(gt + e0, gt + inter + e0,
                                              reinterpret_cast<uint16_t*>(xp + t * inter) + e0, e1 - e0);
-              quantize_groups(xp + t * inter, inter, g, g + 1, act_q.data() + t * groups * 128,
-                              act_ds.data() + t * groups * 8);
+              down_acts.write(t, g, xp + t * inter);
             }
           });
         }
 #pragma omp barrier
         {
-          const radixserve_qvnni::GroupActs x = acts.with_spread({act_q.data(), act_ds.data(), groups}, T, inter);
+          const LeanX x = down_acts.acts(acts, T);
           units_of(row_units, [&](int64_t u) {
             W.down.rows(x, T, u * kRowsPerUnit, std::min(H, (u + 1) * kRowsPerUnit), dp, H);
           });
@@ -621,9 +761,14 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // Whether `run` takes the lean path for `tokens` rows of `dtype` activations now.
   bool lean_for(at::ScalarType dtype, int64_t tokens) const {
-#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
-    return lean_ok && !layers.empty() && lean.size() == layers.size() && dtype == at::kBFloat16 && tokens > 0 &&
-           quant_int8_gemv(dtype, tokens) && !lean_disabled();
+#if defined(RADIXSERVE_LEAN_DECODE)
+    if (!lean_ok || layers.empty() || lean.size() != layers.size() || dtype != at::kBFloat16 || tokens < 1 ||
+        lean_disabled())
+      return false;
+    for (const Lean& l : lean)
+      if (!l.qkv.runnable(tokens) || !l.o.runnable(tokens) || !l.gate_up.runnable(tokens) || !l.down.runnable(tokens))
+        return false;
+    return true;
 #else
     (void)dtype, (void)tokens;
     return false;

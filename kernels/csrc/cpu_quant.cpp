@@ -1015,17 +1015,28 @@ std::string quant_isa(const std::string& isa) {
 // The ISA variant in use, for the other kernels of this extension (0 scalar, 1 AVX2, 2+ AVX-512).
 int radixserve_kernel_isa() { return g_isa.load(std::memory_order_relaxed); }
 
-// Whether quant_linear multiplies up to `m` rows of `dtype` activations with Q4_0 / Q4_1 weights by
-// radixserve_qvnni::gemv (the fused decode stack then runs the same rows itself).
-bool quant_int8_gemv(at::ScalarType dtype, int64_t m) {
+// The kernel quant_linear multiplies up to `m` rows of non-exact `dtype` activations with `qtype`
+// weights (K inputs) by, for callers that run the same rows themselves (the fused decode stack):
+// 1 radixserve_qvnni::gemv (int8 activations), 2 radixserve_i16act (int16 activations), 0 another one.
+// The order of the tests is quant_linear's and quant_matmul's.
+int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int64_t m) {
+  if (m > kSmallM || m < 1 || k % 32 != 0) return 0;
+  const int isa = g_isa.load(std::memory_order_relaxed);
+  const bool q4 = qtype == Q4_0 || qtype == Q4_1;
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
   const int mode = g_int8_tiles.load();
-  return m <= kSmallM && g_isa.load(std::memory_order_relaxed) >= AVX512 &&
-         (mode == 2 || (mode == 1 && dtype != at::kFloat));
+  if (q4 && isa >= AVX512 && (mode == 2 || (mode == 1 && dtype != at::kFloat))) return 1;
 #else
-  (void)dtype, (void)m;
-  return false;
+  (void)dtype;
 #endif
+#if defined(RADIXSERVE_HAVE_BF16X2)
+  if (q4 && isa >= AVX512_BF16) return 0;
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+  if (isa >= AVX2 && (q4 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K) && k % geometry(qtype).block == 0) return 2;
+#endif
+  (void)q4;
+  return 0;
 }
 
 // Whether prefill-sized bf16 batches may multiply bf16 tiles (CPUs with AMX / AVX512-BF16).

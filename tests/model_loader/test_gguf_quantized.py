@@ -37,6 +37,14 @@ Q4_LAYER_TYPES = [
     {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_1,
      "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1},
 ]  # fmt: skip
+# K-quant projections (as in Q4_K_M files), and Q4_0 / Q4_1 beside K-quants and Q8_0 in one projection:
+# the lean stack's int16-activation rows, and both kinds of rows in one phase.
+KQ_LAYER_TYPES = [
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
+     "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+    {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
+     "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_K, "ffn_down": Q.Q4_0},
+]  # fmt: skip
 # Byte offsets of the fp16 scale fields of the K-quant blocks written as random bytes, and a scale
 # that keeps the random weights around 0.05 so activations stay finite and logits spread out.
 K_SCALES = {Q.Q4_K: ([0, 2], 3e-4), Q.Q5_K: ([0, 2], 1.5e-4), Q.Q6_K: ([208], 3e-5), Q.Q2_K: ([80, 82], 3e-3)}
@@ -108,6 +116,7 @@ def gguf_files(tmp_path_factory) -> dict[str, str]:
     files = {arch: str(write_quantized_gguf(folder / f"tiny-{arch}.gguf", arch)) for arch in ("llama", "qwen3")}
     for arch in ("llama", "qwen3"):  # Q4_0 / Q4_1 projections only: the fused stack's lean path
         files[f"{arch}-q4"] = str(write_quantized_gguf(folder / f"tiny-{arch}-q4.gguf", arch, 1, Q4_LAYER_TYPES))
+    files["llama-kq"] = str(write_quantized_gguf(folder / "tiny-llama-kq.gguf", "llama", 2, KQ_LAYER_TYPES))
     return files
 
 
@@ -185,6 +194,7 @@ def test_default_model_quantized_tracks_float32_reference(default_server, shared
         ("qwen3", "fp8_e4m3", "float32", False),
         ("llama-q4", "auto", "bfloat16", False),
         ("qwen3-q4", "int8", "bfloat16", True),
+        ("llama-kq", "auto", "bfloat16", False),
         pytest.param("llama-q4", "fp8_e4m3", "bfloat16", True, marks=pytest.mark.full),
     ],
 )
@@ -208,8 +218,8 @@ def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, ar
     assert all(f is not None for f in fused) and stack is not None
     prompts = [PROMPTS[0] * 25] if long else PROMPTS
     lean = stack.stack.lean_for(torch.bfloat16, len(prompts))
-    if dtype == "bfloat16" and "avx512vbmi" in cpu_flags() and "avx512_vnni" in cpu_flags():
-        assert lean, "Q4 projections in bf16 on an AVX-512 VNNI + VBMI CPU take the lean path"
+    if dtype == "bfloat16" and {"avx512vbmi", "avx512_vnni", "avx2"} <= cpu_flags():
+        assert lean, "Q4 / K-quant / Q8_0 projections in bf16 take the lean path"
     gen = StaticBatchGenerator(runner)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     calls = []
@@ -232,30 +242,36 @@ def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, ar
         assert [r.output_logprobs for r in with_stack] == [r.output_logprobs for r in with_op]
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_lean_decode_stack_same_at_any_thread_count(gguf_files, runner_factory, threads):
+@pytest.mark.parametrize("threads,isa,arch", [(1, None, "llama-q4"), (3, None, "llama-kq"), (2, "avx2", "llama-q4")])
+def test_lean_decode_stack_same_at_any_thread_count(gguf_files, runner_factory, ops, threads, isa, arch):
     """The lean stack shares each phase's work out between however many threads run it (stealing
     from each other's tails); a row's arithmetic is one thread's, so 1 and 3 threads give the
-    per-layer ops' tokens and logprobs bit for bit too."""
+    per-layer ops' tokens and logprobs bit for bit too; and so do the AVX2 kernels' rows (the
+    int16-activation dots, which an AVX2-only CPU runs for every type)."""
     from srt.model_executor.static_batch import StaticBatchGenerator
     from srt.model_loader.default_model import resolve_model_path
     from srt.sampling.sampling_params import SamplingParams
 
-    runner = runner_factory(resolve_model_path(gguf_files["llama-q4"]), quantization="gguf", dtype="bfloat16")
+    runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", dtype="bfloat16")
     model = runner.model.model
     stack = model.fused_decode_stack
-    if not stack.stack.lean_for(torch.bfloat16, len(PROMPTS)):
-        pytest.skip("the lean path needs AVX-512 VNNI + VBMI")
     gen = StaticBatchGenerator(runner)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-    before = torch.get_num_threads()
+    before, before_isa = torch.get_num_threads(), ops.quant_isa("")
     try:
+        if isa is not None:
+            if "avx2" not in cpu_flags():
+                pytest.skip("needs AVX2")
+            ops.quant_isa(isa)
+        if not stack.stack.lean_for(torch.bfloat16, len(PROMPTS)):
+            pytest.skip("no lean path for these kernels on this CPU")
         torch.set_num_threads(threads)
         lean = gen.generate(PROMPTS, params, return_logprob=True)
         model.fused_decode_stack = None
         per_layer = gen.generate(PROMPTS, params, return_logprob=True)
     finally:
         torch.set_num_threads(before)
+        ops.quant_isa(before_isa)
         model.fused_decode_stack = stack
     assert [r.output_ids for r in lean] == [r.output_ids for r in per_layer]
     assert [r.output_logprobs for r in lean] == [r.output_logprobs for r in per_layer]
