@@ -177,7 +177,7 @@ c10::optional<at::Tensor> maybe(const c10::optional<at::Tensor>& t) {
 // output is decode_layer's bit for bit (batch-1 step of the default model on a 2-core Zen 4: 4.9 ->
 // about 3.5 ms). Taken for bf16 activations whose projections' rows quant_linear multiplies by the
 // int8 GEMV (radixserve_qvnni: Q4_0 / Q4_1 on AVX-512 VNNI + VBMI) or by the int16-activation dots
-// (radixserve_i16act: Q8_0, Q4_K, Q6_K, and Q4_0 / Q4_1 on AVX2), either or both in one projection;
+// (radixserve_i16act: Q8_0, Q4_K, Q5_K, Q6_K, and Q4_0 / Q4_1 on AVX2), either or both in one projection;
 // otherwise the per-layer ops run.
 namespace {
 
@@ -189,6 +189,7 @@ bool lean_geometry(int64_t qtype, int64_t& block, int64_t& bytes) {
     case 3: block = 32, bytes = 20; return true;    // Q4_1
     case 8: block = 32, bytes = 34; return true;    // Q8_0
     case 12: block = 256, bytes = 144; return true;  // Q4_K
+    case 13: block = 256, bytes = 176; return true;  // Q5_K
     case 14: block = 256, bytes = 210; return true;  // Q6_K
     default: return false;
   }

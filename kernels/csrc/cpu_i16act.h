@@ -1,4 +1,4 @@
-// Decode-sized products of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K GGUF blocks with activations quantized to
+// Decode-sized products of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K GGUF blocks with activations quantized to
 // int16 (Q4_0 / Q4_1 only on CPUs without AVX512-BF16, which take cpu_bf16x2.h; the others on every
 // CPU from AVX2 up); included by cpu_quant.cpp.
 //
@@ -165,15 +165,20 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 // Q4_K super-blocks (256 weights, 144 bytes): d, dmin (fp16), 12 bytes of 6-bit scales and mins for
 // 8 sub-blocks of 32, then 128 bytes of nibbles; bytes 32c..32c+31 hold sub-block 2c in their low
 // nibbles and 2c + 1 in their high ones. w = d * sc_j * q - dmin * m_j.
-template <int R>
+// Q5_K (FIVE, 176 bytes): 32 bytes qh after the scales, then the nibbles; bit 2c of qh[l] is the
+// fifth bit of low-nibble weight l of bytes 32c.., bit 2c + 1 that of the high one (q in 0..31).
+template <int R, bool FIVE = false>
 void dot_q4k(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
   __m256 acc0[R], acc1[R];
   float macc[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps(), macc[r] = 0.f;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i one = _mm256_set1_epi8(1);
+  constexpr int64_t kBytes = FIVE ? 176 : 144, kQs = FIVE ? 48 : 16;
   for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
-    const uint8_t* blk = row + sb * 144;
+    const uint8_t* blk = row + sb * kBytes;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const __m256i qh = FIVE ? load32(blk + 16) : _mm256_setzero_si256();
     float sc[8], mn[8];
     for (int j = 0; j < 8; ++j) {
       int a, m;
@@ -181,8 +186,12 @@ void dot_q4k(const uint8_t* row, const Acts& x, int64_t r0, float* out) {
       sc[j] = d * static_cast<float>(a), mn[j] = dmin * static_cast<float>(m);
     }
     for (int c = 0; c < 4; ++c) {
-      const __m256i v = load32(blk + 16 + 32 * c);
-      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      const __m256i v = load32(blk + kQs + 32 * c);
+      __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (FIVE) {  // per byte: bit 2c / 2c + 1 of qh moved to bit 4 (16-bit shifts; the masks keep bytes apart)
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+      }
       const __m256i a0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
       const __m256i a1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
       const __m256i b0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
@@ -253,12 +262,13 @@ DotFn kernel(int64_t qtype) {
     case 3: return dot_rows<Q4_1, R>;
     case 8: return dot_rows<Q8_0, R>;
     case 12: return dot_q4k<R>;
+    case 13: return dot_q4k<R, true>;
     case 14: return dot_q6k<R>;
     default: return nullptr;
   }
 }
 
-// The kernel for GGML type `qtype` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and up to 4 activation rows, or nullptr.
+// The kernel for GGML type `qtype` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and up to 4 activation rows, or nullptr.
 inline DotFn dot_for(int64_t qtype, int rows) {
   switch (rows) {
     case 1: return kernel<1>(qtype);

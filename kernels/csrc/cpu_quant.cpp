@@ -712,10 +712,10 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
   }
 #endif
 #if defined(RADIXSERVE_HAVE_I16ACT)
-  // Q4_0 / Q4_1 on AVX512-BF16 take the bf16 kernels above; Q8_0, Q4_K and Q6_K come here on every ISA
+  // Q4_0 / Q4_1 on AVX512-BF16 take the bf16 kernels above; Q8_0, Q4_K, Q5_K and Q6_K come here on every ISA
   // from AVX2 up (Zen 4, 2 threads: Q8_0 40 GB/s against 31 for the float-widening AVX-512 kernel).
   if (m <= kSmallM && isa >= AVX2 && !exact &&
-      (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K)) {
+      (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K)) {
     namespace q16 = radixserve_i16act;
     const int64_t nb = k / 32;
     thread_local std::vector<int16_t> q;
@@ -1033,7 +1033,9 @@ int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int6
   if (q4 && isa >= AVX512_BF16) return 0;
 #endif
 #if defined(RADIXSERVE_HAVE_I16ACT)
-  if (isa >= AVX2 && (q4 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K) && k % geometry(qtype).block == 0) return 2;
+  if (isa >= AVX2 && (q4 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) &&
+      k % geometry(qtype).block == 0)
+    return 2;
 #endif
   (void)q4;
   return 0;

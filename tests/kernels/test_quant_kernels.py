@@ -69,7 +69,7 @@ def activation_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
 
 
 def i16act_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
-    """Q8_0 / Q4_K / Q6_K on AVX2 and up, and Q4_0 / Q4_1 on AVX2 and AVX-512 without BF16, at decode sizes
+    """Q8_0 / Q4_K / Q5_K / Q6_K on AVX2 and up, and Q4_0 / Q4_1 on AVX2 and AVX-512 without BF16, at decode sizes
     (M <= 24; kernels/csrc/cpu_i16act.h) quantize each 32-value block of x to int16 with d_x = max |x| / 32767:
     every x moves by at most d_x / 2, so an output moves by at most sum_blocks d_x / 2 * sum |w|
     over the block; the int32 block sums are exact, and the product d_w * d_x adds one rounding."""
@@ -77,7 +77,7 @@ def i16act_slack(ops, x: torch.Tensor, blocks: np.ndarray, type_name: str):
     if (
         x.shape[0] > 24
         or isa == "scalar"
-        or type_name not in ("Q8_0", "Q4_K", "Q6_K") + (("Q4_0", "Q4_1") if isa != "avx512_bf16" else ())
+        or type_name not in ("Q8_0", "Q4_K", "Q5_K", "Q6_K") + (("Q4_0", "Q4_1") if isa != "avx512_bf16" else ())
     ):
         return 0
     w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64))
@@ -493,7 +493,7 @@ def test_cpu_isa_cap_env(ops):
     assert out.returncode != 0 and "RADIXSERVE_CPU_ISA must be one of" in out.stderr and "'sse9'" in out.stderr
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_exact_activations_for_the_lm_head(ops, type_name):
     """`exact=True` (the LM head's calls) keeps float activations: no int16 slack on any ISA, only
     the bf16-split one where that kernel runs."""

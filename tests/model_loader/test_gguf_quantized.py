@@ -37,11 +37,11 @@ Q4_LAYER_TYPES = [
     {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q4_1,
      "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1},
 ]  # fmt: skip
-# K-quant projections (as in Q4_K_M files), and Q4_0 / Q4_1 beside K-quants and Q8_0 in one projection:
+# K-quant projections (as in Q4_K_M / Q5_K_M files), and Q4_0 / Q4_1 beside K-quants and Q8_0 in one projection:
 # the lean stack's int16-activation rows, and both kinds of rows in one phase.
 KQ_LAYER_TYPES = [
-    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
-     "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,
+     "ffn_gate": Q.Q5_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
     {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0,
      "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_K, "ffn_down": Q.Q4_0},
 ]  # fmt: skip
