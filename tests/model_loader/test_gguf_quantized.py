@@ -277,6 +277,31 @@ def test_lean_decode_stack_same_at_any_thread_count(gguf_files, runner_factory, 
     assert [r.output_logprobs for r in lean] == [r.output_logprobs for r in per_layer]
 
 
+def test_released_weights_come_back_to_the_lean_stack(gguf_files, runner_factory):
+    """/release_memory_occupation's weights on a quantized model: every tensor the model holds is
+    freed in place (the huge-page arena with them) and read back into the same tensor objects, so
+    the decode stack, which holds them, gives the same tokens after resume."""
+    from srt.model_executor.static_batch import StaticBatchGenerator
+    from srt.model_loader.default_model import resolve_model_path
+    from srt.model_loader.loader import weight_tensors
+    from srt.rl.memory import ReleasedWeights
+    from srt.sampling.sampling_params import SamplingParams
+
+    runner = runner_factory(resolve_model_path(gguf_files["llama-q4"]), quantization="gguf", dtype="bfloat16")
+    gen = StaticBatchGenerator(runner)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    before = [r.output_ids for r in gen.generate(PROMPTS, params)]
+    held = [t for t in weight_tensors(runner.model) if t.layout == torch.strided and t.numel()]
+    released = ReleasedWeights(runner.model)
+    try:
+        assert released.nbytes >= sum(t.untyped_storage().nbytes() for t in {t.data_ptr(): t for t in held}.values())
+        assert all(t.numel() == 0 for t in held)
+    finally:
+        released.restore()
+    assert all(t.numel() for t in held)
+    assert [r.output_ids for r in gen.generate(PROMPTS, params)] == before
+
+
 def test_bad_quantization_choices_name_the_flag(tiny_model_factory, runner_factory):
     from srt.configs.model_config import ModelLoadError
     from srt.server_args import ServerArgs
