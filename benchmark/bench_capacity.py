@@ -5,6 +5,7 @@ served by our engine (--quantization gguf) next to llama-bench on the same file.
     python benchmark/bench_capacity.py --write-only /tmp/llama3-8b-random-q4_0.gguf
     python benchmark/bench_capacity.py --model-path /tmp/llama3-8b-random-q4_0.gguf   # an existing file
     python benchmark/bench_capacity.py --keep --json capacity.json
+    python benchmark/bench_capacity.py --shape qwen3-30b-a3b --layers 8 --write-only /tmp/qwen3-moe-8l.gguf
 
 The file: hidden 4096, 32 layers, 32 query / 8 KV heads (head dim 128), FFN 14336, vocab 128256, context
 8192, rope theta 500000, RMS eps 1e-5, like Meta-Llama-3-8B. Linear weights are Q4_0, token_embd and
@@ -12,6 +13,12 @@ output Q8_0, norms F32 ones: about 4.9 GB (4.3 GB with --vocab 49152). No fp32 a
 each tensor's blocks are random bytes (uniform nibbles / int8) with fp16 scales of random sign chosen so
 the weights have std 0.02, so activations stay finite; tensors are generated and written one at a time,
 so memory stays at one tensor (~60 MB).
+
+`--shape qwen3-30b-a3b` writes a Qwen3-30B-A3B-shaped mixture of experts instead (architecture qwen3moe:
+hidden 2048, 48 layers, 32 query / 4 KV heads of 128 with per-head Q / K norms, 128 experts of width
+768 and 8 used a token, each projection's experts one 3-D Q4_0 tensor, a random F32 router so tokens
+spread over the experts, vocab 151936); `--layers N` keeps the first N layers (the full 48 are ~17 GB).
+It is what `bench_roofline.py --model-path` takes for the MoE roofline.
 
 The tokenizer is the default model's (SmolLM2, byte-level BPE, 49152 tokens) copied from its GGUF,
 padded to the real vocabulary with unreachable `<|reserved_N|>` tokens of type UNUSED, so the embedding
@@ -32,6 +39,7 @@ with a note when the field is missing. --rss-limit-gb (default 16) kills our ser
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -39,6 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,39 +69,99 @@ from bench_quant import (  # noqa: E402
 )
 from tqdm import tqdm  # noqa: E402
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 4096, 32, 32, 8, 14336
-VOCAB, CONTEXT, ROPE_THETA, RMS_EPS = 128256, 8192, 500000.0, 1e-5
-HEAD_DIM = HIDDEN // HEADS
 WEIGHT_STD = 0.02
 RSS_GOAL_BYTES = int(6.5 * 10**9)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's shape as a GGUF file states it (llama.cpp's architecture name and sizes)."""
+
+    arch: str  # GGUF general.architecture
+    title: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # dense FFN width (MoE files state it too; their layers use expert_ffn)
+    vocab: int
+    context: int
+    rope_theta: float
+    rms_eps: float
+    experts: int = 0  # > 0: every layer's FFN is a mixture of this many experts
+    experts_used: int = 0
+    expert_ffn: int = 0
+    qk_norm: bool = False  # per-head RMS norms of Q and K (Qwen3)
+
+
+SHAPES = {
+    "llama3-8b": Shape("llama", "Llama-3-8B", 4096, 32, 32, 8, 128, 14336, 128256, 8192, 500000.0, 1e-5),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 routed a token; fewer layers with --layers
+    "qwen3-30b-a3b": Shape(
+        "qwen3moe",
+        "Qwen3-30B-A3B",
+        2048,
+        48,
+        32,
+        4,
+        128,
+        6144,
+        151936,
+        32768,
+        1000000.0,
+        1e-6,
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+        qk_norm=True,
+    ),  # fmt: skip
+}
+LLAMA3_8B = SHAPES["llama3-8b"]
+VOCAB = LLAMA3_8B.vocab
 
 
 # -- writing the file ------------------------------------------------------------------------------
 
 
-def tensor_plan(vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """(GGUF name, shape as rows x cols (numpy order; ne0 = cols), kind) for every tensor, in file order."""
-    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, HIDDEN), "Q8_0")]
-    kv = KV_HEADS * HEAD_DIM
-    for i in range(LAYERS):
+def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, shape as rows x cols (numpy order; ne0 = cols; experts outermost), kind) of every
+    tensor, in file order. Kinds: Q4_0 / Q8_0 blocks, F32 ones (norms), F32R random (the MoE router)."""
+    h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, h), "Q8_0")]
+    for i in range(shape.layers):
         b = f"blk.{i}"
         plan += [
-            (f"{b}.attn_norm.weight", (HIDDEN,), "F32"),
-            (f"{b}.attn_q.weight", (HIDDEN, HIDDEN), "Q4_0"),
-            (f"{b}.attn_k.weight", (kv, HIDDEN), "Q4_0"),
-            (f"{b}.attn_v.weight", (kv, HIDDEN), "Q4_0"),
-            (f"{b}.attn_output.weight", (HIDDEN, HIDDEN), "Q4_0"),
-            (f"{b}.ffn_norm.weight", (HIDDEN,), "F32"),
-            (f"{b}.ffn_gate.weight", (FFN, HIDDEN), "Q4_0"),
-            (f"{b}.ffn_up.weight", (FFN, HIDDEN), "Q4_0"),
-            (f"{b}.ffn_down.weight", (HIDDEN, FFN), "Q4_0"),
+            (f"{b}.attn_norm.weight", (h,), "F32"),
+            (f"{b}.attn_q.weight", (q, h), "Q4_0"),
+            (f"{b}.attn_k.weight", (kv, h), "Q4_0"),
+            (f"{b}.attn_v.weight", (kv, h), "Q4_0"),
+            (f"{b}.attn_output.weight", (h, q), "Q4_0"),
         ]
-    plan += [("output_norm.weight", (HIDDEN,), "F32"), ("output.weight", (vocab, HIDDEN), "Q8_0")]
+        if shape.qk_norm:
+            plan += [(f"{b}.attn_q_norm.weight", (shape.head_dim,), "F32"),
+                     (f"{b}.attn_k_norm.weight", (shape.head_dim,), "F32")]  # fmt: skip
+        plan.append((f"{b}.ffn_norm.weight", (h,), "F32"))
+        if shape.experts:
+            e, f = shape.experts, shape.expert_ffn
+            plan += [
+                (f"{b}.ffn_gate_inp.weight", (e, h), "F32R"),
+                (f"{b}.ffn_gate_exps.weight", (e, f, h), "Q4_0"),
+                (f"{b}.ffn_up_exps.weight", (e, f, h), "Q4_0"),
+                (f"{b}.ffn_down_exps.weight", (e, h, f), "Q4_0"),
+            ]
+        else:
+            plan += [
+                (f"{b}.ffn_gate.weight", (shape.ffn, h), "Q4_0"),
+                (f"{b}.ffn_up.weight", (shape.ffn, h), "Q4_0"),
+                (f"{b}.ffn_down.weight", (h, shape.ffn), "Q4_0"),
+            ]
+    plan += [("output_norm.weight", (h,), "F32"), ("output.weight", (vocab, h), "Q8_0")]
     return plan
 
 
 def _byte_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
-    if kind == "F32":
+    if kind.startswith("F32"):
         return shape
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -102,13 +171,17 @@ def _byte_shape(shape: tuple[int, ...], kind: str) -> tuple[int, ...]:
 
 
 def _nbytes(shape: tuple[int, ...], kind: str) -> int:
-    return int(np.prod(_byte_shape(shape, kind))) * (4 if kind == "F32" else 1)
+    return int(np.prod(_byte_shape(shape, kind))) * (4 if kind.startswith("F32") else 1)
 
 
 def random_blocks(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
-    """Raw GGUF bytes of a Q4_0 / Q8_0 tensor with random values of std WEIGHT_STD (ones for F32 norms)."""
+    """Raw GGUF bytes of a Q4_0 / Q8_0 tensor with random values of std WEIGHT_STD (ones for F32 norms;
+    F32R, a router: normal with std 1 / sqrt(cols), so its logits over a unit-RMS input have std ~1 and
+    tokens spread over the experts)."""
     if kind == "F32":
         return np.ones(shape, dtype=np.float32)
+    if kind == "F32R":
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     byte_shape = _byte_shape(shape, kind)
     size = 18 if kind == "Q4_0" else 34
     n_blocks = int(np.prod(byte_shape)) // size
@@ -146,47 +219,58 @@ def _tokenizer_fields(vocab: int) -> list[tuple[str, object, object, object]]:
     return out
 
 
-def write_llama3_8b_gguf(path: str, vocab: int = VOCAB, seed: int = 0, progress: bool = True) -> dict:
-    """Write the random Llama-3-8B-shaped GGUF to path, streaming tensor by tensor; returns what was written."""
+def write_shaped_gguf(
+    path: str, shape: Shape = LLAMA3_8B, vocab: int | None = None, seed: int = 0, progress: bool = True
+) -> dict:
+    """Write a random GGUF of `shape` to path, streaming tensor by tensor; returns what was written."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 
-    plan = tensor_plan(vocab)
-    total = sum(_nbytes(shape, kind) for _, shape, kind in plan)
+    vocab = vocab or shape.vocab
+    plan = tensor_plan(shape, vocab)
+    total = sum(_nbytes(dims, kind) for _, dims, kind in plan)
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
     if free < total + 2**30:
         raise OSError(f"{path}: {free / 1e9:.1f} GB free, {total / 1e9:.1f} GB needed (+1 GB margin)")
     start = time.monotonic()
-    w = GGUFWriter(path, "llama")
-    w.add_name("Llama-3-8B-shaped random Q4_0 (radixserve bench_capacity)")
+    w = GGUFWriter(path, shape.arch)
+    w.add_name(f"{shape.title}-shaped random Q4_0, {shape.layers} layers (radixserve bench_capacity)")
     w.add_type("model")
     w.add_vocab_size(vocab)
-    w.add_context_length(CONTEXT)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_rope_freq_base(ROPE_THETA)
-    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    if shape.arch == "llama":
+        w.add_rope_dimension_count(shape.head_dim)
+    else:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_ffn)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_file_type(int(LlamaFileType.MOSTLY_Q4_0))
     w.add_quantization_version(2)
     for key, value, vtype, sub in _tokenizer_fields(vocab):
         w.add_key_value(key, value, vtype, sub_type=sub)  # type: ignore[arg-type]
-    for name, shape, kind in plan:
-        if kind == "F32":
-            w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, kind))
+    for name, dims, kind in plan:
+        if kind.startswith("F32"):
+            w.add_tensor_info(name, dims, np.dtype(np.float32), _nbytes(dims, kind))
         else:
             w.add_tensor_info(
-                name, _byte_shape(shape, kind), np.dtype(np.uint8), _nbytes(shape, kind), GGMLQuantizationType[kind]
+                name, _byte_shape(dims, kind), np.dtype(np.uint8), _nbytes(dims, kind), GGMLQuantizationType[kind]
             )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     with tqdm(total=total, desc="writing GGUF", unit="B", unit_scale=True, disable=not progress) as bar:
-        for _, shape, kind in plan:
-            data = random_blocks(shape, kind, rng)
+        for _, dims, kind in plan:
+            data = random_blocks(dims, kind, rng)
             w.write_tensor_data(data)
             bar.update(data.nbytes)
             del data
@@ -258,7 +342,9 @@ def main() -> None:
     p.add_argument("--model-path", default=None, help="use this existing GGUF instead of writing one")
     p.add_argument("--tmp-dir", default=None, help="where the temp folder goes (default: the system's)")
     p.add_argument("--keep", action="store_true", help="keep the written file (its path is printed)")
-    p.add_argument("--vocab", type=int, default=VOCAB, help="rows of token_embd/output; tokenizer padded to it")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the written file's shape")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (a smaller file)")
+    p.add_argument("--vocab", type=int, default=None, help="rows of token_embd/output (default: the shape's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="default: all usable cores")
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -273,8 +359,11 @@ def main() -> None:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
 
+    shape = SHAPES[args.shape]
+    if args.layers:
+        shape = dataclasses.replace(shape, layers=args.layers)
     if args.write_only:
-        info = write_llama3_8b_gguf(os.path.abspath(args.write_only), args.vocab, args.seed, not args.quiet)
+        info = write_shaped_gguf(os.path.abspath(args.write_only), shape, args.vocab, args.seed, not args.quiet)
         print(json.dumps(info, indent=2))
         return
 
@@ -292,8 +381,8 @@ def main() -> None:
             res["file"] = {"path": path, "file_bytes": os.path.getsize(path), "tensor_bytes": gguf_tensor_bytes(path)}
         else:
             tmp = tempfile.mkdtemp(prefix="radixserve-capacity-", dir=args.tmp_dir)
-            path = os.path.join(tmp, "llama3-8b-shaped-random-q4_0.gguf")
-            res["file"] = write_llama3_8b_gguf(path, args.vocab, args.seed, not args.quiet)
+            path = os.path.join(tmp, f"{args.shape}-shaped-random-q4_0.gguf")
+            res["file"] = write_shaped_gguf(path, shape, args.vocab, args.seed, not args.quiet)
         print(f"file {path}: {res['file']['file_bytes'] / 1e9:.2f} GB", flush=True)
 
         if args.skip_serving:

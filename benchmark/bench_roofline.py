@@ -3,6 +3,9 @@
     python benchmark/bench_roofline.py                                  # default model, all usable cores
     python benchmark/bench_roofline.py --skip-model                     # the machine's limits only
     python benchmark/bench_roofline.py --threads 1 --batch 16 --output-file roofline.jsonl
+    python benchmark/bench_roofline.py --llama-cpp                      # llama-bench beside each figure
+    python benchmark/bench_roofline.py --llama-cpp --model-path /tmp/qwen3-moe-8l.gguf   # (bench_capacity.py
+                                                                        #  --shape qwen3-30b-a3b writes one)
 
 The machine: memory read bandwidth over a --bandwidth-mb buffer (bigger than any cache) at 1 and
 --threads threads, the faster of two readers: torch.sum over it as float32, and the extension's
@@ -26,7 +29,16 @@ applies. The compute peak is bf16's when the model runs in bfloat16, else fp32's
 GGUF weights run on the int8 tiles (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI without AMX,
 docs/quantization.md), their FLOPs take the int8 peak and the rest (LM head, attention) that one, so a
 compute limit is FLOPs / (layer FLOPs / int8 peak + other FLOPs / peak). FLOPs come from the
-config of a dense model (MoE experts and MLA latents are not modelled: a warning says so).
+config (GQA attention, dense MLPs) and the model's MoE layers: a token's FLOPs count the k experts it
+is routed to, and a step's weight bytes the experts its tokens reach (E * (1 - (1 - k/E)^tokens) of
+E, routing taken as uniform): k at batch 1, nearly all of them in a 512-token prefill. MLA latents
+are not modelled (a warning says so).
+
+--llama-cpp runs llama-bench on the same GGUF file with the same threads right after our figures, as
+it runs by default and with its weights on huge pages (benchmark/llama_cpp.py): pp{--prefill-len}
+beside our prefill, tg{--output-len} after a --input-len context (`-d`) beside our batch-1 decode, so
+both face the same limit; llama.cpp has no batched-decode figure here (bench_quant.py's serving run
+compares the wide batches).
 """
 
 from __future__ import annotations
@@ -113,35 +125,81 @@ def gemm_gflop_s(kind: str, n: int, repeats: int) -> float | None:
         return None
 
 
-def linear_params(hf_config) -> dict[str, int]:
-    """Parameters of the linear layers of a dense (Llama-style, GQA) model, from its config:
+def moe_layers(runner) -> list:
+    """The model's mixture-of-experts layers (FusedMoE modules)."""
+    from srt.layers.moe import FusedMoE
 
-        per layer = h*q*d (q_proj) + 2*h*kv*d (k_proj, v_proj) + q*d*h (o_proj) + 3*h*i (gate, up, down)
-        layers    = L * per layer;   lm_head = V * h   (counted even when tied to the embedding)
+    return [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
 
-    h hidden size, i intermediate size, L layers, q / kv attention / KV heads, d head dim, V vocab."""
+
+def linear_params(hf_config, moe: list | None = None) -> dict[str, int]:
+    """Parameters of the linear layers a token runs through, from the config (Llama-style GQA
+    attention) and the model's MoE layers:
+
+        attention per layer = h*q*d (q_proj) + 2*h*kv*d (k_proj, v_proj) + q*d*h (o_proj)
+        dense MLP per layer = 3*h*i (gate, up, down)
+        MoE MLP per layer   = h*E (router; + h for Qwen2-MoE's shared-expert gate) + 3*h*s (shared
+                              experts) + k * 3*h*f (the k experts used)
+        layers = the sum over L layers;   lm_head = V * h   (counted even when tied to the embedding)
+
+    h hidden size, i intermediate size, q / kv attention / KV heads, d head dim, V vocab; E experts of
+    width f, k of them used a token, s the shared experts' width. `expert_params` is one expert's
+    3*h*f, `experts` E and `experts_used` k (0 for a dense model)."""
     c = hf_config.get_text_config()
     h, q, kv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
     d = getattr(c, "head_dim", None) or h // q
-    per_layer = h * q * d + 2 * h * kv * d + q * d * h + 3 * h * c.intermediate_size
-    return {"layers": c.num_hidden_layers * per_layer, "lm_head": c.vocab_size * h}
+    attn = h * q * d + 2 * h * kv * d + q * d * h
+    n_moe = len(moe or [])
+    out = {"layers": c.num_hidden_layers * attn + (c.num_hidden_layers - n_moe) * 3 * h * c.intermediate_size,
+           "lm_head": c.vocab_size * h, "expert_params": 0, "experts": 0, "experts_used": 0}  # fmt: skip
+    if n_moe:
+        m = moe[0]  # pyright: ignore[reportOptionalSubscript]
+        k = int(getattr(c, "num_experts_per_tok", 0) or 0)
+        qwen_shared = getattr(c, "shared_expert_intermediate_size", 0) or 0  # Qwen2-MoE: with a sigmoid gate
+        shared = qwen_shared or (getattr(c, "n_shared_experts", 0) or 0) * (getattr(c, "moe_intermediate_size", 0) or 0)
+        per_expert = 3 * h * m.intermediate_size
+        router = h * m.num_experts + (h if qwen_shared else 0)
+        out["layers"] += n_moe * (router + 3 * h * shared + k * per_expert)
+        out.update(expert_params=per_expert, experts=m.num_experts, experts_used=k)
+    return out
 
 
 def not_modelled(hf_config) -> list[str]:
     c = hf_config.get_text_config()
-    experts = ("num_experts", "num_local_experts", "n_routed_experts")
-    return [k for k in (*experts, "kv_lora_rank") if getattr(c, k, None)]
+    return [k for k in ("kv_lora_rank",) if getattr(c, k, None)]
 
 
-def weights_read_per_step(runner: ModelRunner) -> int:
-    """Weight bytes a forward step reads: all of them, less an untied embedding table (a lookup reads
-    one row per token; a tied table is read whole as the LM head)."""
+def expert_bytes(moe: list) -> int:
+    """Bytes of all the MoE layers' routed experts (GGUF blocks or dense stacks)."""
+    total = 0
+    for m in moe:
+        if m.quantized:
+            for which in ("gate_up", "down"):
+                for layer in getattr(m, which):
+                    total += layer.quant_method.weight_bytes(layer)
+        else:
+            total += sum(t.numel() * t.element_size() for t in (m.w13_weight, m.w2_weight))
+    return total
+
+
+def experts_touched(experts: int, used: int, tokens: int) -> float:
+    """Expected distinct experts a layer reads for `tokens` tokens routed uniformly, `used` each."""
+    return experts * (1 - (1 - used / experts) ** tokens) if experts else 0.0
+
+
+def weights_read_per_step(runner: ModelRunner, tokens: int = 1, params: dict | None = None) -> int:
+    """Weight bytes a forward step of `tokens` tokens reads: all of them, less an untied embedding
+    table (a lookup reads one row per token; a tied table is read whole as the LM head), less the
+    routed experts no token of the step goes to (uniform routing assumed)."""
     total = runner.weight_bytes
     if not getattr(runner.model, "tie_word_embeddings", False):
         for m in runner.model.modules():
             method = getattr(m, "quant_method", None)
             if getattr(m, "kind", None) == "embedding" and method is not None:
                 total -= method.weight_bytes(m)
+    if params and params["experts"]:
+        share = experts_touched(params["experts"], params["experts_used"], tokens) / params["experts"]
+        total -= int(expert_bytes(moe_layers(runner)) * (1 - share))
     return total
 
 
@@ -198,7 +256,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
     after = remeasure() if remeasure is not None else {}
     bw_gb_s = max([bw_gb_s, *after.values()])
     hf = ModelConfig.from_path(path).hf_config
-    params = linear_params(hf)
+    params = linear_params(hf, moe_layers(runner))
     cfg = runner.model_config
     bf16 = runner.dtype == torch.bfloat16
     peak_kind = "bf16" if bf16 else "fp32"
@@ -207,7 +265,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
     layers_int8 = int8_tile_layers(runner) and gemm.get("int8") is not None
     if layers_int8:
         peak_kind = f"int8 (layers) + {peak_kind} (LM head, attention)"
-    weights = weights_read_per_step(runner)
+    weights = {n: weights_read_per_step(runner, n, params) for n in sorted({1, args.prefill_len, args.batch})}
     kv_per_ctx = runner.kv_bytes_per_token  # 2 (K, V) * layers * kv heads * head dim * bytes per value
 
     def attn_flops(ctx: float) -> float:  # QK^T and PV: 2 FLOPs per multiply-add each
@@ -231,7 +289,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
             speeds["decode_tok_s"][1],
             bw_gb_s,
             peak_for(decode_flops),
-            weights,
+            weights[1],
             1,
             kv_per_ctx * decode_ctx,
             decode_flops,
@@ -242,7 +300,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
             speeds["prefill_tok_s"],
             bw_gb_s,
             peak_for(prefill_flops),
-            weights,
+            weights[args.prefill_len],
             args.prefill_len,
             kv_per_ctx,
             prefill_flops,
@@ -255,7 +313,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
                 speeds["decode_tok_s"][args.batch],
                 bw_gb_s,
                 peak_for(decode_flops),
-                weights,
+                weights[args.batch],
                 args.batch,
                 kv_per_ctx * decode_ctx,
                 decode_flops,
@@ -265,7 +323,8 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
         "model_path": path,
         "dtype": str(runner.dtype).removeprefix("torch."),
         "weight_report": runner.weight_report,
-        "weight_bytes_read_per_step": weights,
+        "weight_bytes_read_per_step": weights[1],
+        "weight_bytes_read_per_step_by_tokens": weights,
         "kv_bytes_per_token_of_context": kv_per_ctx,
         "linear_params": params,
         "peak_used": peak_kind,
@@ -274,6 +333,42 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
         "not_modelled": not_modelled(hf),
         "figures": figures,
     }
+
+
+def gguf_file(model_path: str | None) -> str | None:
+    """The GGUF file llama.cpp can run for --model-path (the default model's own), or None."""
+    if not model_path:
+        from srt.model_loader.default_model import default_gguf_path
+
+        return default_gguf_path()
+    return os.path.abspath(model_path) if model_path.lower().endswith(".gguf") else None
+
+
+def bench_llama_cpp(gguf: str, threads: int, args) -> dict:
+    """llama-bench on the same file and threads, as it runs by default and with its weights on huge
+    pages (llama_cpp.run_llama_bench): pp{prefill_len} from an empty context, as our prefill figure,
+    and tg{output_len} after a --input-len-token context (`-d`), as our batch-1 decode figure."""
+    import llama_cpp
+
+    out: dict = {}
+    for key, huge in (("default", False), ("huge_pages", True)):
+        pp = llama_cpp.run_llama_bench(gguf, threads, n_prompt=args.prefill_len, n_gen=0, reps=args.llama_cpp_reps,
+                                       huge_pages=huge)  # fmt: skip
+        tg = llama_cpp.run_llama_bench(gguf, threads, n_prompt=0, n_gen=args.output_len, reps=args.llama_cpp_reps,
+                                       extra_args=["-d", str(args.input_len)], huge_pages=huge)  # fmt: skip
+        out[key] = {"prefill_tok_s": pp.get("pp_tok_s"), "decode_tok_s": tg.get("tg_tok_s"), "pp": pp, "tg": tg}
+    return out
+
+
+def add_peer(model: dict, peer: dict) -> None:
+    """Put llama.cpp's figures beside ours, as fractions of the same limits."""
+    model["llama_cpp"] = peer
+    for f in model["figures"]:
+        key = {"batch-1 decode": "decode_tok_s", "prefill": "prefill_tok_s"}.get(f["figure"])
+        if key is None:
+            continue
+        f["llama_cpp_tok_s"] = {k: v[key] for k, v in peer.items()}
+        f["llama_cpp_fraction"] = {k: (v[key] / f["limit_tok_s"] if v[key] else None) for k, v in peer.items()}
 
 
 def print_machine(cpu: dict, threads: int, bw: dict, readers: dict, gemm: dict, args) -> None:
@@ -305,15 +400,23 @@ def print_model(m: dict, threads: int, args) -> None:
     print(f"bandwidth used by the limits: {m['bandwidth_used_gb_s']:,.1f} GB/s (read again after the model: {after})")
     if m["not_modelled"]:
         print(f"warning: the FLOPs model is a dense one; this model has {m['not_modelled']} (limits approximate)")
-    print(
-        "\n| figure | measured tok/s | limit tok/s | fraction of limit | bound | weights MB/step | KV MB/token "
-        "| GFLOP/token |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    peer = "llama_cpp" in m
+    head = "| figure | measured tok/s | limit tok/s | fraction of limit |"
+    if peer:
+        head += " llama.cpp tok/s (default / huge pages) | llama.cpp fraction | ours / llama.cpp |"
+    print("\n" + head + " bound | weights MB/step | KV MB/token | GFLOP/token |")
+    print("|---" * (head.count("|") - 1 + 4) + "|")
     for f in m["figures"]:
+        row = f"| {f['figure']} | {f['measured_tok_s']:,.1f} | {f['limit_tok_s']:,.1f} | {f['fraction']:.1%} |"
+        if peer:
+            theirs = f.get("llama_cpp_tok_s") or {}
+            vals = [theirs.get(k) for k in ("default", "huge_pages")]
+            fr = [(f.get("llama_cpp_fraction") or {}).get(k) for k in ("default", "huge_pages")]
+            row += " " + " / ".join(f"{v:,.1f}" if v else "-" for v in vals) + " |"
+            row += " " + " / ".join(f"{x:.1%}" if x else "-" for x in fr) + " |"
+            row += " " + " / ".join(f"{f['measured_tok_s'] / v:.2f}x" if v else "-" for v in vals) + " |"
         print(
-            f"| {f['figure']} | {f['measured_tok_s']:,.1f} | {f['limit_tok_s']:,.1f} | {f['fraction']:.1%} | "
-            f"{f['bound']} | {f['weights_mb_per_step']:,.1f} | {f['kv_mb_per_token']:,.3f} | "
+            row + f" {f['bound']} | {f['weights_mb_per_step']:,.1f} | {f['kv_mb_per_token']:,.3f} | "
             f"{f['gflop_per_token']:.3f} |"
         )
 
@@ -379,6 +482,8 @@ def main() -> None:
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth buffer")
     p.add_argument("--gemm-size", type=int, default=2048, help="M = N = K of the GEMM peaks")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per machine measurement (best taken)")
+    p.add_argument("--llama-cpp", action="store_true", help="llama-bench on the same GGUF beside each figure")
+    p.add_argument("--llama-cpp-reps", type=int, default=3, help="llama-bench -r")
     p.add_argument("--output-file", default=None, help="append one JSON record with every number")
     p.add_argument("--plot", default=None, help="write the roofline plot (PNG) here")
     p.add_argument("--plot-from", default=None, help="plot the last record of this --output-file; measure nothing")
@@ -407,6 +512,12 @@ def main() -> None:
     if not args.skip_model:
         # the best bandwidth seen: on a busy machine more threads can read slower than one
         model = bench_model(args, max(bw.values()), gemm, lambda: read_bandwidth_gb_s(buf, threads, args.repeats))
+        if args.llama_cpp:
+            gguf = gguf_file(args.model_path)
+            if gguf is None:
+                print("--llama-cpp: llama.cpp runs GGUF files only; no peer figures", flush=True)
+            else:
+                add_peer(model, bench_llama_cpp(gguf, threads, args))
     print_machine(cpu, threads, bw, readers, gemm, args)
     if model is not None:
         print_model(model, threads, args)

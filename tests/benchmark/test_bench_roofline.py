@@ -101,3 +101,35 @@ def test_tiny_model_figures(tmp_path, tiny_model_factory):
     assert decode1["kv_mb_per_token"] == decode4["kv_mb_per_token"] > prefill["kv_mb_per_token"]
     assert decode1["gflop_per_token"] == decode4["gflop_per_token"] > prefill["gflop_per_token"]
     assert decode1["weights_mb_per_step"] == pytest.approx(m["weight_bytes_read_per_step"] / 1e6)
+
+
+def test_moe_counts_the_experts_a_token_reaches(tmp_path, tiny_model_factory):
+    """A mixture of experts: a token's FLOPs count its k experts, a step's weight bytes the experts
+    its tokens reach (k of E at batch 1, nearly all in a prefill)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory("Qwen2MoeForCausalLM")  # 6 experts, top-2, a gated shared expert
+    stdout, rec = run(
+        tmp_path,
+        *("--model-path", path, "--dtype", "float32", "--prefill-len", "64", "--batch", "2"),
+        *("--input-len", "8", "--output-len", "4", "--model-repeats", "1"),
+    )
+    m = rec["model"]
+    p = m["linear_params"]
+    assert (p["experts"], p["experts_used"]) == (6, 2) and m["not_modelled"] == []
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    layers = hf.config.num_hidden_layers
+    # HF's matrices (2-D weights but the tied embedding / LM head; the experts stacked 3-D): a token runs
+    # through 2 of the 6 experts
+    assert hf.config.tie_word_embeddings and p["lm_head"] == hf.config.vocab_size * hf.config.hidden_size
+    matrices = sum(t.numel() for n, t in hf.named_parameters() if t.dim() == 2 and "embed_tokens" not in n)
+    experts = sum(t.numel() for t in hf.parameters() if t.dim() == 3)
+    assert experts == layers * 6 * p["expert_params"]
+    assert p["layers"] == matrices + experts * 2 // 6
+    by_tokens = {int(k): v for k, v in m["weight_bytes_read_per_step_by_tokens"].items()}
+    expert_bytes = layers * 6 * p["expert_params"] * 4  # float32
+    one, two, prefill = by_tokens[1], by_tokens[2], by_tokens[64]
+    assert prefill - one == pytest.approx(expert_bytes * (1 - 2 / 6) * (1 - (4 / 6) ** 63), rel=1e-6)
+    assert one < two < prefill
+    decode1 = m["figures"][0]
+    assert decode1["weights_mb_per_step"] == pytest.approx(one / 1e6)

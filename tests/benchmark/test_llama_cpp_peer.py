@@ -57,3 +57,59 @@ def test_huge_page_settings_for_older_builds(monkeypatch):
     assert args == ["--no-mmap"] and env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     env, args = llama_cpp.huge_page_settings("-lm, --load-mode MODE", "--no-mmap")
     assert args == ["-lm", "none"]
+
+
+ROOFLINE_FAKE = """#!/bin/sh
+if [ "$1" = "--help" ]; then echo "  -lm, --load-mode <auto|none|mmap>  (default: auto)"; exit 0; fi
+echo "$*" >> "$0.log"
+case " $* " in
+  *" -n 0 "*) echo '[{"n_prompt": 40, "n_gen": 0, "avg_ts": 300.0, "stddev_ts": 1.0}]' ;;
+  *) echo '[{"n_prompt": 0, "n_gen": 4, "avg_ts": 100.0, "stddev_ts": 1.0}]' ;;
+esac
+"""
+
+
+def test_roofline_puts_llama_bench_beside_each_figure(tmp_path, monkeypatch, capsys):
+    """bench_roofline --llama-cpp: pp from an empty context beside our prefill, tg after the decode
+    runs' context (-d) beside our batch-1 decode, both ways (default, huge pages), as fractions of
+    the same limits."""
+    from types import SimpleNamespace
+
+    import bench_roofline
+
+    for name in llama_cpp.TARGETS:
+        path = tmp_path / name
+        path.write_text(ROOFLINE_FAKE)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("LLAMA_CPP_BIN_DIR", str(tmp_path))
+    args = SimpleNamespace(prefill_len=40, output_len=4, input_len=16, llama_cpp_reps=2)
+    peer = bench_roofline.bench_llama_cpp("m.gguf", 2, args)
+    runs = (tmp_path / "llama-bench.log").read_text().splitlines()
+    assert len(runs) == 4 and sum("-lm none" in r for r in runs) == 2
+    pp, tg = runs[0].split(), runs[1].split()
+    assert pp[pp.index("-p") + 1] == "40" and pp[pp.index("-n") + 1] == "0" and "-d" not in pp
+    assert tg[tg.index("-p") + 1] == "0" and tg[tg.index("-n") + 1] == "4" and tg[tg.index("-d") + 1] == "16"
+    assert peer["default"]["prefill_tok_s"] == peer["huge_pages"]["prefill_tok_s"] == 300.0
+    assert peer["default"]["decode_tok_s"] == 100.0
+
+    def fig(name, measured, limit):
+        sizes = {"weights_mb_per_step": 1.0, "kv_mb_per_token": 0.1, "gflop_per_token": 0.2}
+        return {"figure": name, "measured_tok_s": measured, "limit_tok_s": limit, "fraction": measured / limit,
+                "bound": "memory", **sizes}  # fmt: skip
+
+    model = {
+        "model_path": "m", "dtype": "bfloat16", "weight_report": {"quantization": "gguf", "formats": {}},
+        "peak_used": "bf16", "linear_params": {"layers": 10, "lm_head": 5}, "weight_bytes_read_per_step": 1,
+        "kv_bytes_per_token_of_context": 2, "bandwidth_after_by_reader_gb_s": {}, "bandwidth_used_gb_s": 30.0,
+        "not_modelled": [],
+        "figures": [fig("batch-1 decode", 150.0, 400.0), fig("prefill", 600.0, 1200.0), fig("batch-4 decode", 9, 90)],
+    }  # fmt: skip
+    bench_roofline.add_peer(model, peer)
+    decode, prefill, wide = model["figures"]
+    assert decode["llama_cpp_fraction"] == {"default": 0.25, "huge_pages": 0.25}
+    assert prefill["llama_cpp_tok_s"]["default"] == 300.0 and "llama_cpp_tok_s" not in wide
+    bench_roofline.print_model(model, 2, args)
+    out = capsys.readouterr().out
+    assert "| batch-1 decode | 150.0 | 400.0 | 37.5% | 100.0 / 100.0 | 25.0% / 25.0% | 1.50x / 1.50x | memory |" in out
+    assert "| prefill | 600.0 | 1,200.0 | 50.0% | 300.0 / 300.0 | 25.0% / 25.0% | 2.00x / 2.00x |" in out
+    assert "| batch-4 decode | 9.0 | 90.0 | 10.0% | - / - | - / - | - / - |" in out
