@@ -43,9 +43,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_lean.h"
+#include "cpu_rowops.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -62,6 +65,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -699,6 +703,145 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef qtypes, bool exact);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 
+#if defined(RADIXSERVE_LEAN_DECODE)
+namespace {
+
+using radixserve_lean::DownActs;
+using radixserve_lean::LeanActs;
+using radixserve_lean::LeanLinear;
+using radixserve_lean::LeanX;
+using radixserve_lean::Steal;
+
+// read at each call (a getenv, ~0.1 us): A/B runs toggle it in one process
+bool lean_moe_disabled() {
+  const char* v = std::getenv("RADIXSERVE_DISABLE_LEAN_DECODE");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+// A decode step's quantized experts in one parallel region (the decode stack's way, cpu_lean.h). The
+// per-expert loop below runs two quant_linear calls, an allocation and a handful of ATen ops for each
+// expert with tokens, each GEMV its own parallel region: at batch 1 of a Qwen3-MoE-shaped layer (8 of
+// 128 experts, 2048 x 768) that is 16 parallel regions over 0.9-1.7 MB of weights each. Here, with
+// every expert's rows in the sorted (token, slot) order:
+//   0. per expert: its rows of x gathered and made into the activations its gate-up kernels take
+//   1. per (expert, group of 128 of its intermediate features): the group's gate and up rows, SiLU
+//      and the down projection's activations of the group
+//   2. per expert: the down activations' final form; then per (expert, 16 output features) its down rows
+//   3. per 64 output features: each token's sum over its experts in expert order, times the router's
+//      weights, in float32
+// The same row kernels as quant_linear's for the same rows and the same sum order as the loop's
+// index_add_, so the result is the loop's bit for bit. Returns an undefined tensor where a chosen
+// expert's weights or row count have no lean kernel (the loop runs then).
+at::Tensor quant_moe_lean(const at::Tensor& x, at::TensorList w13, at::IntArrayRef w13_types,
+                          const std::vector<int64_t>& o13, at::TensorList w2, at::IntArrayRef w2_types,
+                          const std::vector<int64_t>& o2, const std::vector<int64_t>& count,
+                          const std::vector<int64_t>& start, const int64_t* ord, const float* tw, int64_t topk) {
+  using bf16 = c10::BFloat16;
+  if (x.scalar_type() != at::kBFloat16 || lean_moe_disabled()) return {};
+  const int64_t T = x.size(0), K = x.size(1), E = static_cast<int64_t>(count.size()) - 1;
+  std::vector<int64_t> sel;  // experts with tokens, in expert order
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e] > 0) sel.push_back(e);
+  const int64_t S = static_cast<int64_t>(sel.size());
+  if (S == 0) return {};
+  auto seg = [](at::TensorList w, at::IntArrayRef t, int64_t b, int64_t e) {
+    return std::make_pair(std::vector<at::Tensor>(w.begin() + b, w.begin() + e),
+                          std::vector<int64_t>(t.begin() + b, t.begin() + e));
+  };
+  std::vector<LeanLinear> up, down;
+  up.reserve(S), down.reserve(S);
+  int64_t F = -1;  // the experts' intermediate size
+  for (int64_t e : sel) {
+    const auto [w, t] = seg(w13, w13_types, o13[e], o13[e + 1]);
+    const auto [v, u] = seg(w2, w2_types, o2[e], o2[e + 1]);
+    int64_t n13 = 0;
+    for (const auto& s : w) n13 += s.size(0);
+    if (n13 % 2 != 0 || (F >= 0 && n13 / 2 != F)) return {};
+    F = n13 / 2;
+    if (!LeanLinear::supported(w, t, K) || !LeanLinear::supported(v, u, F)) return {};
+    up.emplace_back(w, t, K, c10::nullopt);
+    down.emplace_back(v, u, F, c10::nullopt);
+    if (!up.back().runnable(count[e]) || !down.back().runnable(count[e]) || down.back().n != K) return {};
+  }
+  for (int64_t s = 0; s < S; ++s) up[s].choose(count[sel[s]]), down[s].choose(count[sel[s]]);
+  const int64_t P = start[E], G = (F + 127) / 128;
+  // down rows per unit: ~32 KB of weights (a unit is a fresh memory stream; tiny ones left the
+  // prefetchers no time to ramp up), a multiple of 16
+  int64_t down_row_bytes = 0;
+  for (const auto& seg : down[0].segs) down_row_bytes = std::max(down_row_bytes, seg.row_bytes);
+  const int64_t kRowsPerUnit = std::max<int64_t>(16, (32768 / std::max<int64_t>(1, down_row_bytes) + 15) / 16 * 16);
+  constexpr int64_t kColsPerUnit = 64;
+  const int64_t row_units = (K + kRowsPerUnit - 1) / kRowsPerUnit, col_units = (K + kColsPerUnit - 1) / kColsPerUnit;
+  const auto opts = x.options();
+  at::Tensor xs = at::empty({P, K}, opts), gu = at::empty({P, 2 * F}, opts), act = at::empty({P, F}, opts);
+  at::Tensor y = at::empty({P, K}, opts), out = at::zeros({T, K}, opts.dtype(at::kFloat));
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16 *xsp = xs.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *ap = act.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
+  float* op = out.data_ptr<float>();
+  std::vector<LeanActs> up_acts(S), down_own(S);
+  std::vector<LeanX> up_x(S), down_x(S);
+  std::vector<DownActs> down_acts;
+  down_acts.reserve(S);
+  for (int64_t s = 0; s < S; ++s) down_acts.emplace_back(count[sel[s]], F, down[s].int8, down[s].int16);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  Steal steal(threads);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    uint64_t epoch = 0;
+    auto units_of = [&](int64_t units, auto&& fn) {
+      steal.start(tid, nt, units, ++epoch);
+      for (int64_t u; (u = steal.next(tid, nt, epoch)) >= 0;) fn(u);
+    };
+    units_of(S, [&](int64_t s) {
+      const int64_t e = sel[s], n = count[e], r0 = start[e];
+      for (int64_t i = 0; i < n; ++i) {
+        const bf16* src = xp + (ord[r0 + i] / topk) * K;
+        std::copy(src, src + K, xsp + (r0 + i) * K);
+      }
+      up_x[s] = up_acts[s].make(xsp + r0 * K, n, K, up[s]);
+    });
+#pragma omp barrier
+    units_of(S * G, [&](int64_t u) {
+      const int64_t s = u / G, g = u % G, e = sel[s], n = count[e], r0 = start[e];
+      const int64_t f0 = g * 128, f1 = std::min(F, f0 + 128);
+      bf16* gs = gp + r0 * 2 * F;
+      up[s].rows(up_x[s], n, f0, f1, gs, 2 * F);
+      up[s].rows(up_x[s], n, F + f0, F + f1, gs, 2 * F);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t* gt = reinterpret_cast<const uint16_t*>(gs + i * 2 * F);
+        bf16* at = ap + (r0 + i) * F;
+        radixserve_rows::silu_mul_bf16(gt + f0, gt + F + f0, reinterpret_cast<uint16_t*>(at) + f0, f1 - f0);
+        down_acts[s].write(i, g, at);
+      }
+    });
+#pragma omp barrier
+    units_of(S, [&](int64_t s) { down_x[s] = down_acts[s].acts(down_own[s], count[sel[s]]); });
+#pragma omp barrier
+    units_of(S * row_units, [&](int64_t u) {
+      const int64_t s = u / row_units, c = u % row_units, e = sel[s];
+      down[s].rows(down_x[s], count[e], c * kRowsPerUnit, std::min(K, (c + 1) * kRowsPerUnit), yp + start[e] * K, K);
+    });
+#pragma omp barrier
+    // out[t] += float(y[row]) * weight, expert after expert (the loop's index_add_ order)
+    units_of(col_units, [&](int64_t c) {
+      const int64_t j0 = c * kColsPerUnit, j1 = std::min(K, j0 + kColsPerUnit);
+      for (int64_t e : sel)
+        for (int64_t r = start[e]; r < start[e] + count[e]; ++r) {
+          const int64_t p = ord[r];
+          float* o = op + (p / topk) * K;
+          const bf16* yr = yp + r * K;
+          const float w = tw[p];
+          for (int64_t j = j0; j < j1; ++j) o[j] += static_cast<float>(yr[j]) * w;
+        }
+    });
+  }
+  return out.to(x.scalar_type());
+}
+
+}  // namespace
+#endif  // RADIXSERVE_LEAN_DECODE
+
 // Quantized experts (GGUF blocks; srt/layers/moe/fused_moe.py) in one op: expert e's gate-up projection is
 // the w13 segments [o_e, o_e + w13_counts[e]) with their GGML types (as quant_linear takes a projection
 // stored in several types), its down projection the w2 segments likewise. The (token, slot) pairs are
@@ -739,6 +882,12 @@ at::Tensor quant_moe(const at::Tensor& x, at::TensorList w13, at::IntArrayRef w1
     for (int64_t p = 0; p < P; ++p) ord[fill[idp[p] >= 0 && idp[p] < E ? idp[p] : E]++] = p;
   }
   const at::Tensor xc = x.contiguous();
+#if defined(RADIXSERVE_LEAN_DECODE)
+  if (at::Tensor lean = quant_moe_lean(xc, w13, w13_types, o13, w2, w2_types, o2, count, start, ord,
+                                       tw.data_ptr<float>(), topk);
+      lean.defined())
+    return lean;
+#endif
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = count[e];
     if (n == 0) continue;

@@ -304,17 +304,26 @@ def test_quantized_experts_match_the_dequantized_file(case, tmp_path, ops):
     assert {m.expert_layer("down", e).quant_method.describe(m.expert_layer("down", e))
             for m in experts for e in range(m.num_local_experts)} == {down_type}  # fmt: skip
     # the experts run in one C++ op (quant_moe): the per-expert loop's result exactly, ids of other ranks skipped
+    # (bf16 decode sizes take the lean path: one parallel region for all the experts, cpu_moe.cpp)
     m, g = experts[0], torch.Generator().manual_seed(0)
-    ids = torch.randint(-1, m.num_local_experts, (13, 2), generator=g)
-    weights = torch.rand(13, 2, generator=g)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(13, m.hidden_size, generator=g).to(dtype)
+    for dtype, tokens in ((torch.float32, 13), (torch.bfloat16, 13), (torch.bfloat16, 1), (torch.bfloat16, 40)):
+        ids = torch.randint(-1, m.num_local_experts, (tokens, 2), generator=g)
+        weights = torch.rand(tokens, 2, generator=g)
+        x = torch.randn(tokens, m.hidden_size, generator=g).to(dtype)
         assert m._quant_moe_args() is not None
         fused = m._per_expert(x, weights, ids)
         m._quant_moe_args = lambda: None  # the Python loop over experts
         loop = m._per_expert(x, weights, ids)
         del m._quant_moe_args
         assert fused.dtype == dtype and torch.equal(fused, loop)
+    # the op's argument lists are made once, and again after any GGUF layer's blocks are remade
+    from srt.layers.quantization.gguf import GGUFLinearMethod
+
+    args = m._quant_moe_args()
+    assert m._quant_moe_args() is args
+    GGUFLinearMethod.generation += 1
+    again = m._quant_moe_args()
+    assert again is not args and again[1] == args[1]
     ours = greedy(quant)
 
     write_weights(str(folder), progress=False)

@@ -76,6 +76,9 @@ class _Segment:
 
 
 class GGUFLinearMethod(LinearMethodBase):
+    # bumped whenever any layer's block lists are (re)made, so what caches them (FusedMoE's argument
+    # lists for the C++ op) knows when to look again
+    generation = 0
     name = "gguf"
 
     def __init__(self, ops, dtype: torch.dtype, exact: bool = False):
@@ -160,6 +163,7 @@ class GGUFLinearMethod(LinearMethodBase):
         self.qweights = [s.tensor for s in merged]
         self.qtypes = [s.qtype for s in merged]
         self.segments = []
+        GGUFLinearMethod.generation += 1
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape

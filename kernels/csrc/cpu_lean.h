@@ -1,0 +1,318 @@
+// The lean decode kernels' building blocks, shared by the decode stack (cpu_decode_layer.cpp: a step's
+// layers in one parallel region) and the quantized MoE op (cpu_moe.cpp: a decode step's experts in
+// one parallel region): a projection's weight segments multiplied row range by row range with the
+// kernels quant_linear itself picks, the activations in the forms those kernels take, and the
+// work-stealing unit dispenser of a phase.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "cpu_i16act.h"
+#include "cpu_qvnni.h"
+
+int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int64_t m);
+
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV) || defined(RADIXSERVE_HAVE_I16ACT)
+#define RADIXSERVE_LEAN_DECODE 1
+#endif
+
+#if defined(RADIXSERVE_LEAN_DECODE)
+namespace radixserve_lean {
+
+// GGML types the decode kernels below take, and their blocks: (weights, bytes).
+inline bool lean_geometry(int64_t qtype, int64_t& block, int64_t& bytes) {
+  switch (qtype) {
+    case 2: block = 32, bytes = 18; return true;    // Q4_0
+    case 3: block = 32, bytes = 20; return true;    // Q4_1
+    case 8: block = 32, bytes = 34; return true;    // Q8_0
+    case 12: block = 256, bytes = 144; return true;  // Q4_K
+    case 13: block = 256, bytes = 176; return true;  // Q5_K
+    case 14: block = 256, bytes = 210; return true;  // Q6_K
+    default: return false;
+  }
+}
+
+// A projection's weight segments (stacked along N), each multiplied by the kernel quant_linear takes
+// for it (quant_decode_kernel): 1 the int8 GEMV, 2 the int16-activation dots.
+struct LeanLinear {
+  // tensors, not pointers: the weights move to huge-page memory after loading (Tensor.set_)
+  struct Seg {
+    at::Tensor w;
+    int64_t rows, row_bytes, col, qtype;
+    int64_t kind = 0;
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    radixserve_i16act::DotFn dots[4] = {nullptr, nullptr, nullptr, nullptr};
+#endif
+  };
+  std::vector<Seg> segs;
+  int64_t n = 0, k = 0;
+  at::Tensor bias;
+  bool int8 = false, int16 = false;  // the activation forms the chosen kernels take
+
+  static bool supported(const std::vector<at::Tensor>& w, const std::vector<int64_t>& t, int64_t k) {
+    if (w.empty() || k % 32 != 0) return false;
+    for (size_t i = 0; i < w.size(); ++i) {
+      int64_t block = 0, bytes = 0;
+      if (!lean_geometry(t[i], block, bytes) || k % block != 0 || w[i].scalar_type() != at::kByte ||
+          w[i].dim() != 2 || !w[i].is_contiguous() || w[i].size(1) != k / block * bytes)
+        return false;
+    }
+    return true;
+  }
+
+  LeanLinear(const std::vector<at::Tensor>& w, const std::vector<int64_t>& t, int64_t k_,
+             const c10::optional<at::Tensor>& b)
+      : k(k_) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      segs.push_back({w[i], w[i].size(0), w[i].size(1), n, t[i]});
+      n += w[i].size(0);
+    }
+    if (b.has_value()) bias = *b;
+  }
+
+  // Whether every segment has a kernel here for m rows of bf16 activations now (the ISA and the int8
+  // mode can change at run time).
+  bool runnable(int64_t m) const {
+    for (const Seg& s : segs)
+      if (quant_decode_kernel(s.qtype, k, at::kBFloat16, m) == 0) return false;
+    return true;
+  }
+
+  // The kernels for m rows (before the parallel region).
+  void choose(int64_t m) {
+    int8 = int16 = false;
+    for (Seg& s : segs) {
+      s.kind = quant_decode_kernel(s.qtype, k, at::kBFloat16, m);
+      int8 |= s.kind == 1;
+      int16 |= s.kind == 2;
+#if defined(RADIXSERVE_HAVE_I16ACT)
+      if (s.kind == 2)
+        for (int r = 1; r <= 4; ++r) s.dots[r - 1] = radixserve_i16act::dot_for(s.qtype, r);
+#endif
+    }
+  }
+
+  // Rows [c0, c1) of x (m rows) @ W.T into out (row stride ldo), and the bias: each row as quant_linear
+  // computes it, and the bias as bf16 add_ does (float sum, rounded).
+  template <class Acts>
+  void rows(const Acts& x, int64_t m, int64_t c0, int64_t c1, c10::BFloat16* out, int64_t ldo) const {
+    for (const Seg& s : segs) {
+      const uint8_t* w = static_cast<const uint8_t*>(s.w.const_data_ptr());
+      const int64_t b = std::max(c0, s.col) - s.col, e = std::min(c1, s.col + s.rows) - s.col;
+      if (b >= e) continue;
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+      if (s.kind == 1) {
+        for (int64_t j0 = b; j0 < e; j0 += 64) {
+          const int64_t j1 = std::min(e, j0 + 64);
+          for (int64_t r = 0; r < m; r += radixserve_qvnni::kGemvRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(radixserve_qvnni::kGemvRows, m - r));
+            if (s.qtype == 3)
+              radixserve_qvnni::gemv_range_rows<true>(rows, w, s.row_bytes, j0, j1, k / 32, x.g, r, out + s.col, ldo);
+            else
+              radixserve_qvnni::gemv_range_rows<false>(rows, w, s.row_bytes, j0, j1, k / 32, x.g, r, out + s.col, ldo);
+          }
+        }
+      }
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+      if (s.kind == 2) {
+        float res[4];
+        for (int64_t j = b; j < e; ++j)
+          for (int64_t r = 0; r < m; r += 4) {
+            const int rows = static_cast<int>(std::min<int64_t>(4, m - r));
+            s.dots[rows - 1](w + j * s.row_bytes, x.a16, r, res);
+            for (int i = 0; i < rows; ++i) out[(r + i) * ldo + s.col + j] = static_cast<c10::BFloat16>(res[i]);
+          }
+      }
+#endif
+    }
+    if (!bias.defined()) return;
+    const c10::BFloat16* bp = static_cast<const c10::BFloat16*>(bias.const_data_ptr());
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t j = c0; j < c1; ++j)
+        out[t * ldo + j] = static_cast<c10::BFloat16>(static_cast<float>(out[t * ldo + j]) + static_cast<float>(bp[j]));
+  }
+};
+
+// A phase's units of work (heads, groups of rows) handed out from per-thread ranges: each thread takes
+// its own from the front, in order (one memory stream), then the others' from the back, so a thread
+// that finishes early takes over the tail of a slower one instead of waiting at the barrier (a
+// batch-1 step's barrier waits were ~9 % of it on a 2-core Zen 4: 15 QKV heads split 7 / 8, and the
+// two cores' memory streams do not run at the same speed). A range is one 64-bit word: the phase's
+// epoch, front and back; a word from another phase is never taken from.
+class Steal {
+ public:
+  explicit Steal(int64_t threads) : slots_(threads) {}
+
+  void start(int64_t tid, int64_t nt, int64_t units, uint64_t epoch) {
+    slots_[tid].word.store(pack(epoch, units * tid / nt, units * (tid + 1) / nt), std::memory_order_release);
+  }
+
+  // This thread's next unit, or -1 when the phase has none left.
+  int64_t next(int64_t tid, int64_t nt, uint64_t epoch) {
+    int64_t u;
+    if (take(tid, epoch, true, u)) return u;
+    for (int64_t o = 1; o < nt; ++o)
+      if (take((tid + o) % nt, epoch, false, u)) return u;
+    return -1;
+  }
+
+ private:
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> word{0};
+  };
+  std::vector<Slot> slots_;
+
+  static uint64_t pack(uint64_t epoch, uint64_t front, uint64_t back) {
+    return (epoch & 0xFFFF) << 48 | (front & 0xFFFFFF) << 24 | (back & 0xFFFFFF);
+  }
+
+  bool take(int64_t t, uint64_t epoch, bool front, int64_t& u) {
+    uint64_t w = slots_[t].word.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t f = (w >> 24) & 0xFFFFFF, b = w & 0xFFFFFF;
+      if ((w >> 48) != (epoch & 0xFFFF) || f >= b) return false;
+      if (slots_[t].word.compare_exchange_weak(w, front ? pack(epoch, f + 1, b) : pack(epoch, f, b - 1),
+                                               std::memory_order_acq_rel)) {
+        u = static_cast<int64_t>(front ? f : b - 1);
+        return true;
+      }
+    }
+  }
+};
+
+// Activations in the forms the kernels take: `g` (int8, group layout) and `a16` (int16 per block).
+struct LeanX {
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  radixserve_qvnni::GroupActs g{nullptr, nullptr, 0};
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+  radixserve_i16act::Acts a16{nullptr, nullptr, nullptr, 0};
+#endif
+};
+
+// One thread's activations of m rows of k values, made as quant_linear makes them: int8 per block then
+// the group layout (and the pre-spread scales), int16 per block from the float values.
+struct LeanActs {
+  std::vector<int8_t> q, gq;
+  std::vector<float> ds, gds, spread, xf, d16;
+  std::vector<int16_t> q16;
+
+  LeanX make(const c10::BFloat16* x, int64_t m, int64_t k, const LeanLinear& W) {
+    LeanX out;
+    const int64_t nb = k / 32;
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (W.int8) {
+      const int64_t groups = radixserve_qvnni::groups_for(k);
+      q.resize(m * k);
+      ds.resize(2 * m * nb);
+      gq.resize(m * groups * 128);
+      gds.resize(m * groups * 8);
+      radixserve_qvnni::quantize(x, m, k, q.data(), ds.data(), ds.data() + m * nb);
+      const radixserve_qvnni::Acts a{q.data(), ds.data(), ds.data() + m * nb, k, nb};
+      for (int64_t r = 0; r < m; ++r)
+        radixserve_qvnni::group_row(a, r, gq.data() + r * groups * 128, gds.data() + r * groups * 8);
+      out.g = with_spread({gq.data(), gds.data(), groups}, m, k);
+    }
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    if (W.int16) {
+      xf.resize(m * k);
+      q16.resize(m * k);
+      d16.resize(2 * m * nb);
+      for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(x[i]);
+      for (int64_t r = 0; r < m; ++r)
+        radixserve_i16act::prepare_row(xf.data() + r * k, k, q16.data() + r * k, d16.data() + r * nb,
+                                       d16.data() + (m + r) * nb);
+      out.a16 = {q16.data(), d16.data(), d16.data() + m * nb, nb};
+    }
+#endif
+    (void)x, (void)m, (void)nb, (void)W;
+    return out;
+  }
+
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  // x's `spread` where quant_linear would use one (same results either way: the same products).
+  radixserve_qvnni::GroupActs with_spread(radixserve_qvnni::GroupActs x, int64_t m, int64_t k) {
+    if (k > radixserve_qvnni::kSpreadMaxK) return x;
+    spread.resize(m * x.groups * 32);
+    for (int64_t r = 0; r < m; ++r)
+      radixserve_qvnni::spread_row(x.ds + r * x.groups * 8, x.groups, spread.data() + r * x.groups * 32);
+    x.spread = spread.data();
+    return x;
+  }
+#endif
+};
+
+// The down projection's activations, written per group of 128 inputs by whichever thread ran that
+// group's SiLU: the int8 group layout and / or int16 blocks, as its kernels take them.
+struct DownActs {
+  int64_t T, k, nb, groups;
+  std::vector<int8_t> gq;
+  std::vector<float> gds, d16;
+  std::vector<int16_t> q16;
+
+  DownActs(int64_t T_, int64_t k_, bool int8, bool int16) : T(T_), k(k_), nb(k_ / 32), groups((k_ + 127) / 128) {
+    if (int8) gq.resize(T * groups * 128), gds.resize(T * groups * 8);
+    if (int16) q16.resize(T * k), d16.resize(2 * T * nb);
+  }
+
+  // Row t's inputs of group g (its 4 blocks), from the bf16 values at x (the row).
+  void write(int64_t t, int64_t g, const c10::BFloat16* x) {
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (!gq.empty()) quantize_groups(x, g, gq.data() + t * groups * 128, gds.data() + t * groups * 8);
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    if (!q16.empty()) {
+      const int64_t b0 = 4 * g, b1 = std::min(nb, b0 + 4);
+      alignas(64) float f[128];
+      for (int64_t i = 0; i < (b1 - b0) * 32; ++i) f[i] = static_cast<float>(x[b0 * 32 + i]);
+      radixserve_i16act::prepare_row(f, (b1 - b0) * 32, q16.data() + t * k + b0 * 32, d16.data() + t * nb + b0,
+                                     d16.data() + (T + t) * nb + b0);
+    }
+#endif
+    (void)t, (void)g, (void)x;
+  }
+
+  LeanX acts(LeanActs& own, int64_t m) {
+    LeanX out;
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+    if (!gq.empty()) out.g = own.with_spread({gq.data(), gds.data(), groups}, m, k);
+#endif
+#if defined(RADIXSERVE_HAVE_I16ACT)
+    if (!q16.empty()) out.a16 = {q16.data(), d16.data(), d16.data() + T * nb, nb};
+#endif
+    (void)own, (void)m;
+    return out;
+  }
+
+#if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
+  // Group g of row x quantized straight into the group layout (group_row's bytes).
+  void quantize_groups(const c10::BFloat16* x, int64_t g, int8_t* q, float* ds) const {
+    alignas(64) int8_t qb[32];
+    int8_t* qg = q + g * 128;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t b = 4 * g + j;
+      float d = 0.f, sum = 0.f;
+      if (b < nb) {
+        radixserve_qvnni::quantize_block(x + 32 * b, qb, &d, &sum);
+        std::memcpy(qg + 16 * j, qb, 16);
+        std::memcpy(qg + 64 + 16 * j, qb + 16, 16);
+      } else {
+        std::memset(qg + 16 * j, 0, 16);
+        std::memset(qg + 64 + 16 * j, 0, 16);
+      }
+      ds[g * 8 + j] = d;
+      ds[g * 8 + 4 + j] = sum * 0.25f;
+    }
+  }
+#endif
+};
+
+}  // namespace radixserve_lean
+#endif  // RADIXSERVE_LEAN_DECODE
