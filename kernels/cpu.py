@@ -35,7 +35,15 @@ SOURCES = [
 ]
 HEADERS = [
     os.path.join(CSRC, name)
-    for name in ("cpu_common.h", "cpu_int8.h", "cpu_bf16x2.h", "cpu_i16act.h", "cpu_qvnni.h", "cpu_rowops.h", "cpu_lean.h")
+    for name in (
+        "cpu_common.h",
+        "cpu_int8.h",
+        "cpu_bf16x2.h",
+        "cpu_i16act.h",
+        "cpu_qvnni.h",
+        "cpu_rowops.h",
+        "cpu_lean.h",
+    )
 ]
 # -fopenmp: ATen's parallel_for is a header template that runs serially unless the extension itself
 # is compiled with OpenMP; linking it resolves to the libgomp.so.1 torch already loaded.
