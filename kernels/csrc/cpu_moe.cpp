@@ -712,6 +712,18 @@ using radixserve_lean::LeanLinear;
 using radixserve_lean::LeanX;
 using radixserve_lean::Steal;
 
+// o[j] += float(y[j]) * w with the product rounded before the sum, as the loop's ATen mul and
+// index_add_ round them (a contracted FMA changed an output's last bit now and then)
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void add_scaled_row(float* o, const c10::BFloat16* y, float w, int64_t n) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  for (int64_t j = 0; j < n; ++j) o[j] += static_cast<float>(y[j]) * w;
+}
+
 // read at each call (a getenv, ~0.1 us): A/B runs toggle it in one process
 bool lean_moe_disabled() {
   const char* v = std::getenv("RADIXSERVE_DISABLE_LEAN_DECODE");
@@ -829,10 +841,7 @@ at::Tensor quant_moe_lean(const at::Tensor& x, at::TensorList w13, at::IntArrayR
       for (int64_t e : sel)
         for (int64_t r = start[e]; r < start[e] + count[e]; ++r) {
           const int64_t p = ord[r];
-          float* o = op + (p / topk) * K;
-          const bf16* yr = yp + r * K;
-          const float w = tw[p];
-          for (int64_t j = j0; j < j1; ++j) o[j] += static_cast<float>(yr[j]) * w;
+          add_scaled_row(op + (p / topk) * K + j0, yp + r * K + j0, tw[p], j1 - j0);
         }
     });
   }

@@ -511,3 +511,29 @@ def test_exact_activations_for_the_lm_head(ops, type_name):
                 fast = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
                 err_exact = (out.double() - ref).abs().max().item()
                 assert err_exact * 4 < (fast.double() - ref).abs().max().item(), isa
+
+
+def test_quant_moe_decode_path_is_the_expert_loop_bit_for_bit(ops, monkeypatch):
+    """quant_moe at decode sizes (bf16 activations, few rows an expert) runs all the chosen experts in
+    one parallel region (cpu_moe.cpp: quant_moe_lean); its output is the per-expert loop's
+    (`RADIXSERVE_DISABLE_LEAN_DECODE=1`, read at each call) bit for bit: Qwen3-MoE's expert shapes
+    (2048 -> 768), Q4_0 gate-up and Q8_0 down (the int8 GEMV and the int16-activation dots), 1-8
+    tokens of 8 experts each, every ISA the CPU runs (AVX2: the int16 dots for both)."""
+    experts, hidden, inter, topk = 16, 2048, 768, 8
+    w13 = [torch.from_numpy(random_blocks("Q4_0", 2 * inter, hidden, seed=e)) for e in range(experts)]
+    w2 = [torch.from_numpy(random_blocks("Q8_0", hidden, inter, seed=100 + e)) for e in range(experts)]
+    args = (w13, [2] * experts, [1] * experts, w2, [8] * experts, [1] * experts)
+    g = torch.Generator().manual_seed(0)
+    ops.quant_int8_tiles(1)  # as a GGUF model sets it: int8 activations for 16-bit ones
+    with isa_variants(ops) as isas:
+        for isa in isas:
+            for tokens in (1, 2, 5, 8):
+                x = (torch.randn(tokens, hidden, generator=g) * 2).bfloat16()
+                ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+                ids[0, 0] = -1  # another rank's expert: skipped
+                weights = torch.rand(tokens, topk, generator=g)
+                monkeypatch.delenv("RADIXSERVE_DISABLE_LEAN_DECODE", raising=False)
+                lean = ops.quant_moe(x, *args, weights, ids)
+                monkeypatch.setenv("RADIXSERVE_DISABLE_LEAN_DECODE", "1")
+                loop = ops.quant_moe(x, *args, weights, ids)
+                assert lean.dtype == torch.bfloat16 and torch.equal(lean, loop), (isa, tokens)

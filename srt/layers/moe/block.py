@@ -12,6 +12,7 @@ from torch import nn
 from srt.distributed import get_tp_size, tensor_model_parallel_all_reduce
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.topk import TopKConfig, select_experts
+from srt.layers.quantization.unquant import BF16_QTYPE
 
 
 class MoEGate(nn.Module):
@@ -29,9 +30,23 @@ class MoEGate(nn.Module):
             else None
         )
 
+    # the C++ CPU kernels, set where the router's bf16 rows run on them at decode sizes
+    # (select_moe_kernels): F.linear's oneDNN call for a [1, 2048] x [128, 2048] router took ~0.1 ms
+    # a layer inside a decode step, the bf16-rows GEMV a fraction of it
+    cpu_ops = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32:
             return F.linear(x.float(), self.weight.float())
+        ops = self.cpu_ops
+        if (
+            ops is not None
+            and x.dtype == torch.bfloat16
+            and x.dim() == 2
+            and x.shape[0] <= 24
+            and not torch.compiler.is_dynamo_compiling()
+        ):
+            return ops.quant_linear(x, [self.weight], [BF16_QTYPE], False)
         return F.linear(x, self.weight)
 
 

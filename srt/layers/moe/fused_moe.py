@@ -216,4 +216,8 @@ def select_moe_kernels(model: nn.Module, backend: str, cpu_ops) -> dict[str, int
         if isinstance(module, FusedMoE):
             kind = module.select_kernel(backend, cpu_ops)
             counts[kind] = counts.get(kind, 0) + 1
+        elif hasattr(module, "cpu_ops") and cpu_ops is not None and hasattr(cpu_ops, "quant_linear"):
+            weight = getattr(module, "weight", None)  # a router (block.MoEGate) with bf16 rows on CPU
+            if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+                module.cpu_ops = cpu_ops
     return counts
