@@ -537,3 +537,21 @@ def test_quant_moe_decode_path_is_the_expert_loop_bit_for_bit(ops, monkeypatch):
                 monkeypatch.setenv("RADIXSERVE_DISABLE_LEAN_DECODE", "1")
                 loop = ops.quant_moe(x, *args, weights, ids)
                 assert lean.dtype == torch.bfloat16 and torch.equal(lean, loop), (isa, tokens)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_small_batches_give_each_row_its_one_row_result(ops, type_name):
+    """The float-activation kernels (the LM head's `exact` calls, and types without integer decode
+    kernels) take 2-24 rows in tiles of weight rows, 512 values at a time: each row's result is
+    bit for bit what it gets alone (a batch's composition changes no logit), on every ISA."""
+    qtype = int(GGMLQuantizationType[type_name])
+    ks = (512, 2048) if type_name.endswith("_K") else (576, 2048)
+    with isa_variants(ops) as isas:
+        for isa in isas:
+            for k in ks:
+                w = torch.from_numpy(random_blocks(type_name, 37, k, seed=k))
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(13, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+                    batch = ops.quant_linear(x, [w], [qtype], True)
+                    alone = torch.cat([ops.quant_linear(x[i : i + 1], [w], [qtype], True) for i in range(13)])
+                    assert torch.equal(batch, alone), (isa, k, dtype)
