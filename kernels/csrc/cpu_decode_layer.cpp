@@ -10,7 +10,8 @@
 //   o = attn @ Wo.T + b; residual += o; h = rmsnorm(residual)
 //   returns silu(h @ Wgate.T) * (h @ Wup.T) @ Wdown.T
 // With LoRA adapters in the batch, each projection adds its segments' deltas (cpu_lora.cpp) to its
-// output, as the Python layers do.
+// output, as the Python layers do. Without gate-up and down weights (a mixture-of-experts layer) it
+// stops after the second norm and returns its output, the experts' input.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -119,6 +120,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::Tensor& residual, bool fir
   at::Tensor o = project(attn2, o_w, o_t, o_bias);
   add_lora(attn2, o, lora, 1, lora_segs, {o.size(1)});
   rms_norm(o, residual, ln2, eps);  // residual += o; o = norm(residual)
+  if (gate_up_w.empty() && down_w.empty()) return o;  // a MoE layer: the caller runs its experts on o
   at::Tensor gate_up = quant_linear(o, gate_up_w, gate_up_t, false);
   add_lora(o, gate_up, lora, 2, lora_segs, {gate_up.size(1) / 2, gate_up.size(1) / 2});
   at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());

@@ -5,9 +5,11 @@ At batch 1 the default model's eager decode step spent more time in Python and p
 covers (linears the C++ `quant_linear` runs: GGUF blocks or bf16 rows; the C++ norm and rotary
 kernels; the cpu attention backend; one tensor-parallel rank) runs its decode step as one op with
 the same kernels in the same order, so its output is unchanged; LoRA adapters' deltas are added by
-the C++ LoRA kernels inside it (srt/lora, backend cpu). Extend batches, compiled graphs and other
-backends take the Python path. `RADIXSERVE_DISABLE_FUSED_DECODE=1` turns it off (for
-A/B measurements).
+the C++ LoRA kernels inside it (srt/lora, backend cpu). A mixture-of-experts layer (Mixtral,
+Qwen2/3-MoE: Llama attention, a SparseMoeBlock) runs its attention half the same way, the op
+stopping at the experts' input, and the block's router and experts (one C++ op) after it. Extend
+batches, compiled graphs and other backends take the Python path. `RADIXSERVE_DISABLE_FUSED_DECODE=1`
+turns it off (for A/B measurements).
 
 When every decoder layer of a model is fused, the model runs them all from one call per step
 (`FusedDecodeStack`, DecodeStack in the same C++ file: the same decode_layer calls from C++, without
@@ -23,26 +25,37 @@ import torch
 from torch import nn
 
 from srt.layers.attention.cpu_backend import CpuAttnBackend
+from srt.layers.moe.block import SparseMoeBlock
 
 
 class FusedDecodeLayer:
     def __init__(self, layer: Any, ops):  # a LlamaDecoderLayer
-        attn, mlp = layer.self_attn, layer.mlp
+        attn: Any = layer.self_attn
+        mlp: Any = layer.mlp
         self.ops = ops
         self.layer_id = attn.attn.layer_id
         self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.variance_epsilon
         self.qkv = attn.qkv_proj.quant_method.kernel_weights(attn.qkv_proj)
         self.o = attn.o_proj.quant_method.kernel_weights(attn.o_proj)
-        self.gate_up = mlp.gate_up_proj.quant_method.kernel_weights(mlp.gate_up_proj)
-        self.down = mlp.down_proj.quant_method.kernel_weights(mlp.down_proj)
+        # a mixture of experts: the op stops at the experts' input, and the MoE block runs them
+        self.moe: Any = mlp if isinstance(mlp, SparseMoeBlock) else None
+        self.gate_up: Any = ([], [])
+        self.down: Any = ([], [])
+        if self.moe is None:
+            dense: Any = layer.mlp
+            gate_up, down = dense.gate_up_proj, dense.down_proj
+            self.gate_up = gate_up.quant_method.kernel_weights(gate_up)
+            self.down = down.quant_method.kernel_weights(down)
         self.qkv_bias, self.o_bias = attn.qkv_proj.bias, attn.o_proj.bias
         self.q_size, self.kv_size, self.head_dim = attn.q_size, attn.kv_size, attn.head_dim
         self.q_norm = attn.q_norm.weight if attn.qk_norm else None
         self.k_norm = attn.k_norm.weight if attn.qk_norm else None
         self.cos, self.sin = attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache
         self.scaling = attn.attn.scaling
-        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.linears: tuple[Any, ...] = (attn.qkv_proj, attn.o_proj)
+        if self.moe is None:
+            self.linears += (mlp.gate_up_proj, mlp.down_proj)
         # (LoRA manager, pools): looked up on the first call (the pools are attached after this layer
         # is fused, before any forward) and never change
         self.lora: tuple[Any, list[torch.Tensor]] | None = None
@@ -55,10 +68,14 @@ class FusedDecodeLayer:
             self.lora_looked_up = True
             loras = [m.lora for m in self.linears]
             lora = next((x for x in loras if x is not None), None)
-            if lora is not None:
+            if lora is not None and self.moe is not None:
+                self.lora = None, []  # adapters on a MoE layer's attention: the Python layer's path
+            elif lora is not None:
                 empty = torch.empty(0)
                 pools = [t for x in loras for t in ((x.A, x.Bt) if x is not None else (empty, empty))]
                 self.lora = lora.manager, pools
+        if self.lora is not None and self.lora[0] is None:
+            return None
         if self.lora is None or self.lora[0].batch is None:
             return [], []
         manager, pools = self.lora
@@ -104,6 +121,8 @@ class FusedDecodeLayer:
             *self.down,
             *lora,
         )
+        if self.moe is not None:
+            out = self.moe(out)
         return out, residual
 
 
@@ -167,9 +186,12 @@ def _eligible(layer: Any, tp_size: int) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None or tp_size != 1:
         return False
-    if not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):
-        return False  # MoE and MLA layers take the Python path
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not hasattr(attn, "qkv_proj"):
+        return False  # MLA layers take the Python path
+    moe = isinstance(mlp, SparseMoeBlock)
+    if not moe and not hasattr(mlp, "gate_up_proj"):
+        return False
+    linears = (attn.qkv_proj, attn.o_proj) + (() if moe else (mlp.gate_up_proj, mlp.down_proj))
     if any(m.quant_method.kernel_weights(m) is None for m in linears):
         return False
     rot = attn.rotary_emb
@@ -178,7 +200,7 @@ def _eligible(layer: Any, tp_size: int) -> bool:
     eps = {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon}
     if attn.qk_norm:
         eps |= {attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon}
-    return len(eps) == 1 and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+    return len(eps) == 1 and (moe or (mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None))
 
 
 def enable_fused_decode_layers(model: nn.Module, ops, tp_size: int) -> int:
@@ -198,6 +220,7 @@ def enable_fused_decode_layers(model: nn.Module, ops, tp_size: int) -> int:
             hasattr(module, "fused_decode_stack")
             and layers
             and all(isinstance(getattr(x, "fused_decode", None), FusedDecodeLayer) for x in layers)
+            and not any(x.fused_decode.moe is not None for x in layers)  # experts run between layers
         ):
             setattr(module, "fused_decode_stack", FusedDecodeStack([x.fused_decode for x in layers]))  # noqa: B010
     return count

@@ -325,6 +325,35 @@ def test_quantized_experts_match_the_dequantized_file(case, tmp_path, ops):
     again = m._quant_moe_args()
     assert again is not args and again[1] == args[1]
     ours = greedy(quant)
+    # Mixtral's Llama attention: a decode step's layer runs as one C++ op up to the experts' input,
+    # the block's router and experts after it; the same tokens and logprobs as the Python layers
+    layers = list(quant.model.model.layers)
+    fused = [layer.fused_decode for layer in layers]
+    if case == "mixtral":
+        assert all(f is not None and f.moe is layer.mlp for f, layer in zip(fused, layers))
+        gen, params = StaticBatchGenerator(quant), SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        calls = []
+
+        class Counted:  # the layers' ops, counting the fused op's calls
+            def __getattr__(self, name):
+                if name == "decode_layer":
+                    calls.append(name)
+                return getattr(ops, name)
+
+        for f in fused:
+            f.ops = Counted()
+        with_op = [(r.output_ids, r.output_logprobs) for r in gen.generate(PROMPTS, params, return_logprob=True)]
+        assert len(calls) == len(layers) * 7  # every layer of the 7 decode steps
+        for layer in layers:
+            layer.fused_decode = None
+        try:
+            python = [(r.output_ids, r.output_logprobs) for r in gen.generate(PROMPTS, params, return_logprob=True)]
+        finally:
+            for layer, f in zip(layers, fused):
+                layer.fused_decode = f
+        assert with_op == python and [ids for ids, _ in with_op] == ours
+    else:  # MLA attention: the Python layers
+        assert all(f is None for f in fused)
 
     write_weights(str(folder), progress=False)
     # the dequantized file: each expert's slice of the 3-D tensor
