@@ -365,9 +365,9 @@ struct DecodeStack : torch::CustomClassHolder {
     at::Tensor qkv = at::empty({T, qkv_n}, opts), att = at::empty({T, q_size}, opts), o = at::empty({T, H}, opts);
     at::Tensor gu = at::empty({T, 2 * inter}, opts), act = at::empty({T, inter}, opts);
     const int64_t groups = (inter + 127) / 128;
-    bool down_int8 = false, down_int16 = false;
-    for (const Lean& l : lean) down_int8 |= l.down.int8, down_int16 |= l.down.int16;
-    DownActs down_acts(T, inter, down_int8, down_int16);
+    bool down_int8 = false, down_int16 = false, down_plain = false;
+    for (const Lean& l : lean) down_int8 |= l.down.int8, down_int16 |= l.down.int16, down_plain |= l.down.plain;
+    DownActs down_acts(T, inter, down_int8, down_int16, down_plain);
     const bf16* xin = hidden.data_ptr<bf16>();
     bf16 *res_out = residual.data_ptr<bf16>(), *dp = down.data_ptr<bf16>(), *qp = qkv.data_ptr<bf16>();
     bf16 *ap = att.data_ptr<bf16>(), *op = o.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *xp = act.data_ptr<bf16>();

@@ -17,7 +17,7 @@
 
 int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int64_t m);
 
-#if defined(RADIXSERVE_HAVE_QVNNI_GEMV) || defined(RADIXSERVE_HAVE_I16ACT)
+#if defined(RADIXSERVE_HAVE_QVNNI) || defined(RADIXSERVE_HAVE_I16ACT)
 #define RADIXSERVE_LEAN_DECODE 1
 #endif
 
@@ -33,12 +33,14 @@ inline bool lean_geometry(int64_t qtype, int64_t& block, int64_t& bytes) {
     case 12: block = 256, bytes = 144; return true;  // Q4_K
     case 13: block = 256, bytes = 176; return true;  // Q5_K
     case 14: block = 256, bytes = 210; return true;  // Q6_K
+    case 258: block = 32, bytes = 18; return true;   // Q4_0 in row tiles (cpu_rowtiles.h)
+    case 259: block = 32, bytes = 20; return true;   // Q4_1 in row tiles
     default: return false;
   }
 }
 
 // A projection's weight segments (stacked along N), each multiplied by the kernel quant_linear takes
-// for it (quant_decode_kernel): 1 the int8 GEMV, 2 the int16-activation dots.
+// for it (quant_decode_kernel): 1 the int8 GEMV, 2 the int16-activation dots, 3 the row tiles' GEMV.
 struct LeanLinear {
   // tensors, not pointers: the weights move to huge-page memory after loading (Tensor.set_)
   struct Seg {
@@ -52,7 +54,7 @@ struct LeanLinear {
   std::vector<Seg> segs;
   int64_t n = 0, k = 0;
   at::Tensor bias;
-  bool int8 = false, int16 = false;  // the activation forms the chosen kernels take
+  bool int8 = false, int16 = false, plain = false;  // the activation forms the chosen kernels take
 
   static bool supported(const std::vector<at::Tensor>& w, const std::vector<int64_t>& t, int64_t k) {
     if (w.empty() || k % 32 != 0) return false;
@@ -85,11 +87,12 @@ struct LeanLinear {
 
   // The kernels for m rows (before the parallel region).
   void choose(int64_t m) {
-    int8 = int16 = false;
+    int8 = int16 = plain = false;
     for (Seg& s : segs) {
       s.kind = quant_decode_kernel(s.qtype, k, at::kBFloat16, m);
       int8 |= s.kind == 1;
       int16 |= s.kind == 2;
+      plain |= s.kind == 3;
 #if defined(RADIXSERVE_HAVE_I16ACT)
       if (s.kind == 2)
         for (int r = 1; r <= 4; ++r) s.dots[r - 1] = radixserve_i16act::dot_for(s.qtype, r);
@@ -118,6 +121,11 @@ struct LeanLinear {
           }
         }
       }
+#endif
+#if defined(RADIXSERVE_HAVE_QVNNI)
+      if (s.kind == 3)
+        radixserve_qvnni::tile_range(w, s.row_bytes, s.rows / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows,
+                                     s.qtype == 259, b, e, x.p, m, out + s.col, ldo);
 #endif
 #if defined(RADIXSERVE_HAVE_I16ACT)
       if (s.kind == 2) {
@@ -186,8 +194,12 @@ class Steal {
   }
 };
 
-// Activations in the forms the kernels take: `g` (int8, group layout) and `a16` (int16 per block).
+// Activations in the forms the kernels take: `g` (int8, group layout), `p` (int8 per block, rows as
+// they are) and `a16` (int16 per block).
 struct LeanX {
+#if defined(RADIXSERVE_HAVE_QVNNI)
+  radixserve_qvnni::Acts p{nullptr, nullptr, nullptr, 0, 0};
+#endif
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
   radixserve_qvnni::GroupActs g{nullptr, nullptr, 0};
 #endif
@@ -206,15 +218,20 @@ struct LeanActs {
   LeanX make(const c10::BFloat16* x, int64_t m, int64_t k, const LeanLinear& W) {
     LeanX out;
     const int64_t nb = k / 32;
+#if defined(RADIXSERVE_HAVE_QVNNI)
+    if (W.int8 || W.plain) {
+      q.resize(m * k);
+      ds.resize(2 * m * nb);
+      radixserve_qvnni::quantize(x, m, k, q.data(), ds.data(), ds.data() + m * nb);
+      out.p = {q.data(), ds.data(), ds.data() + m * nb, k, nb};
+    }
+#endif
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
     if (W.int8) {
       const int64_t groups = radixserve_qvnni::groups_for(k);
-      q.resize(m * k);
-      ds.resize(2 * m * nb);
       gq.resize(m * groups * 128);
       gds.resize(m * groups * 8);
-      radixserve_qvnni::quantize(x, m, k, q.data(), ds.data(), ds.data() + m * nb);
-      const radixserve_qvnni::Acts a{q.data(), ds.data(), ds.data() + m * nb, k, nb};
+      const radixserve_qvnni::Acts& a = out.p;
       for (int64_t r = 0; r < m; ++r)
         radixserve_qvnni::group_row(a, r, gq.data() + r * groups * 128, gds.data() + r * groups * 8);
       out.g = with_spread({gq.data(), gds.data(), groups}, m, k);
@@ -250,20 +267,29 @@ struct LeanActs {
 };
 
 // The down projection's activations, written per group of 128 inputs by whichever thread ran that
-// group's SiLU: the int8 group layout and / or int16 blocks, as its kernels take them.
+// group's SiLU: the int8 group layout, int8 blocks as they are and / or int16 blocks, as its kernels
+// take them.
 struct DownActs {
   int64_t T, k, nb, groups;
-  std::vector<int8_t> gq;
-  std::vector<float> gds, d16;
+  std::vector<int8_t> gq, pq;
+  std::vector<float> gds, d16, pds;
   std::vector<int16_t> q16;
 
-  DownActs(int64_t T_, int64_t k_, bool int8, bool int16) : T(T_), k(k_), nb(k_ / 32), groups((k_ + 127) / 128) {
+  DownActs(int64_t T_, int64_t k_, bool int8, bool int16, bool plain)
+      : T(T_), k(k_), nb(k_ / 32), groups((k_ + 127) / 128) {
     if (int8) gq.resize(T * groups * 128), gds.resize(T * groups * 8);
     if (int16) q16.resize(T * k), d16.resize(2 * T * nb);
+    if (plain) pq.resize(T * k), pds.resize(2 * T * nb);
   }
 
   // Row t's inputs of group g (its 4 blocks), from the bf16 values at x (the row).
   void write(int64_t t, int64_t g, const c10::BFloat16* x) {
+#if defined(RADIXSERVE_HAVE_QVNNI)
+    if (!pq.empty())
+      for (int64_t b = 4 * g; b < std::min(nb, 4 * g + 4); ++b)
+        radixserve_qvnni::quantize_block(x + 32 * b, pq.data() + t * k + 32 * b, pds.data() + t * nb + b,
+                                         pds.data() + (T + t) * nb + b);
+#endif
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
     if (!gq.empty()) quantize_groups(x, g, gq.data() + t * groups * 128, gds.data() + t * groups * 8);
 #endif
@@ -281,6 +307,9 @@ struct DownActs {
 
   LeanX acts(LeanActs& own, int64_t m) {
     LeanX out;
+#if defined(RADIXSERVE_HAVE_QVNNI)
+    if (!pq.empty()) out.p = {pq.data(), pds.data(), pds.data() + T * nb, k, nb};
+#endif
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
     if (!gq.empty()) out.g = own.with_spread({gq.data(), gds.data(), groups}, m, k);
 #endif

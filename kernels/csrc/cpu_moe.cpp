@@ -794,7 +794,7 @@ at::Tensor quant_moe_lean(const at::Tensor& x, at::TensorList w13, at::IntArrayR
   std::vector<LeanX> up_x(S), down_x(S);
   std::vector<DownActs> down_acts;
   down_acts.reserve(S);
-  for (int64_t s = 0; s < S; ++s) down_acts.emplace_back(count[sel[s]], F, down[s].int8, down[s].int16);
+  for (int64_t s = 0; s < S; ++s) down_acts.emplace_back(count[sel[s]], F, down[s].int8, down[s].int16, down[s].plain);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   Steal steal(threads);
 #pragma omp parallel num_threads(threads)

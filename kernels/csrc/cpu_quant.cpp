@@ -54,7 +54,13 @@ enum QType : int64_t {
   BF16 = 30,
   // Not a GGML type: int8 rows with a per-row scale, multiplied with int8 activations (cpu_int8.h).
   W8A8 = 256,
+  // Not GGML types: Q4_0 / Q4_1 rows repacked into row tiles at load (cpu_rowtiles.h; quant_repack).
+  Q4_0_R16 = 258,
+  Q4_1_R16 = 259,
 };
+
+bool row_tiled(int64_t qtype) { return qtype == Q4_0_R16 || qtype == Q4_1_R16; }
+int64_t untiled_type(int64_t qtype) { return qtype == Q4_0_R16 ? Q4_0 : qtype == Q4_1_R16 ? Q4_1 : qtype; }
 
 struct Geometry {
   int64_t block;  // weights per block
@@ -63,8 +69,10 @@ struct Geometry {
 
 Geometry geometry(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
+    case Q4_0:
+    case Q4_0_R16: return {32, 18};
+    case Q4_1:
+    case Q4_1_R16: return {32, 20};
     case Q5_0: return {32, 22};
     case Q5_1: return {32, 24};
     case Q8_0: return {32, 34};
@@ -743,6 +751,23 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
               k / g.block * g.bytes, " for K=", k, " of type ", qtype);
 }
 
+// A row-tiled weight (cpu_rowtiles.h) back in the file's layout: for the kernels that read the file's
+// rows (a caller that changed the ISA or the int8 mode after the weights were repacked).
+at::Tensor untile(const at::Tensor& w, int64_t qtype) {
+  at::Tensor out = at::empty_like(w);
+  const int64_t n = w.size(0), row_bytes = w.size(1), n16 = n / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows;
+  const bool has_min = qtype == Q4_1_R16;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* row = radixserve_rowtiles::file_row(wp, row_bytes, n16, has_min, j, op + j * row_bytes);
+      if (row != op + j * row_bytes) std::memcpy(op + j * row_bytes, row, row_bytes);
+    }
+  });
+  return out;
+}
+
 // The loop every decode-sized kernel shares: weight rows [begin, end) times the m rows of x, where
 // `dot(row, r, rows, res)` fills res[0, rows) for x rows r.. r + rows - 1 (rows <= step).
 template <typename out_t, class Dot>
@@ -980,9 +1005,10 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
 #else
   const bool int8_gemv = false;
 #endif
+  // row tiles take int8 activations at every M (gemv_tiles, or gemm's panels)
   auto takes_int8 = [&](int64_t qtype) {
     return (int8_tiles && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) ||
-           (int8_gemv && (qtype == Q4_0 || qtype == Q4_1));
+           (int8_gemv && (qtype == Q4_0 || qtype == Q4_1)) || (int8_acts && row_tiled(qtype));
   };
   // The float copy of x, unless every weight is multiplied as bf16 or int8 tiles (a prefill chunk's
   // copy is MBs).
@@ -1008,7 +1034,8 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   }
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
   radixserve_qvnni::GroupActs gacts{nullptr, nullptr, 0};
-  if (int8_gemv && qacts.q != nullptr) {
+  const bool file_q4 = std::any_of(qtypes.begin(), qtypes.end(), [](int64_t t) { return t == Q4_0 || t == Q4_1; });
+  if (int8_gemv && qacts.q != nullptr && file_q4) {
     const int64_t groups = radixserve_qvnni::groups_for(k);
     thread_local std::vector<int8_t> gq;
     thread_local std::vector<float> gds;
@@ -1050,8 +1077,13 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   int64_t col = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
-    const int64_t qtype = qtypes[i];
+    int64_t qtype = qtypes[i];
     at::Tensor blocks = w;
+    if (row_tiled(qtype) && !takes_int8(qtype)) {
+      check_weight(w, qtype, k);
+      blocks = untile(w, qtype);
+      qtype = untiled_type(qtype);
+    }
     if (qtype == BF16 && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) == k && k % 32 == 0) {
       blocks = w.contiguous().view(at::kByte);  // bf16 rows read by the same kernels
     } else if (qtype == F32 || qtype == F16 || qtype == BF16) {
@@ -1069,6 +1101,21 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
       col += w.size(0);
       continue;
     }
+#if defined(RADIXSERVE_HAVE_QVNNI)
+    if (row_tiled(qtype)) {
+      const int64_t n = blocks.size(0), n16 = n / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "row_tiles", [&] {
+        if (m <= kSmallM)
+          radixserve_qvnni::gemv_tiles<scalar_t>(qacts, m, blocks.data_ptr<uint8_t>(), n, blocks.size(1), n16,
+                                                 qtype == Q4_1_R16, out.data_ptr<scalar_t>() + col, n_total);
+        else
+          radixserve_qvnni::gemm<scalar_t>(qacts, m, blocks.data_ptr<uint8_t>(), n, blocks.size(1), untiled_type(qtype),
+                                           out.data_ptr<scalar_t>() + col, n_total, n16);
+      });
+      col += w.size(0);
+      continue;
+    }
+#endif
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
     if (int8_gemv && takes_int8(qtype)) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_gemv", [&] {
@@ -1099,8 +1146,10 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
 }
 
 // The float32 [N, K] weight (tests, and layers that cannot run quantized).
-at::Tensor quant_dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
-  check_weight(w, qtype, k);
+at::Tensor quant_dequantize(const at::Tensor& w_in, int64_t qtype_in, int64_t k) {
+  check_weight(w_in, qtype_in, k);
+  const at::Tensor w = row_tiled(qtype_in) ? untile(w_in, qtype_in) : w_in;
+  const int64_t qtype = untiled_type(qtype_in);
   const int64_t n = w.size(0), row_bytes = w.size(1);
   at::Tensor out = at::empty({n, k}, at::kFloat);
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -1113,8 +1162,11 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t qtype, int64_t k) {
 }
 
 // Rows `ids` of a quantized [V, K] embedding table, dequantized to `dtype`.
-at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t k, at::ScalarType dtype) {
-  check_weight(w, qtype, k);
+at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w_in, int64_t qtype_in, int64_t k,
+                           at::ScalarType dtype) {
+  check_weight(w_in, qtype_in, k);
+  const at::Tensor w = row_tiled(qtype_in) ? untile(w_in, qtype_in) : w_in;
+  const int64_t qtype = untiled_type(qtype_in);
   const at::Tensor idx = ids.to(at::kLong).contiguous().view(-1);
   const int64_t t = idx.numel(), v = w.size(0), row_bytes = w.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
@@ -1150,11 +1202,19 @@ int radixserve_kernel_isa() { return g_isa.load(std::memory_order_relaxed); }
 
 // The kernel quant_linear multiplies up to `m` rows of non-exact `dtype` activations with `qtype`
 // weights (K inputs) by, for callers that run the same rows themselves (the fused decode stack):
-// 1 radixserve_qvnni::gemv (int8 activations), 2 radixserve_i16act (int16 activations), 0 another one.
+// 1 radixserve_qvnni::gemv (int8 activations), 2 radixserve_i16act (int16 activations),
+// 3 radixserve_qvnni::gemv_tiles (row tiles, int8 activations), 0 another one.
 // The order of the tests is quant_linear's and quant_matmul's.
 int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int64_t m) {
   if (m > kSmallM || m < 1 || k % 32 != 0) return 0;
   const int isa = g_isa.load(std::memory_order_relaxed);
+  if (row_tiled(qtype)) {
+#if defined(RADIXSERVE_HAVE_QVNNI)
+    const int tiles_mode = g_int8_tiles.load();
+    if (isa >= AVX512 && (tiles_mode == 2 || (tiles_mode == 1 && dtype != at::kFloat))) return 3;
+#endif
+    return 0;
+  }
   const bool q4 = qtype == Q4_0 || qtype == Q4_1;
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
   const int mode = g_int8_tiles.load();
@@ -1192,7 +1252,30 @@ bool quant_int8_tiles(int64_t mode) {
 #endif
 }
 
+// Repacks a Q4_0 / Q4_1 weight [N, row_bytes] into row tiles in place (cpu_rowtiles.h) where the
+// kernels that read them run for bf16 / fp16 activations now (AVX-512 VNNI, the int8 mode on); returns
+// the type the weight has then (Q4_0_R16 / Q4_1_R16, or `qtype` unchanged).
+int64_t quant_repack(const at::Tensor& w, int64_t qtype, int64_t k) {
+  check_weight(w, qtype, k);
+  if ((qtype != Q4_0 && qtype != Q4_1) || w.size(0) < radixserve_rowtiles::kRows ||
+      quant_decode_kernel(qtype == Q4_0 ? Q4_0_R16 : Q4_1_R16, k, at::kBFloat16, 1) != 3)
+    return qtype;
+  const int64_t row_bytes = w.size(1), tiles = w.size(0) / radixserve_rowtiles::kRows;
+  const bool has_min = qtype == Q4_1;
+  uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> rows(radixserve_rowtiles::kRows * row_bytes);
+    for (int64_t t = begin; t < end; ++t) {
+      uint8_t* tile = wp + t * radixserve_rowtiles::kRows * row_bytes;
+      std::memcpy(rows.data(), tile, rows.size());
+      radixserve_rowtiles::repack_tile(rows.data(), row_bytes, k / 32, has_min, tile);
+    }
+  });
+  return qtype == Q4_0 ? Q4_0_R16 : Q4_1_R16;
+}
+
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("quant_repack(Tensor(a!) w, int qtype, int k) -> int");
   m.def("quant_fast_bf16(bool enable) -> bool", &quant_fast_bf16);
   m.def("quant_int8_tiles(int mode) -> bool", &quant_int8_tiles);
   m.def("quant_linear(Tensor x, Tensor[] weights, int[] qtypes, bool exact=False) -> Tensor");
@@ -1205,4 +1288,5 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_dequantize", &quant_dequantize);
   m.impl("quant_embedding", &quant_embedding);
+  m.impl("quant_repack", &quant_repack);
 }

@@ -340,6 +340,68 @@ def test_int8_decode(ops, type_name, k):
         ops.quant_int8_tiles(0)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [64, 576, 14336])
+def test_row_tiles(ops, type_name, k):
+    """quant_repack: a Q4_0 / Q4_1 weight repacked 16 rows at a time in place (kernels/csrc/cpu_rowtiles.h;
+    37 rows: two tiles and 5 rows left in the file's layout) holds the same weights, and its kernels give
+    the int8 products within the activation rounding at decode sizes (a row's bits the same alone, in a
+    batch or on one thread) and the file layout's bits above them (the same panels). Where its kernels
+    do not run (the ISA capped after loading, the int8 mode off, float32 activations) the weight is
+    read back in the file's layout: the same bits as the file's weight. Without them it stays as it is."""
+    if not ops.quant_int8_tiles(0):
+        pytest.skip("this CPU build has no AVX-512 VNNI")
+    isa = ops.quant_isa("")
+    if isa not in ("avx512", "avx512_bf16"):
+        pytest.skip("the kernels are capped below avx512")
+    qtype = int(GGMLQuantizationType[type_name])
+    w = torch.from_numpy(random_blocks(type_name, 37, k, seed=k + 1))
+    tiled = w.clone()
+    assert ops.quant_repack(tiled, qtype, k) == qtype  # int8 mode off: no tiles
+    assert torch.equal(tiled, w)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(30, k, generator=gen)
+    x[2, 32:64] = 0  # an all-zero block
+    threads = torch.get_num_threads()
+    try:
+        ops.quant_int8_tiles(1)
+        t = ops.quant_repack(tiled, qtype, k)
+        assert t == qtype + 256 and tiled.shape == w.shape and not torch.equal(tiled, w)
+        assert torch.equal(tiled[32:], w[32:])  # the rows after the last whole tile
+        assert torch.equal(ops.quant_dequantize(tiled, t, k), ops.quant_dequantize(w, qtype, k))
+        ids = torch.tensor([0, 5, 17, 31, 32, 36])
+        emb = ops.quant_embedding(ids, tiled, t, k, torch.float32)
+        assert torch.equal(emb, ops.quant_embedding(ids, w, qtype, k, torch.float32))
+        xs = x.bfloat16()
+        xq_ref, ref, bound, act = int8_tiles_reference(xs[:5], w.numpy(), type_name)
+        out = ops.quant_linear(xs[:5], [tiled], [t])
+        tol = 2 * (k // 32) * 2.0**-24 * (bound + act) + 1e-6 + xq_ref.abs() * 2.0**-8
+        assert ((out.double() - xq_ref).abs() <= tol).all(), (out.double() - xq_ref).abs().max()
+        assert ((out.double() - ref).abs() <= tol + act).all()
+        for r in range(5):
+            assert torch.equal(ops.quant_linear(xs[r : r + 1], [tiled], [t]), out[r : r + 1])
+        torch.set_num_threads(1)
+        assert torch.equal(ops.quant_linear(xs[:5], [tiled], [t]), out)
+        torch.set_num_threads(threads)
+        assert torch.equal(ops.quant_linear(xs, [tiled], [t]), ops.quant_linear(xs, [w], [qtype]))  # 30 rows
+        # stacked with another segment: its columns land after the tiled weight's
+        both = ops.quant_linear(xs[:3], [tiled, w[:16].contiguous()], [t, qtype])
+        assert torch.equal(both[:, :37], out[:3]) and both.shape == (3, 53)
+        for off in ("float32", "mode 0", "avx2"):
+            xo = x[:5] if off == "float32" else xs[:5]
+            if off == "mode 0":
+                ops.quant_int8_tiles(0)
+            if off == "avx2":
+                ops.quant_isa("avx2")
+            assert torch.equal(ops.quant_linear(xo, [tiled], [t]), ops.quant_linear(xo, [w], [qtype])), off
+            ops.quant_int8_tiles(1)
+            ops.quant_isa(isa)
+    finally:
+        torch.set_num_threads(threads)
+        ops.quant_int8_tiles(0)
+        ops.quant_isa(isa)
+
+
 def test_int8_tiles_choice(monkeypatch):
     """RADIXSERVE_INT8_TILES: 0 turns the int8 tiles off, 1 on for float32 activations too (where the
     CPU has VNNI), anything else is an error naming the variable; unset, they serve bf16 / fp16

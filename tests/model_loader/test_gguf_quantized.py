@@ -252,17 +252,17 @@ def test_lean_decode_stack_same_at_any_thread_count(gguf_files, runner_factory, 
     from srt.model_loader.default_model import resolve_model_path
     from srt.sampling.sampling_params import SamplingParams
 
-    runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", dtype="bfloat16")
-    model = runner.model.model
-    stack = model.fused_decode_stack
-    gen = StaticBatchGenerator(runner)
+    if isa is not None and "avx2" not in cpu_flags():
+        pytest.skip("needs AVX2")
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     before, before_isa = torch.get_num_threads(), ops.quant_isa("")
     try:
-        if isa is not None:
-            if "avx2" not in cpu_flags():
-                pytest.skip("needs AVX2")
+        if isa is not None:  # before loading: the weights then keep the file's rows (row tiles need AVX-512)
             ops.quant_isa(isa)
+        runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", dtype="bfloat16")
+        model = runner.model.model
+        stack = model.fused_decode_stack
+        gen = StaticBatchGenerator(runner)
         if not stack.stack.lean_for(torch.bfloat16, len(PROMPTS)):
             pytest.skip("no lean path for these kernels on this CPU")
         torch.set_num_threads(threads)

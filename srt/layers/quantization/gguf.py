@@ -11,6 +11,7 @@ quantized weight is kept.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,14 @@ KERNEL_TYPES = frozenset(
     GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 )
 DENSE_TYPES = frozenset((GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16))
+# Not GGML types: Q4_0 / Q4_1 weights repacked into row tiles at load (the C++ ids), by the file's type.
+ROW_TILE_TYPES = {258: int(GGMLQuantizationType.Q4_0), 259: int(GGMLQuantizationType.Q4_1)}
 _logged_fallbacks: set[str] = set()
+
+
+def _row_tiles_disabled() -> bool:
+    """RADIXSERVE_DISABLE_ROW_TILES=1 keeps every weight in the file's row layout (A/B runs, tests)."""
+    return os.environ.get("RADIXSERVE_DISABLE_ROW_TILES", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,10 @@ class GGUFLinearMethod(LinearMethodBase):
         self.dtype = dtype
         # The LM head keeps float activations in its decode kernels (see quant_linear's `exact`).
         self.exact = exact
+        # Q4_0 / Q4_1 rows repacked 16 at a time where the kernels that read them run (quant_repack,
+        # kernels/csrc/cpu_rowtiles.h); not the LM head / embedding (their float-activation kernels
+        # read the file's rows), nor MoE experts (FusedMoE clears it: the expert kernels read them too).
+        self.row_tiles = not exact
         # One method per layer: the layer's weight lives here.
         self.shape = (0, 0)  # [output rows, input columns] on this rank
         self.segments: list[_Segment] = []  # while loading
@@ -162,6 +174,11 @@ class GGUFLinearMethod(LinearMethodBase):
                 merged.append(s)
         self.qweights = [s.tensor for s in merged]
         self.qtypes = [s.qtype for s in merged]
+        if self.row_tiles and self.dtype != torch.float32 and not _row_tiles_disabled():
+            tileable = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1))
+            self.qtypes = [
+                self.ops.quant_repack(w, t, k) if t in tileable else t for w, t in zip(self.qweights, self.qtypes)
+            ]
         self.segments = []
         GGUFLinearMethod.generation += 1
 
@@ -183,7 +200,8 @@ class GGUFLinearMethod(LinearMethodBase):
         return torch.nn.functional.embedding(ids, table).to(self.dtype)
 
     def _rows_dense(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-        return self.ops.quant_dequantize(w, qtype, k) if qtype in KERNEL_TYPES else w.float()
+        quantized = qtype in KERNEL_TYPES or qtype in ROW_TILE_TYPES
+        return self.ops.quant_dequantize(w, qtype, k) if quantized else w.float()
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return sum(w.numel() * w.element_size() for w in self.qweights)
@@ -193,7 +211,8 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def describe(self, layer: nn.Module) -> str:
         names = {int(GGMLQuantizationType.F32): "float32", int(GGMLQuantizationType.BF16): "bfloat16"}
-        return "+".join(names.get(t, GGMLQuantizationType(t).name) for t in dict.fromkeys(self.qtypes))
+        names.update({t: GGMLQuantizationType(base).name for t, base in ROW_TILE_TYPES.items()})  # the file's
+        return "+".join(names[t] if t in names else GGMLQuantizationType(t).name for t in dict.fromkeys(self.qtypes))
 
 
 class GGUFConfig(QuantizationConfig):
