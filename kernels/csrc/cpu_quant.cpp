@@ -54,13 +54,16 @@ enum QType : int64_t {
   BF16 = 30,
   // Not a GGML type: int8 rows with a per-row scale, multiplied with int8 activations (cpu_int8.h).
   W8A8 = 256,
-  // Not GGML types: Q4_0 / Q4_1 rows repacked into row tiles at load (cpu_rowtiles.h; quant_repack).
+  // Not GGML types: Q4_0 / Q4_1 / Q8_0 rows repacked into row tiles at load (cpu_rowtiles.h;
+  // quant_repack): 256 + the file's type.
   Q4_0_R16 = 258,
   Q4_1_R16 = 259,
+  Q8_0_R16 = 264,
 };
 
-bool row_tiled(int64_t qtype) { return qtype == Q4_0_R16 || qtype == Q4_1_R16; }
-int64_t untiled_type(int64_t qtype) { return qtype == Q4_0_R16 ? Q4_0 : qtype == Q4_1_R16 ? Q4_1 : qtype; }
+bool row_tiled(int64_t qtype) { return qtype == Q4_0_R16 || qtype == Q4_1_R16 || qtype == Q8_0_R16; }
+bool q4_tiled(int64_t qtype) { return qtype == Q4_0_R16 || qtype == Q4_1_R16; }
+int64_t untiled_type(int64_t qtype) { return row_tiled(qtype) ? qtype - 256 : qtype; }
 
 struct Geometry {
   int64_t block;  // weights per block
@@ -75,7 +78,8 @@ Geometry geometry(int64_t qtype) {
     case Q4_1_R16: return {32, 20};
     case Q5_0: return {32, 22};
     case Q5_1: return {32, 24};
-    case Q8_0: return {32, 34};
+    case Q8_0:
+    case Q8_0_R16: return {32, 34};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
@@ -756,12 +760,12 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
 at::Tensor untile(const at::Tensor& w, int64_t qtype) {
   at::Tensor out = at::empty_like(w);
   const int64_t n = w.size(0), row_bytes = w.size(1), n16 = n / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows;
-  const bool has_min = qtype == Q4_1_R16;
+  const int64_t type = untiled_type(qtype);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const uint8_t* row = radixserve_rowtiles::file_row(wp, row_bytes, n16, has_min, j, op + j * row_bytes);
+      const uint8_t* row = radixserve_rowtiles::file_row(wp, row_bytes, n16, type, j, op + j * row_bytes);
       if (row != op + j * row_bytes) std::memcpy(op + j * row_bytes, row, row_bytes);
     }
   });
@@ -786,8 +790,15 @@ void small_m_rows(const uint8_t* wp, int64_t row_bytes, int64_t begin, int64_t e
 // `x16`: the bf16 activations when prefill tiles should be multiplied in bf16 (else undefined).
 template <typename out_t>
 void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int64_t n, int64_t row_bytes,
-                  int64_t qtype, out_t* out, int64_t ldo, const at::Tensor& x16, bool exact) {
+                  int64_t qtype, out_t* out, int64_t ldo, const at::Tensor& x16, bool exact, int64_t n16 = 0) {
   const int isa = g_isa.load(std::memory_order_relaxed);
+  // rows [0, n16) in row tiles (cpu_rowtiles.h): the prefill-sized paths below read them back one by one
+  TORCH_CHECK(n16 == 0 || m > kSmallM, "quant_matmul: row tiles at decode sizes take their own kernels");
+  auto row_at = [&](int64_t j, std::vector<uint8_t>& tmp) -> const uint8_t* {
+    if (j >= n16) return wp + j * row_bytes;
+    tmp.resize(row_bytes);
+    return radixserve_rowtiles::file_row(wp, row_bytes, n16, qtype, j, tmp.data());
+  };
 #if defined(RADIXSERVE_HAVE_BF16X2)
   if (m <= kSmallM && isa >= AVX512_BF16 && (qtype == Q4_0 || qtype == Q4_1)) {
     namespace b2 = radixserve_bf16x2;
@@ -925,6 +936,7 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
       const int64_t rows = std::max<int64_t>(16, ((n + tiles - 1) / tiles + 15) / 16 * 16);
       at::parallel_for(0, (n + rows - 1) / rows, 1, [&](int64_t begin, int64_t end) {
         uint16_t* buf = reinterpret_cast<uint16_t*>(scratch_floats(1, (rows * k + 1) / 2));
+        thread_local std::vector<uint8_t> tmp;
 #if defined(__AVX512BF16__)
         const RowDequantBf16 fill16 = isa >= AVX512_BF16 ? bf16_filler(qtype) : nullptr;
 #endif
@@ -933,12 +945,12 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
           for (int64_t j = 0; j < nb; ++j) {
 #if defined(__AVX512BF16__)
             if (fill16 != nullptr) {
-              fill16(wp + (n0 + j) * row_bytes, k, buf + j * k);
+              fill16(row_at(n0 + j, tmp), k, buf + j * k);
               continue;
             }
 #endif
             float* rowf = scratch_floats(0, k);
-            fill(wp + (n0 + j) * row_bytes, k, rowf);
+            fill(row_at(n0 + j, tmp), k, rowf);
             radixserve_cpu::floats_to_bf16(rowf, buf + j * k, k);
           }
           at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kBFloat16);
@@ -954,7 +966,8 @@ void quant_matmul(const float* xf, int64_t m, int64_t k, const uint8_t* wp, int6
     float* res = std::is_same<out_t, float>::value ? nullptr : scratch_floats(0, m * tile);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, nb = std::min(tile, n - n0);
-      for (int64_t j = 0; j < nb; ++j) fill(wp + (n0 + j) * row_bytes, k, buf + j * k);
+      thread_local std::vector<uint8_t> tmp;
+      for (int64_t j = 0; j < nb; ++j) fill(row_at(n0 + j, tmp), k, buf + j * k);
       const at::Tensor wt = at::from_blob(buf, {nb, k}, at::kFloat);
       if constexpr (std::is_same<out_t, float>::value) {
         at::Tensor dst = at::from_blob(out + n0, {m, nb}, {ldo, 1}, at::kFloat);
@@ -1008,7 +1021,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   // row tiles take int8 activations at every M (gemv_tiles, or gemm's panels)
   auto takes_int8 = [&](int64_t qtype) {
     return (int8_tiles && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) ||
-           (int8_gemv && (qtype == Q4_0 || qtype == Q4_1)) || (int8_acts && row_tiled(qtype));
+           (int8_gemv && (qtype == Q4_0 || qtype == Q4_1)) || (int8_acts && q4_tiled(qtype));
   };
   // The float copy of x, unless every weight is multiplied as bf16 or int8 tiles (a prefill chunk's
   // copy is MBs).
@@ -1079,6 +1092,34 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
     const at::Tensor& w = weights[i];
     int64_t qtype = qtypes[i];
     at::Tensor blocks = w;
+    if (qtype == Q8_0_R16) {  // a Q8_0 LM head (or embedding) in row tiles
+      check_weight(w, qtype, k);
+      const int64_t n = w.size(0), n16 = n / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows;
+#if defined(RADIXSERVE_HAVE_QVNNI)
+      if (m <= kSmallM && g_isa.load(std::memory_order_relaxed) >= AVX512) {
+        thread_local std::vector<int16_t> sh, sl;
+        thread_local std::vector<float> sd;
+        if (static_cast<int64_t>(sh.size()) < m * k) sh.resize(m * k), sl.resize(m * k);
+        if (static_cast<int64_t>(sd.size()) < m * (k / 32)) sd.resize(m * (k / 32));
+        radixserve_qvnni::split_rows(xp, m, k, sh.data(), sl.data(), sd.data());
+        const radixserve_qvnni::SplitActs sa{sh.data(), sl.data(), sd.data(), k, k / 32};
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "row_tiles_q8", [&] {
+          radixserve_qvnni::gemv_tiles_q8<scalar_t>(sa, m, w.data_ptr<uint8_t>(), n, w.size(1), n16,
+                                                    out.data_ptr<scalar_t>() + col, n_total);
+        });
+        col += n;
+        continue;
+      }
+#endif
+      if (m > kSmallM) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
+          quant_matmul<scalar_t>(xp, m, k, w.data_ptr<uint8_t>(), n, w.size(1), Q8_0, out.data_ptr<scalar_t>() + col,
+                                 n_total, x16, exact, n16);
+        });
+        col += n;
+        continue;
+      }
+    }
     if (row_tiled(qtype) && !takes_int8(qtype)) {
       check_weight(w, qtype, k);
       blocks = untile(w, qtype);
@@ -1102,7 +1143,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
       continue;
     }
 #if defined(RADIXSERVE_HAVE_QVNNI)
-    if (row_tiled(qtype)) {
+    if (q4_tiled(qtype)) {
       const int64_t n = blocks.size(0), n16 = n / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "row_tiles", [&] {
         if (m <= kSmallM)
@@ -1165,8 +1206,9 @@ at::Tensor quant_dequantize(const at::Tensor& w_in, int64_t qtype_in, int64_t k)
 at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w_in, int64_t qtype_in, int64_t k,
                            at::ScalarType dtype) {
   check_weight(w_in, qtype_in, k);
-  const at::Tensor w = row_tiled(qtype_in) ? untile(w_in, qtype_in) : w_in;
+  const at::Tensor& w = w_in;  // row tiles: each row read back in the file's layout
   const int64_t qtype = untiled_type(qtype_in);
+  const int64_t n16 = row_tiled(qtype_in) ? w.size(0) / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows : 0;
   const at::Tensor idx = ids.to(at::kLong).contiguous().view(-1);
   const int64_t t = idx.numel(), v = w.size(0), row_bytes = w.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
@@ -1176,7 +1218,9 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w_in, int64_
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const RowDequant dq = row_dequantizer(qtype);
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dq(wp + ip[i] * row_bytes, k, op + i * k);
+    std::vector<uint8_t> tmp(n16 > 0 ? row_bytes : 0);
+    for (int64_t i = begin; i < end; ++i)
+      dq(radixserve_rowtiles::file_row(wp, row_bytes, n16, qtype, ip[i], tmp.data()), k, op + i * k);
   });
   return dtype == at::kFloat ? out : out.to(dtype);
 }
@@ -1210,6 +1254,7 @@ int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int6
   const int isa = g_isa.load(std::memory_order_relaxed);
   if (row_tiled(qtype)) {
 #if defined(RADIXSERVE_HAVE_QVNNI)
+    if (qtype == Q8_0_R16) return 0;
     const int tiles_mode = g_int8_tiles.load();
     if (isa >= AVX512 && (tiles_mode == 2 || (tiles_mode == 1 && dtype != at::kFloat))) return 3;
 #endif
@@ -1252,26 +1297,35 @@ bool quant_int8_tiles(int64_t mode) {
 #endif
 }
 
-// Repacks a Q4_0 / Q4_1 weight [N, row_bytes] into row tiles in place (cpu_rowtiles.h) where the
-// kernels that read them run for bf16 / fp16 activations now (AVX-512 VNNI, the int8 mode on); returns
-// the type the weight has then (Q4_0_R16 / Q4_1_R16, or `qtype` unchanged).
+// Repacks a Q4_0 / Q4_1 / Q8_0 weight [N, row_bytes] into row tiles in place (cpu_rowtiles.h) where the
+// kernels that read them run now (AVX-512 VNNI; for Q4_0 / Q4_1 the int8 mode on for bf16 / fp16
+// activations); returns the type the weight has then (256 + qtype, or `qtype` unchanged). The caller
+// picks the types: the layers' 4-bit ones, a Q8_0 LM head's.
 int64_t quant_repack(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
-  if ((qtype != Q4_0 && qtype != Q4_1) || w.size(0) < radixserve_rowtiles::kRows ||
-      quant_decode_kernel(qtype == Q4_0 ? Q4_0_R16 : Q4_1_R16, k, at::kBFloat16, 1) != 3)
+  if (w.size(0) < radixserve_rowtiles::kRows) return qtype;
+  if (qtype == Q4_0 || qtype == Q4_1) {
+    if (quant_decode_kernel(qtype + 256, k, at::kBFloat16, 1) != 3) return qtype;
+  } else if (qtype == Q8_0) {
+#if defined(RADIXSERVE_HAVE_QVNNI)
+    if (g_isa.load() < AVX512) return qtype;
+#else
     return qtype;
+#endif
+  } else {
+    return qtype;
+  }
   const int64_t row_bytes = w.size(1), tiles = w.size(0) / radixserve_rowtiles::kRows;
-  const bool has_min = qtype == Q4_1;
   uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> rows(radixserve_rowtiles::kRows * row_bytes);
     for (int64_t t = begin; t < end; ++t) {
       uint8_t* tile = wp + t * radixserve_rowtiles::kRows * row_bytes;
       std::memcpy(rows.data(), tile, rows.size());
-      radixserve_rowtiles::repack_tile(rows.data(), row_bytes, k / 32, has_min, tile);
+      radixserve_rowtiles::repack_tile(rows.data(), row_bytes, k / 32, qtype, tile);
     }
   });
-  return qtype == Q4_0 ? Q4_0_R16 : Q4_1_R16;
+  return qtype + 256;
 }
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {

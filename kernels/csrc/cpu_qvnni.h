@@ -171,7 +171,7 @@ inline void pack_16_rows(const uint8_t* rows0, int64_t row_bytes, int64_t qtype,
 inline void pack_tiles(const uint8_t* t0, int64_t row_bytes, bool has_min, int64_t nb, uint8_t* panel, float* dw,
                        float* mw) {
   namespace rt = radixserve_rowtiles;
-  const int64_t tb = rt::tile_block_bytes(has_min), qo = rt::quant_offset(has_min);
+  const int64_t type = has_min ? 3 : 2, tb = rt::tile_block_bytes(type), qo = rt::quant_offset(type);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     for (int h = 0; h < 2; ++h) {
@@ -216,7 +216,7 @@ inline void pack_panel(const uint8_t* wp, int64_t row_bytes, int64_t qtype, int6
   thread_local std::vector<uint8_t> tmp;
   if (n0 < n16) tmp.resize(row_bytes);
   for (int64_t j = 0; j < rows; ++j) {
-    const uint8_t* row = radixserve_rowtiles::file_row(wp, row_bytes, n16, qtype == 3, n0 + j, tmp.data());
+    const uint8_t* row = radixserve_rowtiles::file_row(wp, row_bytes, n16, qtype, n0 + j, tmp.data());
     for (int64_t b = 0; b < nb; ++b) {
       uint32_t* dst = reinterpret_cast<uint32_t*>(panel + b * kBlockBytes) + j;  // quad t at dst[t * 32]
       if (qtype == 8) {  // Q8_0: fp16 d, 32 int8
@@ -465,6 +465,124 @@ void gemv_tiles(const Acts& a, int64_t m, const uint8_t* wp, int64_t n, int64_t 
   at::parallel_for(0, tiles, std::max<int64_t>(1, 2048 / a.k), [&](int64_t begin, int64_t end) {
     tile_range(wp, row_bytes, n16, has_min, begin * kT, std::min(n, end * kT), a, m, out, ldo);
   });
+}
+
+// ---- a Q8_0 LM head over row tiles: float activations kept to float32 precision ----
+//
+// The LM head's logits see activation rounding undamped, so its x stays float: each block of 32 is
+// split into two int16 parts, x = d_x * (h + l / 32768) with d_x = max |x| / 32767, h = round(x / d_x)
+// and l the rounded rest (|l| <= 16384), which leaves at most max |x| * 2^-31 of a block, below float32's
+// own rounding of the sum. Per tile block, 16 vpmovsxbw (a pair of inputs of 16 rows as int16) and 32
+// vpdpwssd (the pairs of h and of l broadcast), the exact int32 sums taken to float as
+// (S_h + S_l * 2^-15) * d_w * d_x.
+
+// Rows of float x [m][k] split per block: h, l [m][k] int16, d [m][k / 32].
+struct SplitActs {
+  const int16_t* h;
+  const int16_t* l;
+  const float* d;
+  int64_t k, nb;
+};
+
+inline void split_rows(const float* x, int64_t m, int64_t k, int16_t* h, int16_t* l, float* d) {
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * 32;
+      const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+      const float dx = amax / 32767.f;
+      d[r * nb + b] = dx;
+      const bool some = amax >= 1e-30f;  // (a block below that adds nothing a float32 sum would keep)
+      const __m512 inv = _mm512_set1_ps(some ? 32767.f / amax : 0.f);
+      const __m512 inv_l = _mm512_set1_ps(some ? 32768.f / dx : 0.f);
+      const __m512 ndx = _mm512_set1_ps(-dx);
+      for (int half = 0; half < 2; ++half) {
+        const __m512 v = half == 0 ? a : c;
+        const __m512 hf = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 rest = _mm512_fmadd_ps(hf, ndx, v);  // x - h d_x, rounded once
+        const __m512i hi = _mm512_cvtps_epi32(hf), lo = _mm512_cvtps_epi32(_mm512_mul_ps(rest, inv_l));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + r * k + b * 32 + 16 * half), _mm512_cvtsepi32_epi16(hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + r * k + b * 32 + 16 * half), _mm512_cvtsepi32_epi16(lo));
+      }
+    }
+}
+
+// A Q8_0 row tile at `tile` (nb blocks) times R rows of x from r0: res[r] lane i for the tile's row i.
+template <int R>
+inline void tile_rows_q8(const uint8_t* tile, int64_t nb, const SplitActs& a, int64_t r0, __m512* res) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512 lo_scale = _mm512_set1_ps(1.f / 32768.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 544;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_NTA);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i sh[R][2], sl[R][2];
+    for (int r = 0; r < R; ++r) sh[r][0] = sh[r][1] = sl[r][0] = sl[r][1] = _mm512_setzero_si512();
+    for (int t = 0; t < 16; ++t) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * t)));
+      for (int r = 0; r < R; ++r) {
+        int32_t ph, pl;
+        std::memcpy(&ph, a.h + (r0 + r) * a.k + b * 32 + 2 * t, 4);
+        std::memcpy(&pl, a.l + (r0 + r) * a.k + b * 32 + 2 * t, 4);
+        sh[r][t & 1] = _mm512_dpwssd_epi32(sh[r][t & 1], w, _mm512_set1_epi32(ph));
+        sl[r][t & 1] = _mm512_dpwssd_epi32(sl[r][t & 1], w, _mm512_set1_epi32(pl));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 h = _mm512_cvtepi32_ps(_mm512_add_epi32(sh[r][0], sh[r][1]));
+      const __m512 l = _mm512_cvtepi32_ps(_mm512_add_epi32(sl[r][0], sl[r][1]));
+      const __m512 v = _mm512_fmadd_ps(l, lo_scale, h);
+      acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[(r0 + r) * a.nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = acc[r];
+}
+
+// The same for one untiled Q8_0 row.
+inline float file_row_dot_q8(const uint8_t* row, int64_t nb, const SplitActs& a, int64_t r) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    int32_t sh = 0, sl = 0;
+    for (int i = 0; i < 32; ++i) {
+      sh += q[i] * a.h[r * a.k + b * 32 + i];
+      sl += q[i] * a.l[r * a.k + b * 32 + i];
+    }
+    const float v = std::fma(static_cast<float>(sl), 1.f / 32768.f, static_cast<float>(sh));
+    acc = std::fma(v, half_bits(blk) * a.d[r * a.nb + b], acc);
+  }
+  return acc;
+}
+
+// out[:, 0:n] (row stride ldo) = x @ W.T for m <= 24 rows of split activations and a Q8_0 weight whose
+// first n16 rows are tiles.
+template <typename out_t>
+void gemv_tiles_q8(const SplitActs& a, int64_t m, const uint8_t* wp, int64_t n, int64_t row_bytes, int64_t n16,
+                   out_t* out, int64_t ldo) {
+  constexpr int64_t kT = radixserve_rowtiles::kRows;
+  const int64_t tiles = n16 / kT;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 2048 / a.k), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = wp + t * kT * row_bytes;
+      for (int64_t r = 0; r < m; r += 4) {
+        __m512 res[4];
+        const int rows = static_cast<int>(std::min<int64_t>(4, m - r));
+        switch (rows) {
+          case 1: tile_rows_q8<1>(tile, a.nb, a, r, res); break;
+          case 2: tile_rows_q8<2>(tile, a.nb, a, r, res); break;
+          case 3: tile_rows_q8<3>(tile, a.nb, a, r, res); break;
+          default: tile_rows_q8<4>(tile, a.nb, a, r, res); break;
+        }
+        for (int i = 0; i < rows; ++i) store16(out + (r + i) * ldo + t * kT, res[i], 16);
+      }
+    }
+  });
+  for (int64_t j = n16; j < n; ++j)
+    for (int64_t r = 0; r < m; ++r)
+      out[r * ldo + j] = static_cast<out_t>(file_row_dot_q8(wp + j * row_bytes, a.nb, a, r));
 }
 
 // ---- decode sizes (a few rows of x): one pass over each weight row, no packing ----

@@ -402,6 +402,50 @@ def test_row_tiles(ops, type_name, k):
         ops.quant_isa(isa)
 
 
+@pytest.mark.parametrize("k", [64, 576, 2048])
+def test_row_tiles_q8_lm_head(ops, k):
+    """A Q8_0 LM head / embedding in row tiles (quant_repack on AVX-512 VNNI, whatever the int8 mode):
+    the same rows for the embedding and quant_dequantize; at decode sizes x split into two int16 parts
+    per block (max |x| * 2^-31 left over), so the logits stay within float32 summation of the exact
+    product, an outlier included, and well inside the int16 kernels' slack; a row's bits the same
+    alone or in a batch; above the decode sizes and with the ISA capped, the file layout's bits."""
+    if not ops.quant_int8_tiles(0):
+        pytest.skip("this CPU build has no AVX-512 VNNI")
+    isa = ops.quant_isa("")
+    if isa not in ("avx512", "avx512_bf16"):
+        pytest.skip("the kernels are capped below avx512")
+    q8 = int(GGMLQuantizationType.Q8_0)
+    blocks = random_blocks("Q8_0", 37, k, seed=k + 2)
+    w = torch.from_numpy(blocks)
+    tiled = w.clone()
+    t = ops.quant_repack(tiled, q8, k)
+    assert t == q8 + 256 and not torch.equal(tiled, w) and torch.equal(tiled[32:], w[32:])
+    assert torch.equal(ops.quant_dequantize(tiled, t, k), ops.quant_dequantize(w, q8, k))
+    ids = torch.tensor([0, 15, 16, 31, 32, 36, 3])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(ops.quant_embedding(ids, tiled, t, k, dtype), ops.quant_embedding(ids, w, q8, k, dtype))
+    x = torch.randn(30, k, generator=torch.Generator().manual_seed(k))
+    x[:, 7] = 40.0  # an outlier that coarsens int16 steps of its block
+    x[4, 32:64] = 0  # an all-zero block
+    ref, bound = reference(x[:5], blocks, "Q8_0")
+    out = ops.quant_linear(x[:5], [tiled], [t], True)
+    check(out, ref, bound, k)
+    int16_slack = i16act_slack(ops, x[:5], blocks, "Q8_0")
+    assert isinstance(int16_slack, torch.Tensor)
+    assert (out.double() - ref).abs().max() * 16 < int16_slack.max()
+    for r in range(5):
+        assert torch.equal(ops.quant_linear(x[r : r + 1], [tiled], [t], True), out[r : r + 1])
+    xb = x.bfloat16()
+    ref_b, bound_b = reference(xb[:5], blocks, "Q8_0")
+    check(ops.quant_linear(xb[:5], [tiled], [t], True), ref_b, bound_b, k, bf16=True)
+    assert torch.equal(ops.quant_linear(x, [tiled], [t], True), ops.quant_linear(x, [w], [q8], True))  # 30 rows
+    try:
+        ops.quant_isa("avx2")
+        assert torch.equal(ops.quant_linear(x[:5], [tiled], [t], True), ops.quant_linear(x[:5], [w], [q8], True))
+    finally:
+        ops.quant_isa(isa)
+
+
 def test_int8_tiles_choice(monkeypatch):
     """RADIXSERVE_INT8_TILES: 0 turns the int8 tiles off, 1 on for float32 activations too (where the
     CPU has VNNI), anything else is an error naming the variable; unset, they serve bf16 / fp16

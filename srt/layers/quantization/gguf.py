@@ -30,7 +30,11 @@ KERNEL_TYPES = frozenset(
 )
 DENSE_TYPES = frozenset((GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16))
 # Not GGML types: Q4_0 / Q4_1 weights repacked into row tiles at load (the C++ ids), by the file's type.
-ROW_TILE_TYPES = {258: int(GGMLQuantizationType.Q4_0), 259: int(GGMLQuantizationType.Q4_1)}
+ROW_TILE_TYPES = {
+    258: int(GGMLQuantizationType.Q4_0),
+    259: int(GGMLQuantizationType.Q4_1),
+    264: int(GGMLQuantizationType.Q8_0),
+}
 _logged_fallbacks: set[str] = set()
 
 
@@ -94,10 +98,10 @@ class GGUFLinearMethod(LinearMethodBase):
         self.dtype = dtype
         # The LM head keeps float activations in its decode kernels (see quant_linear's `exact`).
         self.exact = exact
-        # Q4_0 / Q4_1 rows repacked 16 at a time where the kernels that read them run (quant_repack,
-        # kernels/csrc/cpu_rowtiles.h); not the LM head / embedding (their float-activation kernels
-        # read the file's rows), nor MoE experts (FusedMoE clears it: the expert kernels read them too).
-        self.row_tiles = not exact
+        # Rows repacked 16 at a time where the kernels that read them run (quant_repack,
+        # kernels/csrc/cpu_rowtiles.h): the layers' Q4_0 / Q4_1 (int8 activations), a Q8_0 LM head /
+        # embedding (float activations); not MoE experts (FusedMoE clears it: their kernels read rows).
+        self.row_tiles = True
         # One method per layer: the layer's weight lives here.
         self.shape = (0, 0)  # [output rows, input columns] on this rank
         self.segments: list[_Segment] = []  # while loading
@@ -174,8 +178,13 @@ class GGUFLinearMethod(LinearMethodBase):
                 merged.append(s)
         self.qweights = [s.tensor for s in merged]
         self.qtypes = [s.qtype for s in merged]
-        if self.row_tiles and self.dtype != torch.float32 and not _row_tiles_disabled():
-            tileable = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1))
+        if self.row_tiles and not _row_tiles_disabled():
+            if self.exact:
+                tileable: tuple[int, ...] = (int(GGMLQuantizationType.Q8_0),)
+            elif self.dtype != torch.float32:  # the 4-bit tiles' kernels take bf16 / fp16 activations
+                tileable = (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1))
+            else:
+                tileable = ()
             self.qtypes = [
                 self.ops.quant_repack(w, t, k) if t in tileable else t for w, t in zip(self.qweights, self.qtypes)
             ]
@@ -189,7 +198,7 @@ class GGUFLinearMethod(LinearMethodBase):
         return out if bias is None else out + bias
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        if len(self.qweights) == 1 and self.qtypes[0] in KERNEL_TYPES:
+        if len(self.qweights) == 1 and (self.qtypes[0] in KERNEL_TYPES or self.qtypes[0] in ROW_TILE_TYPES):
             flat = self.ops.quant_embedding(
                 ids.reshape(-1), self.qweights[0], self.qtypes[0], self.shape[1], self.dtype
             )
