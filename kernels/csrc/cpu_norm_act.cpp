@@ -1,6 +1,7 @@
 // Fused elementwise kernels for CPUs: RMSNorm (optionally with the residual add before it),
 // SiLU-and-mul and NeoX-style rotary embedding, each one pass over memory instead of several
-// torch ops (at batch 1 a decode step is dominated by per-op overhead, not arithmetic).
+// torch ops (at batch 1 a decode step is dominated by per-op overhead, not arithmetic); and the
+// greedy sampler's argmax over a row of logits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -159,7 +160,59 @@ void rotary_neox(at::Tensor& x, const at::Tensor& positions, const at::Tensor& c
   });
 }
 
+// Index of the largest value of a float row: the first one where several are (NaN counts as the
+// largest, as torch.argmax has it). torch.argmax took 44 us for a 49152-token vocabulary on a 2-core
+// Zen 4 (a scalar pass); this, 3-4.
+int64_t argmax_row(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  int64_t i = 0;
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  bool nan = false;
+  for (; i + 16 <= n && !nan; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+    best = _mm512_max_ps(best, v);
+  }
+  if (!nan && i > 0) {  // the max of x[0, i); then the tail, then the first index holding the max
+    const float top = _mm512_reduce_max_ps(best);
+    float tail = top;
+    int64_t where = -1;
+    for (int64_t j = i; j < n; ++j) {
+      if (std::isnan(x[j])) return j;
+      if (x[j] > tail) tail = x[j], where = j;
+    }
+    if (where >= 0) return where;
+    const __m512 t = _mm512_set1_ps(top);
+    for (int64_t j = 0; j < i; j += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), t, _CMP_EQ_OQ);
+      if (hit != 0) return j + __builtin_ctz(hit);
+    }
+  }
+#endif
+  int64_t where = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[where]) where = i;
+  }
+  return where;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "argmax_rows: logits must be float32 [rows, vocab]");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_neox(Tensor(a!) x, Tensor positions, Tensor cos_cache, Tensor sin_cache, int head_dim) -> ()");
@@ -169,4 +222,5 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_neox", &rotary_neox);
+  m.impl("argmax_rows", &argmax_rows);
 }

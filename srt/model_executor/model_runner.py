@@ -278,6 +278,7 @@ class ModelRunner:
             self.cuda_graph_off_reason = "an encoder model does not decode"
         self.init_memory_pool(available_before, cpu_ops)
         self.sampler = Sampler()
+        self.sampler.fused_ops = cpu_ops  # the greedy argmax on CPU (None without the extension)
         self.capture_hidden = False  # set by an EAGLE proposer: every forward returns its hidden states
         self.compiled_decode = None
         if server_args.enable_torch_compile:

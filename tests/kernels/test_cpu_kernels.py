@@ -240,3 +240,25 @@ def test_stream_read(ops, nbytes):
     assert ops.stream_read(buf) & (2**64 - 1) == expect
     with pytest.raises(RuntimeError, match="contiguous CPU uint8"):
         ops.stream_read(buf.float())
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 49152, 49157])
+def test_argmax_rows_is_torch_argmax(ops, n):
+    """The greedy sampler's C++ argmax gives torch.argmax's index: the first of tied maxima, a NaN
+    (the first one) over any number, all -inf rows, a maximum in the tail after the full vectors."""
+    from srt.layers.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(n)
+    rows = [torch.randn(n, generator=gen) for _ in range(6)]
+    rows[1][n // 2] = rows[1][-1] = 1e9  # a tie: the first wins
+    rows[2][:] = float("-inf")
+    rows[3][-1] = float("nan")
+    rows[3][n // 3] = float("nan")
+    rows[4][:] = 7.0
+    rows[5][-1] = 100.0  # the tail
+    x = torch.stack(rows)
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    sampler = Sampler()
+    sampler.fused_ops = ops
+    assert torch.equal(sampler.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(sampler.argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))  # other dtypes: torch's

@@ -624,15 +624,19 @@ def test_quant_moe_decode_path_is_the_expert_loop_bit_for_bit(ops, monkeypatch):
     one parallel region (cpu_moe.cpp: quant_moe_lean); its output is the per-expert loop's
     (`RADIXSERVE_DISABLE_LEAN_DECODE=1`, read at each call) bit for bit: Qwen3-MoE's expert shapes
     (2048 -> 768), Q4_0 gate-up and Q8_0 down (the int8 GEMV and the int16-activation dots), 1-8
-    tokens of 8 experts each, every ISA the CPU runs (AVX2: the int16 dots for both)."""
+    tokens of 8 experts each, every ISA the CPU runs (AVX2: the int16 dots for both); and with the
+    gate-up weights in row tiles as a GGUF model loads them (quant_repack, where the CPU has them)."""
     experts, hidden, inter, topk = 16, 2048, 768, 8
     w13 = [torch.from_numpy(random_blocks("Q4_0", 2 * inter, hidden, seed=e)) for e in range(experts)]
     w2 = [torch.from_numpy(random_blocks("Q8_0", hidden, inter, seed=100 + e)) for e in range(experts)]
-    args = (w13, [2] * experts, [1] * experts, w2, [8] * experts, [1] * experts)
     g = torch.Generator().manual_seed(0)
     ops.quant_int8_tiles(1)  # as a GGUF model sets it: int8 activations for 16-bit ones
+    tiled = [w.clone() for w in w13]
+    tiled_types = [ops.quant_repack(w, 2, hidden) for w in tiled]
+    layouts = [(w13, [2] * experts)] + ([(tiled, tiled_types)] if tiled_types[0] != 2 else [])
     with isa_variants(ops) as isas:
-        for isa in isas:
+        for isa, (up, up_types) in ((isa, layout) for isa in isas for layout in layouts):
+            args = (up, up_types, [1] * experts, w2, [8] * experts, [1] * experts)
             for tokens in (1, 2, 5, 8):
                 x = (torch.randn(tokens, hidden, generator=g) * 2).bfloat16()
                 ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])

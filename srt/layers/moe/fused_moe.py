@@ -71,11 +71,6 @@ class FusedMoE(nn.Module):
                 ReplicatedLinear(n, k, quant_config=quant_config, prefix=f"{prefix}.{i}.down") for i in range(e)
             )
             self.act = SiluAndMul()
-            from srt.layers.quantization.gguf import GGUFLinearMethod
-
-            for layer in (*self.gate_up, *self.down):  # the expert kernels read the file's rows
-                if isinstance(method := layer.quant_method, GGUFLinearMethod):
-                    method.row_tiles = False
         else:
             self.w13_weight = nn.Parameter(torch.empty(e, 2 * n, k), requires_grad=False)
             self.w2_weight = nn.Parameter(torch.empty(e, k, n), requires_grad=False)

@@ -99,8 +99,8 @@ class GGUFLinearMethod(LinearMethodBase):
         # The LM head keeps float activations in its decode kernels (see quant_linear's `exact`).
         self.exact = exact
         # Rows repacked 16 at a time where the kernels that read them run (quant_repack,
-        # kernels/csrc/cpu_rowtiles.h): the layers' Q4_0 / Q4_1 (int8 activations), a Q8_0 LM head /
-        # embedding (float activations); not MoE experts (FusedMoE clears it: their kernels read rows).
+        # kernels/csrc/cpu_rowtiles.h): the layers' (and MoE experts') Q4_0 / Q4_1 with int8
+        # activations, a Q8_0 LM head / embedding with float ones.
         self.row_tiles = True
         # One method per layer: the layer's weight lives here.
         self.shape = (0, 0)  # [output rows, input columns] on this rank
