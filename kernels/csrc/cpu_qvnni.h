@@ -365,7 +365,9 @@ inline void tile_rows(const uint8_t* tile, int64_t nb, const Acts& a, int64_t r0
   const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * tb;
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_NTA);
+    // every line of the block 4 KB ahead, non-temporal: one line a block (the rest left to the
+    // hardware prefetcher) ran a batch-1 step of the default model ~11 % slower on a 2-core Zen 4
+    for (int64_t c = 0; c < tb; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + 4096 + c, _MM_HINT_NTA);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512 mw = HAS_MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))) : d;
     __m512i lo[4], hi[4];
@@ -516,7 +518,7 @@ inline void tile_rows_q8(const uint8_t* tile, int64_t nb, const SplitActs& a, in
   const __m512 lo_scale = _mm512_set1_ps(1.f / 32768.f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 544;
-    _mm_prefetch(reinterpret_cast<const char*>(p) + 2048, _MM_HINT_NTA);
+    for (int64_t c = 0; c < 544; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + 4096 + c, _MM_HINT_NTA);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     __m512i sh[R][2], sl[R][2];
     for (int r = 0; r < R; ++r) sh[r][0] = sh[r][1] = sl[r][0] = sl[r][1] = _mm512_setzero_si512();
