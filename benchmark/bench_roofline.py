@@ -15,7 +15,8 @@ rate seen, at the start, in the --bandwidth-window seconds of readings (one a se
 or read again right after it ran: a machine whose rate moves (the 2-core Zen 4 VM's is bimodal, ~33-36
 or ~56-68 GB/s, switching every few tens of seconds) then has its faster state in the limits even
 where the readings right before and after the model saw the slower one; a figure above 100% still
-says the memory ran faster during it than in any reading. GEMM peaks (torch.mm of --gemm-size cubed, 2048 by default, in fp32 and bf16; torch._int_mm in int8) at
+says the memory ran faster during it than in any reading. GEMM peaks (torch.mm of --gemm-size cubed,
+2048 by default, in fp32 and bf16; torch._int_mm in int8) at
 --threads threads; each the best of --repeats runs.
 
 The model, in-process as bench_one_batch.py (ModelRunner + StaticBatchGenerator): batch-1 decode,
