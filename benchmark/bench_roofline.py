@@ -60,7 +60,15 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_one_batch import ModelConfig, ModelRunner, bench_ours, resolve_model_path  # noqa: E402
+from bench_one_batch import (  # noqa: E402
+    ModelConfig,
+    ModelRunner,
+    SamplingParams,
+    StaticBatchGenerator,
+    bench_ours,
+    random_prompts,
+    resolve_model_path,
+)
 
 from srt.utils import huge_page_zeros  # noqa: E402
 
@@ -252,10 +260,31 @@ def figure(name, measured, bw_gb_s, peak_gflop_s, weights_step, tokens_per_step,
     }
 
 
-def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
+def paired_decode(runner, args, read_bw, bytes_token: float) -> dict:
+    """Batch-1 decode runs (--input-len in, --output-len out) each between two bandwidth readings
+    (`read_bw()`, GB/s): each run's tok/s against the memory limit at the faster of its two readings,
+    so a run is held to the rate the machine had around it."""
+    gen = StaticBatchGenerator(runner)
+    vocab = runner.model_config.vocab_size
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
+    runs = []
+    for i in tqdm(range(args.paired_runs), desc="paired batch-1 runs"):
+        before = read_bw()
+        gen.generate(random_prompts(1, args.input_len, vocab, 100 + i), params)
+        after = read_bw()
+        t = gen.last_timings
+        tok_s = t["decode_steps"] / t["decode_s"]
+        limit = max(before, after) * 1e9 / bytes_token
+        runs.append({"tok_s": tok_s, "bw_before_gb_s": before, "bw_after_gb_s": after, "fraction": tok_s / limit})
+    fractions = sorted(r["fraction"] for r in runs)
+    return {"runs": runs, "median_fraction": fractions[len(fractions) // 2]}
+
+
+def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) -> dict:
     """The model's figures against the limits; `remeasure()` (if given) reads the bandwidth again right
     after the model ran, and the limits take the higher of it and bw_gb_s (a shared machine's memory
-    rate moves by a third within an hour: 27.6-39.3 GB/s on one day)."""
+    rate moves by a third within an hour: 27.6-39.3 GB/s on one day). `read_bw()` (a quick reading,
+    GB/s) pairs --paired-runs batch-1 decode runs with the rate around each."""
     path = resolve_model_path(args.model_path)
     sizes = sorted({1, args.batch})
     ns = SimpleNamespace(
@@ -323,6 +352,9 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
             prefill_flops,
         ),
     ]
+    paired = None
+    if read_bw is not None and args.paired_runs > 0:
+        paired = paired_decode(runner, args, read_bw, figures[0]["bytes_per_token"])
     if args.batch != 1:
         figures.append(
             figure(
@@ -349,6 +381,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None) -> dict:
         "bandwidth_used_gb_s": bw_gb_s,
         "not_modelled": not_modelled(hf),
         "figures": figures,
+        "paired_batch1": paired,
     }
 
 
@@ -436,6 +469,15 @@ def print_model(m: dict, threads: int, args) -> None:
             row + f" {f['bound']} | {f['weights_mb_per_step']:,.1f} | {f['kv_mb_per_token']:,.3f} | "
             f"{f['gflop_per_token']:.3f} |"
         )
+    if m.get("paired_batch1"):
+        runs = m["paired_batch1"]["runs"]
+        rates = [max(r["bw_before_gb_s"], r["bw_after_gb_s"]) for r in runs]
+        print(
+            f"batch-1 decode against the rate read right before and after each run: median "
+            f"{m['paired_batch1']['median_fraction']:.1%} of that run's limit ({len(runs)} runs of "
+            f"{min(r['tok_s'] for r in runs):,.1f}-{max(r['tok_s'] for r in runs):,.1f} tok/s; rates "
+            f"{min(rates):,.1f}-{max(rates):,.1f} GB/s)"
+        )
     if any(f["fraction"] > 1 for f in m["figures"]):
         print(
             "note: a figure above 100% of its limit ran while the memory was faster than in any reading "
@@ -507,6 +549,9 @@ def main() -> None:
     p.add_argument(
         "--bandwidth-window", type=float, default=20.0, help="seconds of bandwidth readings before the model (0: none)"
     )
+    p.add_argument(
+        "--paired-runs", type=int, default=8, help="batch-1 decode runs each between two bandwidth readings (0: none)"
+    )
     p.add_argument("--llama-cpp", action="store_true", help="llama-bench on the same GGUF beside each figure")
     p.add_argument("--llama-cpp-reps", type=int, default=3, help="llama-bench -r")
     p.add_argument("--output-file", default=None, help="append one JSON record with every number")
@@ -539,7 +584,13 @@ def main() -> None:
     model = None
     if not args.skip_model:
         # the best bandwidth seen: on a busy machine more threads can read slower than one
-        model = bench_model(args, max(bw.values()), gemm, lambda: read_bandwidth_gb_s(buf, threads, args.repeats))
+        model = bench_model(
+            args,
+            max(bw.values()),
+            gemm,
+            lambda: read_bandwidth_gb_s(buf, threads, args.repeats),
+            lambda: max(read_bandwidth_gb_s(buf, threads, 2).values()),
+        )
         if args.llama_cpp:
             gguf = gguf_file(args.model_path)
             if gguf is None:

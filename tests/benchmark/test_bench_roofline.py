@@ -15,7 +15,18 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmark", "bench_roofline.py")
-SMALL = ["--bandwidth-mb", "64", "--gemm-size", "256", "--repeats", "2", "--bandwidth-window", "2"]
+SMALL = [
+    "--bandwidth-mb",
+    "64",
+    "--gemm-size",
+    "256",
+    "--repeats",
+    "2",
+    "--bandwidth-window",
+    "2",
+    "--paired-runs",
+    "2",
+]
 
 
 def run(tmp_path, *args: str) -> tuple[str, dict]:
@@ -103,6 +114,13 @@ def test_tiny_model_figures(tmp_path, tiny_model_factory):
         measured, limit, percent = (float(x.replace(",", "")) for x in row.groups()[:3])
         assert percent == pytest.approx(100 * measured / limit, rel=0.02, abs=0.1)
         assert row.group(4) == f["bound"]
+    # batch-1 runs each held to the rate read right before and after it
+    paired = m["paired_batch1"]
+    assert len(paired["runs"]) == 2 and "against the rate read right before and after each run" in stdout
+    for r in paired["runs"]:
+        limit = max(r["bw_before_gb_s"], r["bw_after_gb_s"]) * 1e9 / m["figures"][0]["bytes_per_token"]
+        assert r["tok_s"] > 0 and r["fraction"] == pytest.approx(r["tok_s"] / limit)
+    assert paired["median_fraction"] in [r["fraction"] for r in paired["runs"]]
     decode1, prefill, decode4 = m["figures"]
     assert decode1["kv_mb_per_token"] == decode4["kv_mb_per_token"] > prefill["kv_mb_per_token"]
     assert decode1["gflop_per_token"] == decode4["gflop_per_token"] > prefill["gflop_per_token"]
