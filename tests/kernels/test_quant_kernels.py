@@ -283,6 +283,13 @@ def test_int8_tiles(ops, type_name, dtype):
     check(exact_path, ref, bound, k, bf16=dtype == torch.bfloat16)
 
 
+def decode_test_rows(k: int) -> torch.Tensor:
+    """30 rows of x (float32) for the decode-size tests, row 2 with an all-zero block."""
+    x = torch.randn(30, k, generator=torch.Generator().manual_seed(k))
+    x[2, 32:64] = 0
+    return x
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("k", [160, 576, 14336])
 def test_int8_decode(ops, type_name, k):
@@ -301,9 +308,7 @@ def test_int8_decode(ops, type_name, k):
         pytest.skip("the kernels are capped below avx512")
     qtype = int(GGMLQuantizationType[type_name])
     w = [torch.from_numpy(random_blocks(type_name, 37, k, seed=k))]
-    gen = torch.Generator().manual_seed(k)
-    x = torch.randn(30, k, generator=gen)
-    x[2, 32:64] = 0  # an all-zero block
+    x = decode_test_rows(k)
     threads = torch.get_num_threads()
     try:
         ops.quant_int8_tiles(1)
@@ -359,9 +364,7 @@ def test_row_tiles(ops, type_name, k):
     tiled = w.clone()
     assert ops.quant_repack(tiled, qtype, k) == qtype  # int8 mode off: no tiles
     assert torch.equal(tiled, w)
-    gen = torch.Generator().manual_seed(k)
-    x = torch.randn(30, k, generator=gen)
-    x[2, 32:64] = 0  # an all-zero block
+    x = decode_test_rows(k)
     threads = torch.get_num_threads()
     try:
         ops.quant_int8_tiles(1)
