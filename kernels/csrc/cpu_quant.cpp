@@ -1007,8 +1007,10 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
 // Decode sizes likewise for Q4_0 / Q4_1 (radixserve_qvnni::gemv, on CPUs with AVX-512 VBMI as well).
 #if defined(RADIXSERVE_HAVE_QVNNI)
   const int int8_mode = g_int8_tiles.load();
+  // mode 3 (AMX CPUs, whose bf16 tiles win above the decode sizes): bf16 / fp16 decode rows only
   const bool int8_acts = !exact && k % 32 == 0 && g_isa.load(std::memory_order_relaxed) >= AVX512 &&
-                         (int8_mode == 2 || (int8_mode == 1 && x.scalar_type() != at::kFloat));
+                         (int8_mode == 2 || ((int8_mode == 1 || (int8_mode == 3 && m <= kSmallM)) &&
+                                             x.scalar_type() != at::kFloat));
 #else
   const bool int8_acts = false;
 #endif
@@ -1256,14 +1258,14 @@ int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int6
 #if defined(RADIXSERVE_HAVE_QVNNI)
     if (qtype == Q8_0_R16) return 0;
     const int tiles_mode = g_int8_tiles.load();
-    if (isa >= AVX512 && (tiles_mode == 2 || (tiles_mode == 1 && dtype != at::kFloat))) return 3;
+    if (isa >= AVX512 && (tiles_mode == 2 || ((tiles_mode == 1 || tiles_mode == 3) && dtype != at::kFloat))) return 3;
 #endif
     return 0;
   }
   const bool q4 = qtype == Q4_0 || qtype == Q4_1;
 #if defined(RADIXSERVE_HAVE_QVNNI_GEMV)
   const int mode = g_int8_tiles.load();
-  if (q4 && isa >= AVX512 && (mode == 2 || (mode == 1 && dtype != at::kFloat))) return 1;
+  if (q4 && isa >= AVX512 && (mode == 2 || ((mode == 1 || mode == 3) && dtype != at::kFloat))) return 1;
 #else
   (void)dtype;
 #endif
@@ -1288,7 +1290,9 @@ bool quant_fast_bf16(bool enable) {
 // When batches above the decode sizes multiply Q4_0 / Q4_1 / Q8_0 weights with int8 activations
 // (g_int8_tiles' modes); returns whether this build has the kernels (AVX-512 VNNI).
 bool quant_int8_tiles(int64_t mode) {
-  TORCH_CHECK(mode >= 0 && mode <= 2, "quant_int8_tiles: mode is 0 (never), 1 (bf16 / fp16 activations) or 2 (all)");
+  TORCH_CHECK(mode >= 0 && mode <= 3,
+              "quant_int8_tiles: mode is 0 (never), 1 (bf16 / fp16 activations), 2 (all) or 3 (bf16 / fp16 "
+              "activations at decode sizes only)");
 #if defined(RADIXSERVE_HAVE_QVNNI)
   g_int8_tiles.store(static_cast<int>(mode));
   return true;

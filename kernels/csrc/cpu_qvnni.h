@@ -30,7 +30,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -45,6 +47,38 @@
 #endif
 
 namespace radixserve_qvnni {
+
+// Weight lines are prefetched 4 KB ahead of the loads that stream them, with a hint by CPU vendor:
+// non-temporal on AMD (a 2-core Zen 4's batch-1 decode was fastest so), into L1 elsewhere (a 2-core
+// Xeon with AMX ran the default model's batch-1 decode at 88 tok/s with NTA, 142 with no prefetch
+// and 190 with T0). RADIXSERVE_WEIGHT_PREFETCH=nta / t0 / none overrides it (A/B measurements).
+enum class Prefetch { kNta, kT0, kNone };
+inline Prefetch weight_prefetch() {
+  static const Prefetch mode = [] {
+    const char* e = std::getenv("RADIXSERVE_WEIGHT_PREFETCH");
+    const std::string v = e ? e : "";
+    if (v == "nta") return Prefetch::kNta;
+    if (v == "t0") return Prefetch::kT0;
+    if (v == "none") return Prefetch::kNone;
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? Prefetch::kNta : Prefetch::kT0;
+  }();
+  return mode;
+}
+
+// Every line of [p + 4096, p + 4096 + bytes).
+inline void prefetch_ahead(const void* base, int64_t bytes) {
+  const char* p = static_cast<const char*>(base) + 4096;
+  switch (weight_prefetch()) {
+    case Prefetch::kNta:
+      for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_NTA);
+      break;
+    case Prefetch::kT0:
+      for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+      break;
+    case Prefetch::kNone: break;
+  }
+}
 
 constexpr int64_t kPanel = 32;        // weight rows per panel (two zmm of 16 int32 lanes)
 constexpr int64_t kBlockBytes = 1024;  // one block of a panel: 32 inputs x 32 rows as bytes
@@ -365,9 +399,9 @@ inline void tile_rows(const uint8_t* tile, int64_t nb, const Acts& a, int64_t r0
   const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * tb;
-    // every line of the block 4 KB ahead, non-temporal: one line a block (the rest left to the
-    // hardware prefetcher) ran a batch-1 step of the default model ~11 % slower on a 2-core Zen 4
-    for (int64_t c = 0; c < tb; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + 4096 + c, _MM_HINT_NTA);
+    // every line of the block 4 KB ahead (prefetch_ahead's hint): one line a block (the rest left to
+    // the hardware prefetcher) ran a batch-1 step of the default model ~11 % slower on a 2-core Zen 4
+    prefetch_ahead(p, tb);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512 mw = HAS_MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))) : d;
     __m512i lo[4], hi[4];
@@ -518,7 +552,7 @@ inline void tile_rows_q8(const uint8_t* tile, int64_t nb, const SplitActs& a, in
   const __m512 lo_scale = _mm512_set1_ps(1.f / 32768.f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 544;
-    for (int64_t c = 0; c < 544; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + 4096 + c, _MM_HINT_NTA);
+    prefetch_ahead(p, 544);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     __m512i sh[R][2], sl[R][2];
     for (int r = 0; r < R; ++r) sh[r][0] = sh[r][1] = sl[r][0] = sl[r][1] = _mm512_setzero_si512();
@@ -714,9 +748,9 @@ void gemv_range(const uint8_t* wp, int64_t row_bytes, int64_t j0, int64_t j1, in
       const uint8_t* p = row + g * 4 * Ix::kBytes;
       __m512i z0, z1;
       if (g < full) {
-        // far ahead and non-temporal: long rows' activations (up to 17.5 KB) stay in L1 (K = 14336:
-        // 35 GB/s on a 2-core Zen 4 against 25 without)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_NTA);
+        // far ahead (non-temporal on AMD, where long rows' activations, up to 17.5 KB, then stay in
+        // L1: K = 14336 at 35 GB/s on a 2-core Zen 4 against 25 without)
+        prefetch_ahead(p, 64);
         z0 = _mm512_loadu_si512(p);
         z1 = _mm512_loadu_si512(p + Ix::kSecond);
       } else {

@@ -59,6 +59,63 @@ def test_huge_page_settings_for_older_builds(monkeypatch):
     assert args == ["-lm", "none"]
 
 
+CRASHING_BENCH = """#!/bin/sh
+echo "$*" >> "$0.log"
+if [ -f "$0.amx" ]; then kill -SEGV $$; fi
+echo '[]'
+"""
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_build_falls_back_without_amx_after_a_crash(tmp_path, monkeypatch, amx):
+    """A build whose smoke test dies from a signal on an AMX CPU is redone without the AMX
+    instructions; the record says so, and the next call with the same flags reuses it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    builds: list[list[str]] = []
+
+    def build(src, flags, jobs, progress):
+        builds.append(flags)
+        for name in llama_cpp.TARGETS:
+            path = bin_dir / name
+            path.write_text(CRASHING_BENCH)
+            path.chmod(path.stat().st_mode | stat.S_IEXEC)
+        bench = bin_dir / "llama-bench"
+        marker = bin_dir / "llama-bench.amx"
+        if amx and not any("-mno-amx-int8" in f for f in flags):  # the AMX build crashes
+            marker.write_text("")
+        elif marker.exists():
+            marker.unlink()
+        return {"llama-bench": str(bench), "llama-server": str(bin_dir / "llama-server")}
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_text("")
+    monkeypatch.delenv("LLAMA_CPP_BIN_DIR", raising=False)
+    monkeypatch.setattr(llama_cpp, "BUILD_INFO", str(tmp_path / "build-info.json"))
+    monkeypatch.setattr(llama_cpp, "download_sdist", lambda version, progress: "sdist")
+    monkeypatch.setattr(llama_cpp, "_extract", lambda sdist, progress: str(tmp_path / "src"))
+    meta = {"commit": "abc", "commit_date": "d", "commit_subject": "s"}
+    monkeypatch.setattr(llama_cpp, "source_info", lambda src: meta)
+    monkeypatch.setattr(llama_cpp, "_build", build)
+    monkeypatch.setattr(llama_cpp, "_default_gguf", lambda: str(gguf))
+    monkeypatch.setattr(llama_cpp, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(llama_cpp.shutil, "which", lambda tool: "/usr/bin/" + tool)
+    bins = llama_cpp.ensure_built(progress=False)
+    info = llama_cpp.build_info()
+    assert bins["llama-bench"] == str(bin_dir / "llama-bench")
+    if amx:
+        assert len(builds) == 2 and builds[1] == builds[0] + llama_cpp.NO_AMX_FLAGS
+        assert "SIGSEGV" in info["workaround"] and info["cmake_flags"] == builds[1]
+        assert llama_cpp.version_info()["llama_cpp_build_note"] == info["workaround"]
+    else:
+        assert len(builds) == 1 and info["workaround"] is None and info["cmake_flags"] == builds[0]
+    assert info["requested_flags"] == builds[0]
+    # smoke tests on the default model's file, once per build
+    assert (bin_dir / "llama-bench.log").read_text().count(str(gguf)) == len(builds)
+    llama_cpp.ensure_built(progress=False)  # the same flags: the record is reused, nothing is built
+    assert len(builds) == (2 if amx else 1)
+
+
 ROOFLINE_FAKE = """#!/bin/sh
 if [ "$1" = "--help" ]; then echo "  -lm, --load-mode <auto|none|mmap>  (default: auto)"; exit 0; fi
 echo "$*" >> "$0.log"

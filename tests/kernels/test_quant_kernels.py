@@ -271,8 +271,13 @@ def test_int8_tiles(ops, type_name, dtype):
         exact_path = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype], True)
         ops.quant_int8_tiles(1)  # bf16 / fp16 activations only
         mode1 = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+        ops.quant_int8_tiles(3)  # decode rows only (AMX CPUs): 43 rows keep the path they had
+        mode3 = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+        ops.quant_int8_tiles(0)
+        mode0 = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
     finally:
         ops.quant_int8_tiles(0)
+    assert torch.equal(mode3, mode0)
     assert out.dtype == dtype and out.shape == (43, 70)
     rounding = xq_ref.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0
     tol = 2 * (k // 32) * 2.0**-24 * (bound + act) + 1e-6 + rounding
@@ -333,6 +338,13 @@ def test_int8_decode(ops, type_name, k):
             torch.set_num_threads(threads)
             tiles = ops.quant_linear(xs, w, [qtype])  # 30 rows: the int8 tiles
             assert torch.allclose(tiles[:5].float(), out.float(), rtol=2**-7, atol=1e-5)
+            ops.quant_int8_tiles(3)  # AMX CPUs' mode: the same decode rows, not the 30
+            assert torch.equal(ops.quant_linear(xs[:5], w, [qtype]), out)
+            ops.quant_int8_tiles(0)
+            plain = ops.quant_linear(xs, w, [qtype])
+            ops.quant_int8_tiles(3)
+            assert torch.equal(ops.quant_linear(xs, w, [qtype]), plain)
+            ops.quant_int8_tiles(1)
         if "avx512vbmi" in cpu_flags():
             ops.quant_int8_tiles(2)  # float32 too: tighter (no bf16 output rounding)
             xq_ref, ref, bound, act = int8_tiles_reference(x[:3], w[0].numpy(), type_name)
@@ -452,7 +464,7 @@ def test_row_tiles_q8_lm_head(ops, k):
 def test_int8_tiles_choice(monkeypatch):
     """RADIXSERVE_INT8_TILES: 0 turns the int8 tiles off, 1 on for float32 activations too (where the
     CPU has VNNI), anything else is an error naming the variable; unset, they serve bf16 / fp16
-    activations on AVX-512 VNNI CPUs without AMX."""
+    activations on AVX-512 VNNI CPUs without AMX, and their decode rows only on AMX CPUs."""
     from kernels.cpu import cpu_flags
     from srt.utils import cpu_int8_tiles
 
@@ -466,7 +478,7 @@ def test_int8_tiles_choice(monkeypatch):
     with pytest.raises(ValueError, match="RADIXSERVE_INT8_TILES must be 0 or 1; got 'yes'"):
         cpu_int8_tiles()
     monkeypatch.delenv("RADIXSERVE_INT8_TILES")
-    assert cpu_int8_tiles() == (1 if vnni and "amx_int8" not in cpu_flags() else 0)
+    assert cpu_int8_tiles() == (0 if not vnni else 3 if "amx_int8" in cpu_flags() else 1)
     monkeypatch.setenv("RADIXSERVE_CPU_ISA", "avx2")
     assert cpu_int8_tiles() == 0
 
