@@ -44,11 +44,11 @@ def cpu_int8_tiles() -> int:
     Q4_0 / Q4_1 / Q8_0 in batches above the decode sizes (int8 tiles), and Q4_0 / Q4_1 at decode
     sizes on CPUs with AVX-512 VBMI as well (one streaming pass per weight row), and the row tiles
     (kernels/csrc/cpu_rowtiles.h). 0 never, 1 for bf16 / fp16 activations, 2 for float32 ones too,
-    3 for bf16 / fp16 activations at decode sizes only. 1 on AVX-512 VNNI CPUs without AMX; 3 on AMX
-    CPUs, whose bf16 tiles are faster above the decode sizes (prefill of 512 on a 2-core Xeon with
-    AMX: ~1900 against ~1650 tok/s) while a decode row reads 4-bit weights 2-3x faster on VNNI
-    (batch-1 decode of the default model there: 76 against 56 tok/s); 0 where RADIXSERVE_CPU_ISA
-    caps the kernels below avx512. RADIXSERVE_INT8_TILES=0 turns them off, =1 on for every dtype
+    3 for bf16 / fp16 activations in batches of up to 160 rows. 1 on AVX-512 VNNI CPUs without AMX;
+    3 on AMX CPUs, whose bf16 tiles win from ~160 rows on (on a 2-core Xeon with AMX: prefill of 512
+    ~2200 tok/s against ~1830 on the int8 tiles) while the int8 paths win below (batch-64 decode of
+    the default model 825-895 against 608-635 tok/s, batch 1 76 against 56); 0 where
+    RADIXSERVE_CPU_ISA caps the kernels below avx512. RADIXSERVE_INT8_TILES=0 turns them off, =1 on for every dtype
     and size (where the CPU has VNNI)."""
     from kernels.cpu import cpu_flags, cpu_isa_cap
 

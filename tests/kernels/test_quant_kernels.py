@@ -271,13 +271,17 @@ def test_int8_tiles(ops, type_name, dtype):
         exact_path = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype], True)
         ops.quant_int8_tiles(1)  # bf16 / fp16 activations only
         mode1 = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
-        ops.quant_int8_tiles(3)  # decode rows only (AMX CPUs): 43 rows keep the path they had
+        # AMX CPUs' mode: bf16 / fp16 batches up to 160 rows as mode 1, larger ones as mode 0
+        tall = torch.cat([x] * 4)[:170]
+        ops.quant_int8_tiles(3)
         mode3 = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+        mode3_tall = ops.quant_linear(tall, [torch.from_numpy(blocks)], [qtype])
         ops.quant_int8_tiles(0)
-        mode0 = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype])
+        mode0_tall = ops.quant_linear(tall, [torch.from_numpy(blocks)], [qtype])
     finally:
         ops.quant_int8_tiles(0)
-    assert torch.equal(mode3, mode0)
+    assert torch.equal(mode3, mode1)
+    assert torch.equal(mode3_tall, mode0_tall)
     assert out.dtype == dtype and out.shape == (43, 70)
     rounding = xq_ref.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0
     tol = 2 * (k // 32) * 2.0**-24 * (bound + act) + 1e-6 + rounding
@@ -338,12 +342,9 @@ def test_int8_decode(ops, type_name, k):
             torch.set_num_threads(threads)
             tiles = ops.quant_linear(xs, w, [qtype])  # 30 rows: the int8 tiles
             assert torch.allclose(tiles[:5].float(), out.float(), rtol=2**-7, atol=1e-5)
-            ops.quant_int8_tiles(3)  # AMX CPUs' mode: the same decode rows, not the 30
+            ops.quant_int8_tiles(3)  # AMX CPUs' mode: the same decode rows and tiles
             assert torch.equal(ops.quant_linear(xs[:5], w, [qtype]), out)
-            ops.quant_int8_tiles(0)
-            plain = ops.quant_linear(xs, w, [qtype])
-            ops.quant_int8_tiles(3)
-            assert torch.equal(ops.quant_linear(xs, w, [qtype]), plain)
+            assert torch.equal(ops.quant_linear(xs, w, [qtype]), tiles)
             ops.quant_int8_tiles(1)
         if "avx512vbmi" in cpu_flags():
             ops.quant_int8_tiles(2)  # float32 too: tighter (no bf16 output rounding)
