@@ -30,8 +30,8 @@ Each figure's limit is the lower of two rooflines:
 
 Batch-1 decode is bound by memory, prefill and wide decode by compute; the table says which bound
 applies. The compute peak is bf16's when the model runs in bfloat16, else fp32's; where the layers'
-GGUF weights run on the int8 tiles (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI without AMX,
-docs/quantization.md), their FLOPs take the int8 peak and the rest (LM head, attention) that one, so a
+GGUF weights run on the int8 tiles (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI; on AMX CPUs batches up to 160
+rows, docs/quantization.md), their FLOPs take the int8 peak and the rest (LM head, attention) that one, so a
 compute limit is FLOPs / (layer FLOPs / int8 peak + other FLOPs / peak). FLOPs come from the
 config (GQA attention, dense MLPs) and the model's MoE layers: a token's FLOPs count the k experts it
 is routed to, and a step's weight bytes the experts its tokens reach (E * (1 - (1 - k/E)^tokens) of
@@ -228,13 +228,19 @@ def weights_read_per_step(runner: ModelRunner, tokens: int = 1, params: dict | N
     return total
 
 
-def int8_tile_layers(runner) -> bool:
-    """Whether the model's linear layers run on the int8 tiles at prefill and wide-decode sizes."""
+# int8 mode 3 (AMX CPUs) multiplies batches up to this many rows on the int8 tiles (kAmxRows in
+# kernels/csrc/cpu_quant.cpp), larger ones on the bf16 AMX tiles
+AMX_INT8_ROWS = 160
+
+
+def int8_tile_layers(runner, rows: int) -> bool:
+    """Whether the model's linear layers run on the int8 tiles in a batch of `rows` rows."""
     from srt.utils import cpu_int8_tiles
 
     formats = str(runner.weight_report.get("formats", {}).get("linear", ""))
     mode = cpu_int8_tiles()
-    dtype_ok = mode == 2 or (mode == 1 and runner.dtype in (torch.bfloat16, torch.float16))
+    half = runner.dtype in (torch.bfloat16, torch.float16)
+    dtype_ok = mode == 2 or (mode == 1 and half) or (mode == 3 and half and rows <= AMX_INT8_ROWS)
     return dtype_ok and bool(formats) and set(formats.split("+")) <= {"Q4_0", "Q4_1", "Q8_0"}
 
 
@@ -308,9 +314,14 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
     peak_kind = "bf16" if bf16 else "fp32"
     peak = gemm[peak_kind]
     assert peak is not None, f"no {peak_kind} GEMM peak"
-    layers_int8 = int8_tile_layers(runner) and gemm.get("int8") is not None
-    if layers_int8:
-        peak_kind = f"int8 (layers) + {peak_kind} (LM head, attention)"
+
+    def layers_int8(rows: int) -> bool:
+        return int8_tile_layers(runner, rows) and gemm.get("int8") is not None
+
+    int8_rows = [n for n in sorted({1, args.prefill_len, args.batch}) if layers_int8(n)]
+    if int8_rows:
+        where = "" if len(int8_rows) == len({1, args.prefill_len, args.batch}) else f" at {int8_rows} rows"
+        peak_kind = f"int8 (layers{where}) + {peak_kind} (LM head, attention)"
     weights = {n: weights_read_per_step(runner, n, params) for n in sorted({1, args.prefill_len, args.batch})}
     kv_per_ctx = runner.kv_bytes_per_token  # 2 (K, V) * layers * kv heads * head dim * bytes per value
 
@@ -323,8 +334,8 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
     # a prefill computes logits of its last token only
     prefill_flops = 2 * params["layers"] + 2 * params["lm_head"] / args.prefill_len + attn_flops(prefill_ctx)
 
-    def peak_for(flops: float) -> float:  # the effective peak of a token's FLOPs
-        if not layers_int8:
+    def peak_for(flops: float, rows: int) -> float:  # the effective peak of a token's FLOPs
+        if not layers_int8(rows):
             return peak
         layer_flops = 2 * params["layers"]
         return flops / (layer_flops / gemm["int8"] + (flops - layer_flops) / peak)
@@ -334,7 +345,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
             "batch-1 decode",
             speeds["decode_tok_s"][1],
             bw_gb_s,
-            peak_for(decode_flops),
+            peak_for(decode_flops, 1),
             weights[1],
             1,
             kv_per_ctx * decode_ctx,
@@ -345,7 +356,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
             "prefill",
             speeds["prefill_tok_s"],
             bw_gb_s,
-            peak_for(prefill_flops),
+            peak_for(prefill_flops, args.prefill_len),
             weights[args.prefill_len],
             args.prefill_len,
             kv_per_ctx,
@@ -361,7 +372,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
                 f"batch-{args.batch} decode",
                 speeds["decode_tok_s"][args.batch],
                 bw_gb_s,
-                peak_for(decode_flops),
+                peak_for(decode_flops, args.batch),
                 weights[args.batch],
                 args.batch,
                 kv_per_ctx * decode_ctx,

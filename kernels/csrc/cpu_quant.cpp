@@ -1005,10 +1005,10 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList weights, at::IntArra
   // weights are then rounded to bf16 like the dense bf16 path's; decode rows stay exact.
   const at::Tensor x16 =
       x.scalar_type() == at::kBFloat16 && m > kSmallM && g_fast_bf16.load() ? x.contiguous() : at::Tensor();
-  // Batches above the decode sizes on AVX-512 VNNI without AMX: Q4_0 / Q4_1 / Q8_0 weights multiply
-  // int8 activations (cpu_qvnni.h), quantized once here for all such weights; float32 activations
-  // only when asked (mode 2), and the LM head (`exact`) keeps its activations.
-// Decode sizes likewise for Q4_0 / Q4_1 (radixserve_qvnni::gemv, on CPUs with AVX-512 VBMI as well).
+  // Batches above the decode sizes on AVX-512 VNNI (on AMX CPUs up to kAmxRows): Q4_0 / Q4_1 / Q8_0
+  // weights multiply int8 activations (cpu_qvnni.h), quantized once here for all such weights;
+  // float32 activations only when asked (mode 2), and the LM head (`exact`) keeps its activations.
+  // Decode sizes likewise for Q4_0 / Q4_1 (radixserve_qvnni::gemv, on CPUs with AVX-512 VBMI as well).
 #if defined(RADIXSERVE_HAVE_QVNNI)
   const int int8_mode = g_int8_tiles.load();
   // mode 3 (AMX CPUs, whose bf16 tiles win from ~160 rows on): bf16 / fp16 batches up to kAmxRows
