@@ -75,10 +75,12 @@ class TokenToKVPoolAllocator:
                 k += n
         return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
 
-    def alloc_decode(self, seq_lens: torch.Tensor, last_locs: torch.Tensor) -> torch.Tensor | None:
-        """One slot per request for position seq_len - 1 (seq_lens count the new token)."""
+    def alloc_decode(self, seq_lens: torch.Tensor, last_locs: torch.Tensor | None) -> torch.Tensor | None:
+        """One slot per request for position seq_len - 1 (seq_lens count the new token); last_locs:
+        the slot of position seq_len - 2 (unused, and may be None, when page_size is 1)."""
         if self.page_size == 1:
             return self.alloc(len(seq_lens))
+        assert last_locs is not None, "a paged allocator continues each request's last page"
         seq_lens = seq_lens.cpu()
         need_page = (seq_lens - 1) % self.page_size == 0
         pages = self._take_pages(int(need_page.sum()))

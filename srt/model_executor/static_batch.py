@@ -48,6 +48,8 @@ class StaticBatchGenerator:
         self.eos = runner.model_config.eos_token_ids
         # Wall time of the last generate(): prefill (through its first token) and the decode steps.
         self.last_timings: dict[str, float] = {}
+        # (ids of a step's requests, their SamplingBatchInfo) while it holds for their later steps
+        self._step_info: tuple[list[int], SamplingBatchInfo] | None = None
 
     def generate(
         self,
@@ -79,6 +81,7 @@ class StaticBatchGenerator:
             }
         finally:
             self.free(reqs)
+            self._step_info = None
         return reqs
 
     def prefill_logits(
@@ -189,13 +192,13 @@ class StaticBatchGenerator:
 
     def _decode(self, reqs: list[StaticReq], return_logprob: bool) -> None:
         seq_lens = [r.seq_len for r in reqs]
-        pool = self.runner.req_to_token_pool
-        idx = torch.tensor([r.req_pool_idx for r in reqs])
-        last = pool.host[idx, torch.tensor(seq_lens) - 2].long()
-        loc = self.runner.token_to_kv_pool_allocator.alloc_decode(torch.tensor(seq_lens), last)
+        pool, allocator = self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator
+        idx, lens = torch.tensor([r.req_pool_idx for r in reqs]), torch.tensor(seq_lens)
+        last = pool.host[idx, lens - 2].long() if allocator.page_size > 1 else None  # page 1: no page to continue
+        loc = allocator.alloc_decode(lens, last)
         if loc is None:
             raise RuntimeError("KV cache is full; pass a larger --max-total-tokens or a smaller batch")
-        pool.write_points(idx, torch.tensor(seq_lens) - 1, loc)
+        pool.write_points(idx, lens - 1, loc)
         for r in reqs:
             r.prefix_len = r.seq_len
         fb = ForwardBatch.build(
@@ -213,7 +216,14 @@ class StaticBatchGenerator:
         self._sample_and_check(reqs, self.forward(fb).next_token_logits, return_logprob)
 
     def _sample_and_check(self, reqs: list[StaticReq], logits: torch.Tensor, return_logprob: bool) -> None:
-        info = SamplingBatchInfo.from_reqs(reqs, self.runner.model_config.vocab_size, self.eos, self.runner.device)
+        key = [id(r) for r in reqs]
+        if self._step_info is not None and self._step_info[0] == key:
+            info = self._step_info[1]
+        else:
+            info = SamplingBatchInfo.from_reqs(reqs, self.runner.model_config.vocab_size, self.eos, self.runner.device)
+            # the same requests' next step samples the same way unless a processor keeps per-step state
+            invariant = info.penalties is None and info.seeds is None and info.min_tokens_block is None
+            self._step_info = (key, info) if invariant and info.vocab_mask is None else None
         logits_output = LogitsProcessorOutput(next_token_logits=logits)
         ids = self.runner.sampler(logits_output, info, return_logprob).tolist()
         logprobs = None

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from srt.sampling.penaltylib import Penalties
 from srt.sampling.token_bitmask import allocate_token_bitmask, apply_token_bitmask, fill_tree_bitmask
+
+
+@functools.lru_cache(maxsize=64)
+def _greedy_rows(batch: int, vocab_size: int, device: str) -> tuple[torch.Tensor, ...]:
+    """(temperatures, top_ps, top_ks, min_ps, greedy) of an all-greedy batch: read-only, shared
+    between steps (a decode step at batch 1 spent ~20 us building them)."""
+    return (
+        torch.ones(batch, 1, dtype=torch.float32, device=device),
+        torch.ones(batch, dtype=torch.float32, device=device),
+        torch.full((batch,), vocab_size, dtype=torch.int64, device=device),
+        torch.zeros(batch, dtype=torch.float32, device=device),
+        torch.ones(batch, dtype=torch.bool, device=device),
+    )
 
 
 @dataclass
@@ -46,22 +60,38 @@ class SamplingBatchInfo:
         their grammar mask from `fill_tree_bitmask`."""
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
-        top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k for p in ps]
-        info = cls(
-            temperatures=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, ps)], dtype=torch.float32, device=device
-            ).unsqueeze(1),
-            top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            is_all_greedy=all(greedy),
-            need_top_p=any(p.top_p < 1.0 for g, p in zip(greedy, ps) if not g),
-            need_top_k=any(k < vocab_size for g, k in zip(greedy, top_ks) if not g),
-            need_min_p=any(p.min_p > 0 for g, p in zip(greedy, ps) if not g),
-            vocab_size=vocab_size,
-            penalties=Penalties.from_reqs(reqs, device),
-        )
+        if all(greedy):  # the sampler reads none of the per-row tensors: shared constants per batch size
+            temperatures, top_ps, top_ks_t, min_ps, greedy_t = _greedy_rows(len(ps), vocab_size, str(device))
+            info = cls(
+                temperatures=temperatures,
+                top_ps=top_ps,
+                top_ks=top_ks_t,
+                min_ps=min_ps,
+                greedy=greedy_t,
+                is_all_greedy=True,
+                need_top_p=False,
+                need_top_k=False,
+                need_min_p=False,
+                vocab_size=vocab_size,
+                penalties=Penalties.from_reqs(reqs, device),
+            )
+        else:
+            top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k for p in ps]
+            info = cls(
+                temperatures=torch.tensor(
+                    [1.0 if g else p.temperature for g, p in zip(greedy, ps)], dtype=torch.float32, device=device
+                ).unsqueeze(1),
+                top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
+                top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+                min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+                greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+                is_all_greedy=False,
+                need_top_p=any(p.top_p < 1.0 for g, p in zip(greedy, ps) if not g),
+                need_top_k=any(k < vocab_size for g, k in zip(greedy, top_ks) if not g),
+                need_min_p=any(p.min_p > 0 for g, p in zip(greedy, ps) if not g),
+                vocab_size=vocab_size,
+                penalties=Penalties.from_reqs(reqs, device),
+            )
         if any(p.logit_bias for p in ps):
             info.logit_bias = torch.zeros(len(reqs), vocab_size, dtype=torch.float32, device=device)
             for i, p in enumerate(ps):

@@ -41,6 +41,22 @@ def test_temperature_zero_is_argmax():
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
+def test_all_greedy_batches_share_their_row_tensors():
+    """An all-greedy batch's per-row tensors are shared constants per batch size (built once, not
+    every step), with the values a row-by-row build gives."""
+    a, b = info_for(*[SamplingParams(temperature=0)] * 3), info_for(*[SamplingParams(temperature=0)] * 3)
+    assert a.temperatures is b.temperatures and a.greedy is b.greedy
+    assert a.temperatures.shape == (3, 1) and torch.equal(a.temperatures, torch.ones(3, 1))
+    assert torch.equal(a.top_ks, torch.full((3,), V)) and bool(a.greedy.all()) and not bool(a.min_ps.any())
+    assert not (a.need_top_p or a.need_top_k or a.need_min_p)
+    # the processors still come with them: a penalty's row is penalized, a logit bias applied
+    logits = torch.zeros(1, V)
+    logits[0, 7], logits[0, 9] = 1.0, 0.5
+    info = info_for(SamplingParams(temperature=0, frequency_penalty=2.0), outputs=[[7]])
+    assert info.penalties is not None and int(sample(logits, info)) == 9
+    assert int(sample(logits, info_for(SamplingParams(temperature=0, logit_bias={"11": 5.0})))) == 11
+
+
 def _mask_of(probs, **kw):
     info = info_for(SamplingParams(**kw))
     return filter_probs(probs, info) > 0
