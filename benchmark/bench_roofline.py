@@ -25,6 +25,10 @@ Each figure's limit is the lower of two rooflines:
 
     memory:  bandwidth / bytes read per token,  bytes = weights read per step / tokens per step
                                                         + KV cache read at the average context
+             bandwidth: the faster of the rate above and that of reading a buffer of the figure's
+             own bytes per step again and again, as its steps do: where the caches hold much of a
+             small model (a 2-core Xeon VM read a 96 MB buffer at ~52 GB/s and a 1 GB one at ~28),
+             the big buffer's rate alone would put its decode above 100% of a limit it does not face
     compute: GEMM peak / FLOPs per token,       FLOPs = 2 * linear-layer parameters (LM head included
                                                         where its logits are computed) + attention
 
@@ -244,9 +248,17 @@ def int8_tile_layers(runner, rows: int) -> bool:
     return dtype_ok and bool(formats) and set(formats.split("+")) <= {"Q4_0", "Q4_1", "Q8_0"}
 
 
-def figure(name, measured, bw_gb_s, peak_gflop_s, weights_step, tokens_per_step, kv_token, flops_token) -> dict:
-    """One figure against both rooflines; the lower one is its limit."""
+def figure(
+    name, measured, bw_gb_s, peak_gflop_s, weights_step, tokens_per_step, kv_token, flops_token, read_ws=None
+) -> dict:
+    """One figure against both rooflines; the lower one is its limit. `read_ws(nbytes)` (GB/s): the
+    rate of reading a buffer of the step's own bytes again and again, as the steps do; where the
+    caches hold much of it that is faster than bw_gb_s (the rate over a buffer bigger than any
+    cache), and the memory limit takes the faster."""
     bytes_token = weights_step / tokens_per_step + kv_token
+    step_bytes = bytes_token * tokens_per_step
+    ws_gb_s = read_ws(int(step_bytes)) if read_ws is not None else None
+    bw_gb_s = max(bw_gb_s, ws_gb_s or 0.0)
     memory = bw_gb_s * 1e9 / bytes_token
     compute = peak_gflop_s * 1e9 / flops_token
     limit = min(memory, compute)
@@ -256,6 +268,9 @@ def figure(name, measured, bw_gb_s, peak_gflop_s, weights_step, tokens_per_step,
         "limit_tok_s": limit,
         "fraction": measured / limit,
         "bound": "memory" if memory <= compute else "compute",
+        "bandwidth_gb_s": bw_gb_s,
+        "step_mb": step_bytes / 1e6,
+        "step_bandwidth_gb_s": ws_gb_s,
         "memory_limit_tok_s": memory,
         "compute_limit_tok_s": compute,
         "weights_mb_per_step": weights_step / 1e6,
@@ -268,8 +283,9 @@ def figure(name, measured, bw_gb_s, peak_gflop_s, weights_step, tokens_per_step,
 
 def paired_decode(runner, args, read_bw, bytes_token: float) -> dict:
     """Batch-1 decode runs (--input-len in, --output-len out) each between two bandwidth readings
-    (`read_bw()`, GB/s): each run's tok/s against the memory limit at the faster of its two readings,
-    so a run is held to the rate the machine had around it."""
+    (`read_bw()`, GB/s: the faster of the big buffer's and the step-sized one's): each run's tok/s
+    against the memory limit at the faster of its two readings, so a run is held to the rate the
+    machine had around it."""
     gen = StaticBatchGenerator(runner)
     vocab = runner.model_config.vocab_size
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -286,11 +302,12 @@ def paired_decode(runner, args, read_bw, bytes_token: float) -> dict:
     return {"runs": runs, "median_fraction": fractions[len(fractions) // 2]}
 
 
-def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) -> dict:
+def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None, read_ws=None) -> dict:
     """The model's figures against the limits; `remeasure()` (if given) reads the bandwidth again right
     after the model ran, and the limits take the higher of it and bw_gb_s (a shared machine's memory
-    rate moves by a third within an hour: 27.6-39.3 GB/s on one day). `read_bw()` (a quick reading,
-    GB/s) pairs --paired-runs batch-1 decode runs with the rate around each."""
+    rate moves by a third within an hour: 27.6-39.3 GB/s on one day). `read_bw(nbytes)` (a quick
+    reading, GB/s; of a buffer of nbytes where given) pairs --paired-runs batch-1 decode runs with
+    the rate around each. `read_ws(nbytes)` (GB/s) reads a buffer of a figure's bytes per step."""
     path = resolve_model_path(args.model_path)
     sizes = sorted({1, args.batch})
     ns = SimpleNamespace(
@@ -350,6 +367,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
             1,
             kv_per_ctx * decode_ctx,
             decode_flops,
+            read_ws,
         ),
         # prefill writes its KV once; attention reads it from cache-resident blocks
         figure(
@@ -361,11 +379,13 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
             args.prefill_len,
             kv_per_ctx,
             prefill_flops,
+            read_ws,
         ),
     ]
     paired = None
     if read_bw is not None and args.paired_runs > 0:
-        paired = paired_decode(runner, args, read_bw, figures[0]["bytes_per_token"])
+        step = int(figures[0]["step_mb"] * 1e6)
+        paired = paired_decode(runner, args, lambda: read_bw(step), figures[0]["bytes_per_token"])
     if args.batch != 1:
         figures.append(
             figure(
@@ -377,6 +397,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None) 
                 args.batch,
                 kv_per_ctx * decode_ctx,
                 decode_flops,
+                read_ws,
             )
         )
     return {
@@ -459,6 +480,13 @@ def print_model(m: dict, threads: int, args) -> None:
     )
     after = ", ".join(f"{name} {rate:,.1f}" for name, rate in m["bandwidth_after_by_reader_gb_s"].items())
     print(f"bandwidth used by the limits: {m['bandwidth_used_gb_s']:,.1f} GB/s (read again after the model: {after})")
+    steps = [f for f in m["figures"] if f.get("step_bandwidth_gb_s")]
+    if steps:
+        print(
+            "read again and again, a buffer of each figure's bytes per step (the caches hold what fits; the "
+            "faster rate is its limit's): "
+            + "; ".join(f"{f['figure']} {f['step_mb']:,.1f} MB {f['step_bandwidth_gb_s']:,.1f} GB/s" for f in steps)
+        )
     if m["not_modelled"]:
         print(f"warning: the FLOPs model is a dense one; this model has {m['not_modelled']} (limits approximate)")
     peer = "llama_cpp" in m
@@ -522,6 +550,15 @@ def plot_roofline(record: dict, path: str) -> None:
         ax.plot(grid, [min(bw * x, peak) for x in grid], styles.get(kind, "-"), color="0.35", lw=1.2)
         ax.annotate(f"{kind} GEMM peak {peak:,.0f} GFLOP/s", (peak / bw * 1.1, peak), va="bottom", fontsize=8)
     ax.annotate(f"memory {bw:.1f} GB/s", (lo * 1.15, bw * lo * 1.15), rotation=0, va="bottom", fontsize=8)
+    # a figure whose step's bytes the caches hold in part has the faster rate of reading a buffer that size
+    for rate in sorted(
+        {round(f.get("bandwidth_gb_s") or bw, 1) for f in figures if (f.get("bandwidth_gb_s") or 0) > bw}
+    ):
+        top = max(peaks.values())
+        ax.plot(
+            [x for x in grid if rate * x <= top], [rate * x for x in grid if rate * x <= top], "-.", color="0.55", lw=1
+        )
+        ax.annotate(f"step-sized buffer {rate:.1f} GB/s", (lo * 1.15, rate * lo * 1.6), va="bottom", fontsize=8)
     for f, x in zip(figures, xs):
         y = f["measured_tok_s"] * f["gflop_per_token"]
         label = f"{f['figure']}: {f['measured_tok_s']:,.0f} tok/s, {100 * f['fraction']:.0f}% of its limit"
@@ -595,12 +632,20 @@ def main() -> None:
     model = None
     if not args.skip_model:
         # the best bandwidth seen: on a busy machine more threads can read slower than one
+
+        def step_buffer(nbytes: int) -> torch.Tensor:  # a prefix of buf: the step's bytes (1 MiB at least)
+            return buf[: min(buf.numel(), max(1 << 20, nbytes // 64 * 64))]
+
         model = bench_model(
             args,
             max(bw.values()),
             gemm,
             lambda: read_bandwidth_gb_s(buf, threads, args.repeats),
-            lambda: max(read_bandwidth_gb_s(buf, threads, 2).values()),
+            lambda nbytes: max(
+                *read_bandwidth_gb_s(buf, threads, 2).values(),
+                *read_bandwidth_gb_s(step_buffer(nbytes), threads, 2).values(),
+            ),
+            lambda nbytes: max(read_bandwidth_gb_s(step_buffer(nbytes), threads, args.repeats).values()),
         )
         if args.llama_cpp:
             gguf = gguf_file(args.model_path)

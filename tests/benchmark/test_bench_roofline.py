@@ -106,7 +106,12 @@ def test_tiny_model_figures(tmp_path, tiny_model_factory):
     for f in m["figures"]:
         assert f["measured_tok_s"] > 0 and f["limit_tok_s"] > 0 and f["fraction"] > 0
         assert f["fraction"] == pytest.approx(f["measured_tok_s"] / f["limit_tok_s"])
-        assert f["memory_limit_tok_s"] == pytest.approx(bw * 1e9 / f["bytes_per_token"])
+        # the memory limit's rate: the faster of the big buffer's and a buffer of the step's own bytes'
+        assert f["step_bandwidth_gb_s"] > 0 and f["step_mb"] == pytest.approx(
+            f["bytes_per_token"] * f["tokens_per_step"] / 1e6
+        )
+        assert f["bandwidth_gb_s"] == max(bw, f["step_bandwidth_gb_s"])
+        assert f["memory_limit_tok_s"] == pytest.approx(f["bandwidth_gb_s"] * 1e9 / f["bytes_per_token"])
         assert f["compute_limit_tok_s"] == pytest.approx(peak / f["gflop_per_token"])
         assert f["limit_tok_s"] == min(f["memory_limit_tok_s"], f["compute_limit_tok_s"])
         row = re.search(rf"\| {f['figure']} \| ([\d,.]+) \| ([\d,.]+) \| ([\d.]+)% \| (\w+) \|", stdout)
@@ -117,6 +122,7 @@ def test_tiny_model_figures(tmp_path, tiny_model_factory):
     # batch-1 runs each held to the rate read right before and after it
     paired = m["paired_batch1"]
     assert len(paired["runs"]) == 2 and "against the rate read right before and after each run" in stdout
+    assert "a buffer of each figure's bytes per step" in stdout
     for r in paired["runs"]:
         limit = max(r["bw_before_gb_s"], r["bw_after_gb_s"]) * 1e9 / m["figures"][0]["bytes_per_token"]
         assert r["tok_s"] > 0 and r["fraction"] == pytest.approx(r["tok_s"] / limit)

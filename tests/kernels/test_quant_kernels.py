@@ -421,10 +421,11 @@ def test_row_tiles(ops, type_name, k):
 @pytest.mark.parametrize("k", [64, 576, 2048])
 def test_row_tiles_q8_lm_head(ops, k):
     """A Q8_0 LM head / embedding in row tiles (quant_repack on AVX-512 VNNI, whatever the int8 mode):
-    the same rows for the embedding and quant_dequantize; at decode sizes x split into two int16 parts
-    per block (max |x| * 2^-31 left over), so the logits stay within float32 summation of the exact
-    product, an outlier included, and well inside the int16 kernels' slack; a row's bits the same
-    alone or in a batch; above the decode sizes and with the ISA capped, the file layout's bits."""
+    the same rows for the embedding and quant_dequantize; at decode sizes float32 x split into two
+    int16 parts per block (max |x| * 2^-31 left over), so the logits stay within float32 summation of
+    the exact product, an outlier included, and well inside the int16 kernels' slack; bf16 x takes the
+    high part alone (the int16 kernels' slack); a row's bits the same alone or in a batch; above the
+    decode sizes and with the ISA capped, the file layout's bits."""
     if not ops.quant_int8_tiles(0):
         pytest.skip("this CPU build has no AVX-512 VNNI")
     isa = ops.quant_isa("")
@@ -451,9 +452,14 @@ def test_row_tiles_q8_lm_head(ops, k):
     assert (out.double() - ref).abs().max() * 16 < int16_slack.max()
     for r in range(5):
         assert torch.equal(ops.quant_linear(x[r : r + 1], [tiled], [t], True), out[r : r + 1])
+    # bf16 activations take h alone: each x within half an int16 step of its block (the int16 kernels'
+    # slack), finer than bf16's own rounding of the block's largest value
     xb = x.bfloat16()
     ref_b, bound_b = reference(xb[:5], blocks, "Q8_0")
-    check(ops.quant_linear(xb[:5], [tiled], [t], True), ref_b, bound_b, k, bf16=True)
+    out_b = ops.quant_linear(xb[:5], [tiled], [t], True)
+    check(out_b, ref_b, bound_b, k, bf16=True, slack=i16act_slack(ops, xb[:5], blocks, "Q8_0"))
+    for r in range(5):
+        assert torch.equal(ops.quant_linear(xb[r : r + 1], [tiled], [t], True), out_b[r : r + 1])
     assert torch.equal(ops.quant_linear(x, [tiled], [t], True), ops.quant_linear(x, [w], [q8], True))  # 30 rows
     try:
         ops.quant_isa("avx2")
