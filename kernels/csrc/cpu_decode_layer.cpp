@@ -297,6 +297,56 @@ struct DecodeStack : torch::CustomClassHolder {
     kv_format = kv_format_;
   }
 
+  // The model's final norm and a Q8_0 LM head in row tiles (set_head): run_head multiplies them after the
+  // layers, in the same parallel region, with quant_linear's kernel for that head (split activations over
+  // the tiles), so its logits are quant_linear's bit for bit. Between the stack's call and a separate norm
+  // and LM head call, a batch-1 step of the default model spent ~0.15 ms (2-core Xeon): Python and the
+  // op dispatcher running from caches the layers' weights had just gone through.
+  struct Head {
+    at::Tensor norm, w;
+    double eps = 0;
+  };
+  c10::optional<Head> head;
+
+  void set_head(at::Tensor norm, double eps, at::Tensor w, int64_t qtype) {
+    TORCH_CHECK(!layers.empty(), "DecodeStack.set_head: add the layers first");
+    const int64_t H = layers[0].ln1.numel();
+    TORCH_CHECK(norm.scalar_type() == at::kBFloat16 && norm.is_contiguous() && norm.dim() == 1 && norm.size(0) == H,
+                "DecodeStack.set_head: the final norm's weight must be a contiguous bf16 [", H, "]");
+    TORCH_CHECK(qtype == 264 && H % 32 == 0 && w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 &&
+                    w.size(1) == H / 32 * 34 && w.size(0) >= 1,
+                "DecodeStack.set_head: the LM head must be a Q8_0 weight in row tiles (qtype 264) of [n, ", H / 32 * 34,
+                "] bytes");
+    head = Head{std::move(norm), std::move(w), eps};
+  }
+
+  // Whether run_head can run `tokens` rows of `dtype` activations now.
+  bool head_for(at::ScalarType dtype, int64_t tokens) const {
+    return head.has_value() && lean_for(dtype, tokens) && quant_q8_tiles_split(tokens);
+  }
+
+  // The layers, the final norm and the LM head on hidden [T, hidden_size]: (the final norm's output,
+  // the LM head's [T, n] logits as float32), as run + the model's norm + quant_linear (whose output is in
+  // hidden's dtype: bf16, which the float32 logits hold exactly) give them.
+  std::tuple<at::Tensor, at::Tensor> run_head(at::Tensor hidden, at::Tensor positions, at::Tensor out_cache_loc,
+                                              at::Tensor req_to_token, at::Tensor req_pool_indices,
+                                              at::Tensor seq_lens, int64_t num_splits) {
+    TORCH_CHECK(kv_format >= 0 && k_buffers.size() == layers.size(), "DecodeStack.run_head: set_kv first");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == layers[0].ln1.numel(),
+                "DecodeStack.run_head: hidden must be [T, hidden_size]");
+    TORCH_CHECK(head_for(hidden.scalar_type(), hidden.size(0)),
+                "DecodeStack.run_head: no head set, or not a lean batch (see head_for)");
+#if defined(RADIXSERVE_LEAN_DECODE)
+    for (Lean& l : lean)
+      for (LeanLinear* W : {&l.qkv, &l.o, &l.gate_up, &l.down}) W->choose(hidden.size(0));
+    at::Tensor normed, logits;
+    run_lean(hidden, positions, out_cache_loc, req_to_token, req_pool_indices, seq_lens, num_splits, &normed, &logits);
+    return {normed, logits};
+#else
+    TORCH_CHECK(false, "DecodeStack.run_head: built without the lean kernels");
+#endif
+  }
+
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor positions, at::Tensor out_cache_loc,
                                          at::Tensor req_to_token, at::Tensor req_pool_indices, at::Tensor seq_lens,
                                          int64_t num_splits) {
@@ -338,7 +388,8 @@ struct DecodeStack : torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> run_lean(const at::Tensor& hidden_in, const at::Tensor& positions,
                                               const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                                               const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                                              int64_t num_splits) {
+                                              int64_t num_splits, at::Tensor* normed_out = nullptr,
+                                              at::Tensor* logits_out = nullptr) {
     using bf16 = c10::BFloat16;
     const Layer& L0 = layers[0];
     const at::Tensor hidden = hidden_in.contiguous();
@@ -372,6 +423,20 @@ struct DecodeStack : torch::CustomClassHolder {
     bf16 *res_out = residual.data_ptr<bf16>(), *dp = down.data_ptr<bf16>(), *qp = qkv.data_ptr<bf16>();
     bf16 *ap = att.data_ptr<bf16>(), *op = o.data_ptr<bf16>(), *gp = gu.data_ptr<bf16>(), *xp = act.data_ptr<bf16>();
     const int64_t rot = L0.cos_cache.size(1);
+    // with the head (run_head): its outputs, tiles and whether quant_linear would have split the
+    // activations' low parts too (float32 hidden only; the lean path is bf16)
+    const bool with_head = normed_out != nullptr && logits_out != nullptr && head.has_value();
+    const int64_t vocab = with_head ? head->w.size(0) : 0, vocab16 = vocab / radixserve_rowtiles::kRows * radixserve_rowtiles::kRows;
+    const int64_t head_row_bytes = with_head ? head->w.size(1) : 0;
+    constexpr int64_t kHeadTilesPerUnit = 8;
+    const int64_t head_units = (vocab16 / radixserve_rowtiles::kRows + kHeadTilesPerUnit - 1) / kHeadTilesPerUnit;
+    bf16* np = nullptr;
+    float* lp = nullptr;
+    if (with_head) {
+      *normed_out = at::empty({T, H}, opts);
+      *logits_out = at::empty({T, vocab}, opts.dtype(at::kFloat));
+      np = normed_out->data_ptr<bf16>(), lp = logits_out->data_ptr<float>();
+    }
     Steal steal(threads);
     const uint64_t epoch0 = 0;
 #pragma omp parallel num_threads(threads)
@@ -461,6 +526,44 @@ struct DecodeStack : torch::CustomClassHolder {
 #pragma omp barrier
       }
       if (tid == 0) std::copy(res.begin(), res.end(), res_out);
+#if defined(RADIXSERVE_HAVE_QVNNI)
+      if (with_head) {
+        // the model's final norm (every thread its own copy, as before each layer), then the LM head's
+        // activations as quant_linear makes them for bf16 rows: float, split per block, h alone
+        const bf16* hn = head->norm.data_ptr<bf16>();
+        const float heps = static_cast<float>(head->eps);
+        std::vector<float> xf(T * H);
+        for (int64_t t = 0; t < T; ++t) {
+          radixserve_rows::rms_norm_row(dp + t * H, res.data() + t * H, hn, H, heps, h.data() + t * H);
+          for (int64_t c = 0; c < H; ++c) xf[t * H + c] = static_cast<float>(h[t * H + c]);
+        }
+        if (tid == 0) std::copy(h.begin(), h.end(), np);
+        std::vector<int16_t> sh(T * H), sl(T * H);
+        std::vector<float> sd(T * (H / 32));
+        radixserve_qvnni::split_rows(xf.data(), T, H, sh.data(), sl.data(), sd.data());
+        const radixserve_qvnni::SplitActs sa{sh.data(), sl.data(), sd.data(), H, H / 32, false};
+        const uint8_t* wp = head->w.data_ptr<uint8_t>();
+        const int64_t tiles = vocab16 / radixserve_rowtiles::kRows;
+        // a unit's logits as quant_linear's bf16 output, then as float32 (LogitsProcessor's .float())
+        constexpr int64_t kUnitRows = kHeadTilesPerUnit * radixserve_rowtiles::kRows;
+        std::vector<bf16> unit(T * kUnitRows);
+        units_of(head_units + (vocab > vocab16 ? 1 : 0), [&](int64_t u) {
+          if (u < head_units) {
+            const int64_t t0 = u * kHeadTilesPerUnit, t1 = std::min(tiles, t0 + kHeadTilesPerUnit);
+            const int64_t j0 = t0 * radixserve_rowtiles::kRows, cols = (t1 - t0) * radixserve_rowtiles::kRows;
+            radixserve_qvnni::tiles_q8(sa, T, wp + j0 * head_row_bytes, head_row_bytes, 0, t1 - t0, unit.data(),
+                                       kUnitRows);
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t c = 0; c < cols; ++c) lp[t * vocab + j0 + c] = static_cast<float>(unit[t * kUnitRows + c]);
+          } else {  // the rows after the last tile, in the file's layout
+            for (int64_t j = vocab16; j < vocab; ++j)
+              for (int64_t t = 0; t < T; ++t)
+                lp[t * vocab + j] = static_cast<float>(
+                    static_cast<bf16>(radixserve_qvnni::file_row_dot_q8(wp + j * head_row_bytes, H / 32, sa, t)));
+          }
+        });
+      }
+#endif
     }
     return {down, residual};
   }
@@ -494,5 +597,10 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
       .def("size", &DecodeStack::size)
       .def("lean_for", [](const c10::intrusive_ptr<DecodeStack>& self, at::ScalarType dtype, int64_t tokens) {
         return self->lean_for(dtype, tokens);
+      })
+      .def("set_head", &DecodeStack::set_head)
+      .def("run_head", &DecodeStack::run_head)
+      .def("head_for", [](const c10::intrusive_ptr<DecodeStack>& self, at::ScalarType dtype, int64_t tokens) {
+        return self->head_for(dtype, tokens);
       });
 }

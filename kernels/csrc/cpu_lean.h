@@ -16,6 +16,7 @@
 #include "cpu_qvnni.h"
 
 int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int64_t m);
+bool quant_q8_tiles_split(int64_t m);
 
 #if defined(RADIXSERVE_HAVE_QVNNI) || defined(RADIXSERVE_HAVE_I16ACT)
 #define RADIXSERVE_LEAN_DECODE 1

@@ -1309,6 +1309,18 @@ int64_t quant_decode_kernel(int64_t qtype, int64_t k, at::ScalarType dtype, int6
   return 0;
 }
 
+// Whether quant_linear multiplies m rows of bf16 / fp16 activations by a Q8_0 weight in row tiles as
+// split activations over the tiles (radixserve_qvnni::gemv_tiles_q8): the decode stack's LM head
+// (cpu_decode_layer.cpp) takes the same kernel only then.
+bool quant_q8_tiles_split(int64_t m) {
+#if defined(RADIXSERVE_HAVE_QVNNI)
+  return m >= 1 && m <= kSmallM && g_isa.load(std::memory_order_relaxed) >= AVX512;
+#else
+  (void)m;
+  return false;
+#endif
+}
+
 // Whether prefill-sized bf16 batches may multiply bf16 tiles (CPUs with AMX / AVX512-BF16).
 bool quant_fast_bf16(bool enable) {
   g_fast_bf16.store(enable);

@@ -599,37 +599,45 @@ inline float file_row_dot_q8(const uint8_t* row, int64_t nb, const SplitActs& a,
   return acc;
 }
 
+// Tiles [t0, t1) of a Q8_0 weight in row tiles times m rows of split activations: out[r * ldo + 16 t + i]
+// for the tile's row i (gemv_tiles_q8's threads' ranges; the decode stack's LM head units).
+template <typename out_t>
+inline void tiles_q8(const SplitActs& a, int64_t m, const uint8_t* wp, int64_t row_bytes, int64_t t0, int64_t t1,
+                     out_t* out, int64_t ldo) {
+  constexpr int64_t kT = radixserve_rowtiles::kRows;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = wp + t * kT * row_bytes;
+    for (int64_t r = 0; r < m; r += 4) {
+      __m512 res[4];
+      const int rows = static_cast<int>(std::min<int64_t>(4, m - r));
+      if (a.low) {
+        switch (rows) {
+          case 1: tile_rows_q8<1, true>(tile, a.nb, a, r, res); break;
+          case 2: tile_rows_q8<2, true>(tile, a.nb, a, r, res); break;
+          case 3: tile_rows_q8<3, true>(tile, a.nb, a, r, res); break;
+          default: tile_rows_q8<4, true>(tile, a.nb, a, r, res); break;
+        }
+      } else {
+        switch (rows) {
+          case 1: tile_rows_q8<1, false>(tile, a.nb, a, r, res); break;
+          case 2: tile_rows_q8<2, false>(tile, a.nb, a, r, res); break;
+          case 3: tile_rows_q8<3, false>(tile, a.nb, a, r, res); break;
+          default: tile_rows_q8<4, false>(tile, a.nb, a, r, res); break;
+        }
+      }
+      for (int i = 0; i < rows; ++i) store16(out + (r + i) * ldo + t * kT, res[i], 16);
+    }
+  }
+}
+
 // out[:, 0:n] (row stride ldo) = x @ W.T for m <= 24 rows of split activations and a Q8_0 weight whose
 // first n16 rows are tiles.
 template <typename out_t>
 void gemv_tiles_q8(const SplitActs& a, int64_t m, const uint8_t* wp, int64_t n, int64_t row_bytes, int64_t n16,
                    out_t* out, int64_t ldo) {
-  constexpr int64_t kT = radixserve_rowtiles::kRows;
-  const int64_t tiles = n16 / kT;
+  const int64_t tiles = n16 / radixserve_rowtiles::kRows;
   at::parallel_for(0, tiles, std::max<int64_t>(1, 2048 / a.k), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = wp + t * kT * row_bytes;
-      for (int64_t r = 0; r < m; r += 4) {
-        __m512 res[4];
-        const int rows = static_cast<int>(std::min<int64_t>(4, m - r));
-        if (a.low) {
-          switch (rows) {
-            case 1: tile_rows_q8<1, true>(tile, a.nb, a, r, res); break;
-            case 2: tile_rows_q8<2, true>(tile, a.nb, a, r, res); break;
-            case 3: tile_rows_q8<3, true>(tile, a.nb, a, r, res); break;
-            default: tile_rows_q8<4, true>(tile, a.nb, a, r, res); break;
-          }
-        } else {
-          switch (rows) {
-            case 1: tile_rows_q8<1, false>(tile, a.nb, a, r, res); break;
-            case 2: tile_rows_q8<2, false>(tile, a.nb, a, r, res); break;
-            case 3: tile_rows_q8<3, false>(tile, a.nb, a, r, res); break;
-            default: tile_rows_q8<4, false>(tile, a.nb, a, r, res); break;
-          }
-        }
-        for (int i = 0; i < rows; ++i) store16(out + (r + i) * ldo + t * kT, res[i], 16);
-      }
-    }
+    tiles_q8(a, m, wp, row_bytes, begin, end, out, ldo);
   });
   for (int64_t j = n16; j < n; ++j)
     for (int64_t r = 0; r < m; ++r)

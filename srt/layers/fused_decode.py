@@ -25,7 +25,10 @@ import torch
 from torch import nn
 
 from srt.layers.attention.cpu_backend import CpuAttnBackend
+from srt.layers.layernorm import RMSNorm
 from srt.layers.moe.block import SparseMoeBlock
+
+Q8_0_ROW_TILES = 264  # a Q8_0 weight in row tiles (srt/layers/quantization/gguf.py: ROW_TILE_TYPES)
 
 
 class FusedDecodeLayer:
@@ -134,6 +137,7 @@ class FusedDecodeStack:
         self.layer_ids = [f.layer_id for f in layers]
         self.stack = torch.classes.radixserve.DecodeStack()
         self.kv_key: tuple | None = None
+        self.head_key: tuple | None = None  # (id of the final norm, id of the LM head, whether the stack took them)
         for f in layers:
             self.stack.add_layer(
                 f.ln1,
@@ -157,20 +161,9 @@ class FusedDecodeStack:
 
     def __call__(self, positions, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last layer's output, residual stream), or None where the per-layer calls must run."""
-        backend = fb.attn_backend
-        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2:
+        if not self._ready(hidden, fb):
             return None
-        if self.layers[0].lora_args() != ([], []):
-            return None  # LoRA rows in the batch (or a LoRA backend other than the C++ one)
-        pool = fb.token_to_kv_pool
-        key = (id(pool), id(pool.k_buffer), pool.k_buffer[self.layer_ids[0]].data_ptr())
-        if key != self.kv_key:  # the pool's buffers go over once, not every step
-            args = [pool.kernel_args(i) for i in self.layer_ids]
-            k_buffers, v_buffers, k_scales, v_scales, formats, k_scale, v_scale = (list(x) for x in zip(*args))
-            if any(s is None for s in k_scales):
-                k_scales, v_scales = [], []
-            self.stack.set_kv(k_buffers, v_buffers, k_scales, v_scales, formats[0], k_scale, v_scale)
-            self.kv_key = key
+        backend = fb.attn_backend
         return self.stack.run(
             hidden,
             positions,
@@ -180,6 +173,67 @@ class FusedDecodeStack:
             fb.seq_lens,
             backend.num_splits,
         )
+
+    def run_head(
+        self, positions, hidden: torch.Tensor, fb, norm: nn.Module, lm_head: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layers, then the model's final `norm` and `lm_head` in the same C++ call: (the norm's
+        output, the LM head's logits as float32: the values of the separate calls' bf16 `linear`
+        output, exactly); None where the stack cannot take this head or this batch (the caller runs
+        them itself)."""
+        if not self._take_head(norm, lm_head) or not self.stack.head_for(hidden.dtype, hidden.size(0)):
+            return None
+        if not self._ready(hidden, fb):
+            return None
+        return self.stack.run_head(
+            hidden,
+            positions,
+            fb.out_cache_loc,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            fb.attn_backend.num_splits,
+        )
+
+    def _take_head(self, norm: nn.Module, lm_head: nn.Module) -> bool:
+        """Gives the stack the final norm and LM head once: an RMSNorm and a Q8_0 head in row tiles
+        that quant_linear multiplies with float32-exact activations (GGUF's tied embedding or output)."""
+        key = (id(norm), id(lm_head))
+        if self.head_key is None or self.head_key[:2] != key:
+            self.head_key = (*key, self._set_head(norm, lm_head))
+        return self.head_key[2]
+
+    def _set_head(self, norm: nn.Module, lm_head: nn.Module) -> bool:
+        method = getattr(lm_head, "quant_method", None)
+        kernel = getattr(method, "kernel_weights", None)
+        weights = kernel(lm_head) if kernel is not None and getattr(method, "exact", False) else None
+        if weights is None or len(weights[0]) != 1 or list(weights[1]) != [Q8_0_ROW_TILES]:
+            return False
+        if not isinstance(norm, RMSNorm) or type(norm).forward is not RMSNorm.forward or norm.fused_ops is None:
+            return False  # (a subclass's own norm, or torch's)
+        weight = norm.weight.detach()
+        if weight.dtype != torch.bfloat16:
+            return False
+        self.stack.set_head(weight.contiguous(), float(norm.variance_epsilon), weights[0][0], Q8_0_ROW_TILES)
+        return True
+
+    def _ready(self, hidden: torch.Tensor, fb) -> bool:
+        """Whether the batch can run on the stack; hands the stack the KV pool's buffers when they change."""
+        backend = fb.attn_backend
+        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2:
+            return False
+        if self.layers[0].lora_args() != ([], []):
+            return False  # LoRA rows in the batch (or a LoRA backend other than the C++ one)
+        pool = fb.token_to_kv_pool
+        key = (id(pool), id(pool.k_buffer), pool.k_buffer[self.layer_ids[0]].data_ptr())
+        if key != self.kv_key:  # the pool's buffers go over once, not every step
+            args = [pool.kernel_args(i) for i in self.layer_ids]
+            k_buffers, v_buffers, k_scales, v_scales, formats, k_scale, v_scale = (list(x) for x in zip(*args))
+            if any(s is None for s in k_scales):
+                k_scales, v_scales = [], []
+            self.stack.set_kv(k_buffers, v_buffers, k_scales, v_scales, formats[0], k_scale, v_scale)
+            self.kv_key = key
+        return True
 
 
 def _eligible(layer: Any, tp_size: int) -> bool:

@@ -41,19 +41,28 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def compute_logits(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
-        logits = tensor_model_parallel_all_gather(linear(hidden, lm_head))
-        return logits[:, : self.vocab_size].float()
+    def compute_logits(
+        self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, head_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`head_out`: `linear(hidden, lm_head)` computed already (the fused CPU decode stack's, which
+        may be float32 already)."""
+        logits = tensor_model_parallel_all_gather(linear(hidden, lm_head) if head_out is None else head_out)
+        return logits[:, : self.vocab_size].float().contiguous()
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding, forward_batch
+        self,
+        hidden_states: torch.Tensor,
+        lm_head: VocabParallelEmbedding,
+        forward_batch,
+        head_out: torch.Tensor | None = None,
     ) -> LogitsProcessorOutput:
+        """`head_out`: a decode batch's LM head output for `hidden_states`, where the model ran it."""
         fb = forward_batch
         if fb.forward_mode.is_decode() or fb.forward_mode.is_target_verify():  # every row's logits
             last = hidden_states
         else:
-            last = hidden_states.index_select(0, fb.extend_start_loc + fb.extend_seq_lens - 1)
-        out = LogitsProcessorOutput(next_token_logits=self.compute_logits(last, lm_head))
+            last, head_out = hidden_states.index_select(0, fb.extend_start_loc + fb.extend_seq_lens - 1), None
+        out = LogitsProcessorOutput(next_token_logits=self.compute_logits(last, lm_head, head_out))
         if fb.return_last_hidden and fb.forward_mode.is_extend():
             out.last_hidden = last
         if fb.forward_mode.is_extend() and fb.return_logprob:

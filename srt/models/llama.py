@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -154,6 +155,20 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class FusedStack(Protocol):
+    """A decode step's decoder layers in one call (srt.layers.fused_decode.FusedDecodeStack)."""
+
+    def __call__(self, positions, hidden: torch.Tensor, forward_batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(last layer's output, residual stream), or None where the layers must run one by one."""
+        ...
+
+    def run_head(
+        self, positions, hidden: torch.Tensor, forward_batch, norm: nn.Module, lm_head: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the final norm's output, the LM head's float32 logits), or None where it cannot run them."""
+        ...
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -186,7 +201,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # EAGLE-3 targets: the layers whose input (the residual stream) a capturing forward returns
         self.aux_layers: tuple[int, ...] = ()
-        self.fused_decode_stack: Callable | None = None  # set by srt.layers.fused_decode on CPU
+        self.fused_decode_stack: FusedStack | None = None  # set by srt.layers.fused_decode on CPU
 
     def forward(
         self,
@@ -195,20 +210,30 @@ class LlamaModel(nn.Module):
         forward_batch,
         aux: list[torch.Tensor] | None = None,
         input_embeds: torch.Tensor | None = None,
+        lm_head: nn.Module | None = None,
+        logits_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final norm's output; with `aux`, also appends to it the residual stream entering each
         of `aux_layers` (in that order; index len(layers) is the stream before the final norm).
-        `input_embeds` replaces the token embeddings (a vision-language model's merged rows)."""
+        `input_embeds` replaces the token embeddings (a vision-language model's merged rows).
+        With `lm_head` and `logits_out`, a decode step the fused stack runs whole also appends the LM
+        head's logits (its `linear` output, as float32) to `logits_out`; otherwise it stays empty."""
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual: torch.Tensor | None = None
         seen: dict[int, torch.Tensor] = {}
+        stack = self.fused_decode_stack
+        if aux is not None or not forward_batch.forward_mode.is_decode() or torch.compiler.is_dynamo_compiling():
+            stack = None
         if (
-            aux is None
-            and self.fused_decode_stack is not None
-            and forward_batch.forward_mode.is_decode()
-            and not torch.compiler.is_dynamo_compiling()
-            and (out := self.fused_decode_stack(positions, hidden_states, forward_batch)) is not None
+            stack is not None
+            and lm_head is not None
+            and logits_out is not None
+            and (head := stack.run_head(positions, hidden_states, forward_batch, self.norm, lm_head)) is not None
         ):
+            hidden_states, logits = head
+            logits_out.append(logits)
+            return hidden_states
+        if stack is not None and (out := stack(positions, hidden_states, forward_batch)) is not None:
             hidden_states, residual = out
         else:
             for i, layer in enumerate(self.layers):
@@ -273,8 +298,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
         capture = forward_batch.capture_hidden
         aux: list[torch.Tensor] | None = [] if capture and self.model.aux_layers else None
-        hidden_states = self.model(input_ids, positions, forward_batch, aux)
-        out = self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        logits: list[torch.Tensor] = []  # the fused decode stack's LM head output, when it runs one
+        if aux is None and getattr(self.model, "fused_decode_stack", None) is not None:
+            hidden_states = self.model(input_ids, positions, forward_batch, lm_head=self.lm_head, logits_out=logits)
+        else:
+            hidden_states = self.model(input_ids, positions, forward_batch, aux)
+        out = self.logits_processor(hidden_states, self.lm_head, forward_batch, logits[0] if logits else None)
         if capture:  # an EAGLE head's input: the last hidden state, or the aux layers' (EAGLE-3)
             out.hidden_states = torch.cat(aux, dim=-1) if aux else hidden_states
         return out

@@ -185,6 +185,24 @@ def test_default_model_quantized_tracks_float32_reference(default_server, shared
     assert agree >= 0.99 * total, f"top-1 agreement {agree}/{total}"
 
 
+class CountingStack:
+    """A model's FusedDecodeStack, counting the decode steps it runs (with or without the LM head)."""
+
+    def __init__(self, stack):
+        self.stack, self.calls, self.heads = stack, 0, 0
+
+    def __call__(self, *args):
+        out = self.stack(*args)
+        self.calls += out is not None
+        return out
+
+    def run_head(self, *args):
+        out = self.stack.run_head(*args)
+        self.calls += out is not None
+        self.heads += out is not None
+        return out
+
+
 @pytest.mark.parametrize(
     "arch,kv_cache_dtype,dtype,long",
     [
@@ -222,10 +240,9 @@ def test_fused_decode_layer_matches_python_layers(gguf_files, runner_factory, ar
         assert lean, "Q4 / K-quant / Q8_0 projections in bf16 take the lean path"
     gen = StaticBatchGenerator(runner)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-    calls = []
-    model.fused_decode_stack = lambda *a: calls.append(1) or stack(*a)
+    model.fused_decode_stack = counting = CountingStack(stack)
     with_stack = gen.generate(prompts, params, return_logprob=True)
-    assert len(calls) >= 11  # every decode step ran the stack
+    assert counting.calls >= 11  # every decode step ran the stack
     model.fused_decode_stack = None
     with_op = gen.generate(prompts, params, return_logprob=True)
     for layer in layers:
@@ -275,6 +292,36 @@ def test_lean_decode_stack_same_at_any_thread_count(gguf_files, runner_factory, 
         model.fused_decode_stack = stack
     assert [r.output_ids for r in lean] == [r.output_ids for r in per_layer]
     assert [r.output_logprobs for r in lean] == [r.output_logprobs for r in per_layer]
+
+
+@pytest.mark.parametrize("arch", ["qwen3-q4", "llama-q4"])
+def test_lean_stack_runs_the_lm_head_as_quant_linear_does(gguf_files, runner_factory, arch):
+    """A Q8_0 LM head in row tiles (qwen3's tiny file ties it to the Q8_0 embedding, as the default
+    model does) runs with the final norm at the end of the stack's parallel region
+    (DecodeStack.run_head): the same tokens and logprobs, bit for bit, as the separate norm and
+    quant_linear call, at batch 1 and 4; a head it does not take (llama's Q6_K output) runs as before."""
+    from srt.model_executor.static_batch import StaticBatchGenerator
+    from srt.model_loader.default_model import resolve_model_path
+    from srt.sampling.sampling_params import SamplingParams
+
+    runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", dtype="bfloat16")
+    model = runner.model.model
+    stack = model.fused_decode_stack
+    if not stack.stack.lean_for(torch.bfloat16, 1):
+        pytest.skip("no lean path for these kernels on this CPU")
+    gen = StaticBatchGenerator(runner)
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    model.fused_decode_stack = counting = CountingStack(stack)
+    try:
+        fused = [gen.generate(p, params, return_logprob=True) for p in (PROMPTS[:1], PROMPTS)]
+        counting.run_head = lambda *args: None  # the layers on the stack, the norm and head after it
+        separate = [gen.generate(p, params, return_logprob=True) for p in (PROMPTS[:1], PROMPTS)]
+    finally:
+        model.fused_decode_stack = stack
+    assert counting.heads == (18 if arch == "qwen3-q4" else 0)  # every decode step of both batches, or none
+    for a, b in zip(fused, separate):
+        assert [r.output_ids for r in a] == [r.output_ids for r in b]
+        assert [r.output_logprobs for r in a] == [r.output_logprobs for r in b]
 
 
 def test_released_weights_come_back_to_the_lean_stack(gguf_files, runner_factory):
