@@ -157,18 +157,20 @@ def test_fair_share_lets_a_light_tenant_through_a_heavy_ones_queue(server):
     done: list[str] = []
     lock = threading.Lock()
 
-    def send(key: str, seed: int, tag: str) -> None:
-        r = gen(server, key, seed, new_tokens=24)
+    def send(key: str, seed: int, tag: str, new_tokens: int) -> None:
+        r = gen(server, key, seed, new_tokens=new_tokens)
         assert r.status_code == 200, r.text
         with lock:
             done.append(tag)
 
-    # bob queues 8 requests behind one slot; then carol sends one
-    heavy = [threading.Thread(target=send, args=("sk-bob", 100 + i, f"bob{i}")) for i in range(8)]
+    # bob queues 8 requests behind one slot; then carol sends one (bob's long enough that his queue
+    # is still there to be seen when the eighth arrives on a loaded machine: at 24 tokens each it
+    # once drained in between)
+    heavy = [threading.Thread(target=send, args=("sk-bob", 100 + i, f"bob{i}", 96)) for i in range(8)]
     for t in heavy:
         t.start()
     wait_until(lambda: server.state()["num_queue_reqs"] >= 6, 60, what="bob's queue")
-    light = threading.Thread(target=send, args=("sk-carol", 200, "carol"))
+    light = threading.Thread(target=send, args=("sk-carol", 200, "carol", 24))
     light.start()
     for t in [*heavy, light]:
         t.join(300)
