@@ -163,16 +163,7 @@ class FusedDecodeStack:
         """(last layer's output, residual stream), or None where the per-layer calls must run."""
         if not self._ready(hidden, fb):
             return None
-        backend = fb.attn_backend
-        return self.stack.run(
-            hidden,
-            positions,
-            fb.out_cache_loc,
-            fb.req_to_token_pool.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
-            backend.num_splits,
-        )
+        return self.stack.run(hidden, positions, *self._step_args(fb))
 
     def run_head(
         self, positions, hidden: torch.Tensor, fb, norm: nn.Module, lm_head: nn.Module
@@ -185,9 +176,12 @@ class FusedDecodeStack:
             return None
         if not self._ready(hidden, fb):
             return None
-        return self.stack.run_head(
-            hidden,
-            positions,
+        return self.stack.run_head(hidden, positions, *self._step_args(fb))
+
+    @staticmethod
+    def _step_args(fb) -> tuple:
+        """What a step passes the stack besides the hidden states and positions (DecodeStack.run)."""
+        return (
             fb.out_cache_loc,
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
