@@ -549,6 +549,7 @@ struct DecodeStack : torch::CustomClassHolder {
         radixserve_qvnni::split_rows(xf.data(), T, H, sh.data(), sl.data(), sd.data());
         const radixserve_qvnni::SplitActs sa{sh.data(), sl.data(), sd.data(), H, H / 32, false};
         const uint8_t* wp = head->w.data_ptr<uint8_t>();
+        const bool head_pf = radixserve_qvnni::head_prefetch(vocab * head_row_bytes);
         const int64_t tiles = vocab16 / radixserve_rowtiles::kRows;
         // a unit's logits as quant_linear's bf16 output, then as float32 (LogitsProcessor's .float())
         constexpr int64_t kUnitRows = kHeadTilesPerUnit * radixserve_rowtiles::kRows;
@@ -558,7 +559,7 @@ struct DecodeStack : torch::CustomClassHolder {
             const int64_t t0 = u * kHeadTilesPerUnit, t1 = std::min(tiles, t0 + kHeadTilesPerUnit);
             const int64_t j0 = t0 * radixserve_rowtiles::kRows, cols = (t1 - t0) * radixserve_rowtiles::kRows;
             radixserve_qvnni::tiles_q8(sa, T, wp + j0 * head_row_bytes, head_row_bytes, 0, t1 - t0, unit.data(),
-                                       kUnitRows);
+                                       kUnitRows, head_pf);
             for (int64_t t = 0; t < T; ++t)
               for (int64_t c = 0; c < cols; ++c) lp[t * vocab + j0 + c] = static_cast<float>(unit[t * kUnitRows + c]);
           } else {  // the rows after the last tile, in the file's layout
