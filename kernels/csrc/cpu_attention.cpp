@@ -276,6 +276,15 @@ struct A512 {
 #endif
 
 #if defined(RADIXSERVE_SIMD_ATTENTION)
+// RADIXSERVE_DISABLE_BF16_BLOCKS=1: bf16 rows through attend_simd instead (A/B measurements).
+inline bool bf16_blocks_disabled() {
+  static const bool off = [] {
+    const char* v = std::getenv("RADIXSERVE_DISABLE_BF16_BLOCKS");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return off;
+}
+
 // The SIMD loads return e4m3 values / 2^8 (exact fp16 conversion); this factor undoes it.
 template <int F>
 constexpr float simd_rebase() {
@@ -381,15 +390,6 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
 // One thread over a context of 1024 in L2: 15.7 -> 9.5 ns a position and head (2-core Xeon). Same
 // float32 arithmetic as attend_simd (exact products, float32 sums in another order, the same exp).
 namespace bf16x {
-
-// RADIXSERVE_DISABLE_BF16_BLOCKS=1: bf16 rows through attend_simd instead (A/B measurements).
-inline bool blocks_disabled() {
-  static const bool off = [] {
-    const char* v = std::getenv("RADIXSERVE_DISABLE_BF16_BLOCKS");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }();
-  return off;
-}
 
 inline __m512 even(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 inline __m512 odd(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
@@ -566,6 +566,178 @@ void attend(const float* q, int64_t rows_n, const int64_t* limit, const KvView& 
 }  // namespace bf16x
 #endif
 
+#if defined(RADIXSERVE_SIMD_ATTENTION)
+// ---- the same for AVX2: eight positions' scores to a vector, blocks of 16 ----
+//
+// bf16x on eight lanes. With sixteen ymm registers the outputs of a row (head_dim floats) stay in
+// an L1 buffer between blocks and each row takes the block's V rows on its own.
+namespace bf16y {
+
+inline __m256 even(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline __m256 odd(__m256i w) { return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536))); }
+
+// Four vectors to one: per 128-bit half, one partial sum of each of v[0..3]'s lanes, in order.
+inline __m256 fold4(const __m256* v) {
+  const __m256d a = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1])));
+  const __m256d b = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3])));
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+}
+
+// Two fold4 results (of v[0..7]) to one vector whose lane j is the sum of v[j]'s eight lanes.
+inline __m256 fold8(__m256 y0, __m256 y1) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
+}
+
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// vexp on eight lanes (the same clamp, rounding, reduction and polynomial).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x));
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// The first k of eight lanes, as an all-ones / zero lane mask.
+inline __m256 lanes(int64_t k) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t kk = static_cast<int32_t>(std::max<int64_t>(0, std::min<int64_t>(8, k)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(kk), iota));
+}
+
+// attend() for R query rows of head_dim 16 * NC over bf16 K / V rows.
+template <int NC, int R>
+void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, const int32_t* slots, int64_t start,
+          int64_t end, float* m_io, float* l_io, float* acc) {
+  constexpr int64_t d = 16 * NC, kHalf = 8, kBlock = 2 * kHalf, kAhead = 16;
+  const int64_t kv_heads = kv.kv_heads;
+  const c10::BFloat16* kbuf = static_cast<const c10::BFloat16*>(kv.k);
+  const c10::BFloat16* vbuf = static_cast<const c10::BFloat16*>(kv.v);
+  // query rows and outputs as (even, odd) eights of each chunk of 16: [row][chunk][even 8, odd 8]
+  alignas(32) float qs[R][NC][16], os[R][NC][16];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    m[r] = m_io[r], l[r] = l_io[r];
+    for (int c = 0; c < NC; ++c)
+      for (int i = 0; i < 8; ++i) {
+        qs[r][c][i] = q[r * d + 16 * c + 2 * i], qs[r][c][8 + i] = q[r * d + 16 * c + 2 * i + 1];
+        os[r][c][i] = acc[r * d + 16 * c + 2 * i], os[r][c][8 + i] = acc[r * d + 16 * c + 2 * i + 1];
+      }
+  }
+  alignas(32) float p[R][kBlock];
+  for (int64_t t0 = start; t0 < end; t0 += kBlock) {
+    const int64_t n = std::min(kBlock, end - t0);
+    __m256 s[R][2];
+    for (int h = 0; h < 2; ++h) {
+      __m256 y[R][2];
+      for (int64_t j4 = 0; j4 < kHalf; j4 += 4) {
+        __m256 dots[R][4];
+        for (int64_t u = 0; u < 4; ++u) {
+          const int64_t j = h * kHalf + j4 + u, pos = t0 + j;
+          if (j >= n) {
+            for (int r = 0; r < R; ++r) dots[r][u] = _mm256_setzero_ps();
+            continue;
+          }
+          if (pos + kAhead < end)
+            prefetch_kv<c10::BFloat16, kFloat>(kv, static_cast<int64_t>(slots[pos + kAhead]) * kv_heads + head, d);
+          const c10::BFloat16* krow = kbuf + (static_cast<int64_t>(slots[pos]) * kv_heads + head) * d;
+          __m256 x[R];
+          for (int r = 0; r < R; ++r) x[r] = _mm256_setzero_ps();
+          for (int c = 0; c < NC; ++c) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow + 16 * c));
+            const __m256 ke = even(w), ko = odd(w);
+            for (int r = 0; r < R; ++r)
+              x[r] = _mm256_fmadd_ps(_mm256_load_ps(qs[r][c] + 8), ko, _mm256_fmadd_ps(_mm256_load_ps(qs[r][c]), ke, x[r]));
+          }
+          for (int r = 0; r < R; ++r) dots[r][u] = x[r];
+        }
+        for (int r = 0; r < R; ++r) y[r][j4 / 4] = fold4(dots[r]);
+      }
+      for (int r = 0; r < R; ++r) s[r][h] = fold8(y[r][0], y[r][1]);
+    }
+    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+    for (int r = 0; r < R; ++r) {
+      const int64_t seen_n = std::min(n, limit[r] - t0);  // positions of the block row r sees
+      if (seen_n <= 0) {
+        for (int64_t j = 0; j < kBlock; ++j) p[r][j] = 0.f;
+        continue;
+      }
+      const __m256 k0 = lanes(seen_n), k1 = lanes(seen_n - kHalf);
+      const __m256 top = _mm256_max_ps(_mm256_blendv_ps(neg_inf, s[r][0], k0), _mm256_blendv_ps(neg_inf, s[r][1], k1));
+      const float m_new = std::max(m[r], hmax(top));
+      const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
+      const __m256 mv = _mm256_set1_ps(m_new);
+      const __m256 e0 = _mm256_and_ps(k0, exp8(_mm256_sub_ps(s[r][0], mv)));
+      const __m256 e1 = _mm256_and_ps(k1, exp8(_mm256_sub_ps(s[r][1], mv)));
+      _mm256_store_ps(p[r], e0);
+      _mm256_store_ps(p[r] + kHalf, e1);
+      l[r] = l[r] * corr + hsum(_mm256_add_ps(e0, e1));
+      m[r] = m_new;
+      // the row's outputs through this block's V rows, scaled by corr first
+      const __m256 cv = _mm256_set1_ps(corr);
+      __m256 oe[NC], oo[NC];
+      for (int c = 0; c < NC; ++c) {
+        oe[c] = _mm256_load_ps(os[r][c]), oo[c] = _mm256_load_ps(os[r][c] + 8);
+        if (corr != 1.f) oe[c] = _mm256_mul_ps(oe[c], cv), oo[c] = _mm256_mul_ps(oo[c], cv);
+      }
+      for (int64_t j = 0; j < std::min(n, seen_n); ++j) {
+        const c10::BFloat16* vrow = vbuf + (static_cast<int64_t>(slots[t0 + j]) * kv_heads + head) * d;
+        const __m256 pj = _mm256_set1_ps(p[r][j]);
+        for (int c = 0; c < NC; ++c) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + 16 * c));
+          oe[c] = _mm256_fmadd_ps(pj, even(w), oe[c]);
+          oo[c] = _mm256_fmadd_ps(pj, odd(w), oo[c]);
+        }
+      }
+      for (int c = 0; c < NC; ++c) _mm256_store_ps(os[r][c], oe[c]), _mm256_store_ps(os[r][c] + 8, oo[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    m_io[r] = m[r], l_io[r] = l[r];
+    for (int c = 0; c < NC; ++c)
+      for (int i = 0; i < 8; ++i)
+        acc[r * d + 16 * c + 2 * i] = os[r][c][i], acc[r * d + 16 * c + 2 * i + 1] = os[r][c][8 + i];
+  }
+}
+
+// Every query row, in blocks of up to four.
+template <int NC>
+void attend(const float* q, int64_t rows_n, const int64_t* limit, const KvView& kv, int64_t head,
+            const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc) {
+  constexpr int64_t d = 16 * NC, most = 4;
+  for (int64_t r0 = 0; r0 < rows_n; r0 += most) {
+    const int64_t k = std::min(most, rows_n - r0);
+    const float* qr = q + r0 * d;
+    float* ar = acc + r0 * d;
+    if (k == 1) rows<NC, 1>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
+    else if (k == 2) rows<NC, 2>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
+    else if (k == 3) rows<NC, 3>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
+    else rows<NC, 4>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
+  }
+}
+
+}  // namespace bf16y
+#endif
+
 template <typename T, int F>
 void attend(const float* q, int64_t rows, const int64_t* limit, const KvView& kv, int64_t head, int64_t d,
             const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc,
@@ -573,7 +745,7 @@ void attend(const float* q, int64_t rows, const int64_t* limit, const KvView& kv
   const int isa = radixserve_kernel_isa();
 #if defined(RADIXSERVE_SIMD_ATTENTION) && defined(__AVX512F__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && F == kFloat) {
-    if (isa >= 2 && (d == 64 || d == 128) && !bf16x::blocks_disabled()) {
+    if (isa >= 2 && (d == 64 || d == 128) && !bf16_blocks_disabled()) {
       if (d == 64) return bf16x::attend<2>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
       return bf16x::attend<4>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
     }
@@ -584,6 +756,12 @@ void attend(const float* q, int64_t rows, const int64_t* limit, const KvView& kv
   }
 #endif
 #if defined(RADIXSERVE_SIMD_ATTENTION)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && F == kFloat) {
+    if (isa >= 1 && (d == 64 || d == 128) && !bf16_blocks_disabled()) {
+      if (d == 64) return bf16y::attend<4>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
+      return bf16y::attend<8>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
+    }
+  }
   if (isa >= 1 && (d == 64 || d == 128)) {
     if (d == 64) return attend_simd<A256, T, F, 4>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
     return attend_simd<A256, T, F, 8>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
