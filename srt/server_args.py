@@ -184,6 +184,12 @@ class ServerArgs:
     enable_overlap_schedule: bool = SCHEDULING.opt(
         False, "overlap batch preparation with the forward on CPU too (on by default on GPU only)"
     )
+    stream_interval: int = SCHEDULING.opt(
+        1,
+        "a streaming request's output goes out every N new tokens (the first at once, the rest with the "
+        "final answer): fewer wake-ups of the detokenizer and HTTP processes, which share the cores",
+        ge=1,
+    )
 
     enable_priority_scheduling: bool = QOS.opt(
         False,

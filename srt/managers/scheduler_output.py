@@ -133,6 +133,9 @@ class SchedulerOutputProcessorMixin:
             new_ids = r.output_ids[r.sent_output_len :]
             if not r.finished and not new_ids:
                 continue
+            # --stream-interval: the first token goes out at once (time to first token), then every N
+            if not r.finished and r.sent_output_len and len(new_ids) < self.server_args.stream_interval:
+                continue
             p = r.sampling_params
             out.rids.append(r.rid)
             out.finished_reasons.append(r.finished_reason)

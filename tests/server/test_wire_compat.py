@@ -23,9 +23,11 @@ OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_id
 
 @pytest.fixture(scope="module")
 def incremental(shared_server, tiny_chat_model):
+    """Incremental chunks, and (SGLang's --stream-interval) a streamed request's tokens in threes."""
     return shared_server(
-        "--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--incremental-streaming-output"
-    )
+        "--model-path", tiny_chat_model, "--max-total-tokens", "8192", "--incremental-streaming-output",
+        "--stream-interval", "3",
+    )  # fmt: skip
 
 
 def stream(server, body: dict) -> list[dict]:
@@ -59,6 +61,15 @@ def test_streamed_chunks_add_up_to_the_final_answer(tiny_server, incremental, mo
     for key in OUTPUT_LISTS:
         assert [x for c in chunks for x in c["meta_info"][key]] == final["meta_info"][key]
     assert chunks[-1]["meta_info"]["input_token_logprobs"] == final["meta_info"]["input_token_logprobs"]
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_every_n(tiny_server, incremental):
+    body = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 14, "ignore_eos": True}}
+    every = [len(c["output_ids"]) for c in stream(tiny_server, body)]  # cumulative ids: 1, 2, ..., 14
+    assert every == list(range(1, 15))
+    sizes = [len(c["output_ids"]) for c in stream(incremental, body)]  # incremental: new ids per chunk
+    assert sizes[0] == 1 and sum(sizes) == 14
+    assert all(s == 3 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 3, sizes
 
 
 def test_incremental_stream_of_a_batch_keeps_each_index_apart(incremental):
