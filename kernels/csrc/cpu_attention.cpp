@@ -375,8 +375,8 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
 
 #endif  // RADIXSERVE_SIMD_ATTENTION
 
-#if defined(RADIXSERVE_SIMD_ATTENTION) && defined(__AVX512F__)
-// ---- bf16 K / V rows, head_dim 32 * NC, on AVX-512: sixteen positions' scores to a vector ----
+#if defined(RADIXSERVE_SIMD_ATTENTION)
+// ---- bf16 K / V rows, head_dim 64 or 128: a vector of positions' scores at a time ----
 //
 // attend_simd reduces each position's dot products across a vector on its own (two extracts and a
 // horizontal add tree per position) and writes the scores one float at a time: on the default model
@@ -384,122 +384,165 @@ void attend_simd(const float* q, int64_t rows, const int64_t* limit, const KvVie
 // and FMAs' worth, and a batch-1 step's attention ran at 10-20 GB/s against ~50 for its weights. Here
 // a bf16 pair in a 32-bit lane is two floats with one op each (the odd element is the lane with its
 // low half cleared, the even one the lane shifted left by 16), so K and V rows become float vectors of
-// their even and odd elements, the query rows and the outputs are kept in that order, and sixteen
-// positions' dot products are reduced together into one vector of sixteen scores (an add tree across
-// the sixteen, ~3 ops a position and row) that the softmax takes whole, two such vectors a block.
-// One thread over a context of 1024 in L2: 15.7 -> 9.5 ns a position and head (2-core Xeon). Same
-// float32 arithmetic as attend_simd (exact products, float32 sums in another order, the same exp).
-namespace bf16x {
+// their even and odd elements, the query rows and the outputs are kept in that order, and a vector's
+// worth of positions' dot products (sixteen on AVX-512, eight on AVX2) are reduced together into one
+// vector of scores (an add tree across them, ~3 ops a position and row) that the softmax takes whole,
+// two such vectors a block. One thread over a context of 1024 in L2 (2-core Xeon): 15.7 -> 9.5 ns a
+// position and head on AVX-512, 25.7 -> 17.2 on AVX2. Same float32 arithmetic as attend_simd (exact
+// products, float32 sums in another order, the same exp).
+namespace bf16blocks {
 
-inline __m512 even(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
-inline __m512 odd(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
+// The vector ops the shared parts take: V holds kLanes floats, a K / V chunk is kChunk bf16 values
+// (one load) that pair() splits into even and odd floats; fold4 takes four vectors to one holding, per
+// 128-bit group, a partial sum of each of the four in order, and fold() kLanes / 4 of those to one
+// vector whose lane j is the whole sum of the j-th.
+struct B256 {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8, kChunk = 16;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V clamp(V x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, set1(lo)), set1(hi)); }
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {  // 2^n for integral n in float range
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static void pair(const c10::BFloat16* p, V& e, V& o) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    e = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    o = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+  }
+  static V fold4(const V* v) {
+    const __m256d a = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1])));
+    const __m256d b = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3])));
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  static V fold(const V* y) {  // two fold4 results: each one's two halves added
+    return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20), _mm256_permute2f128_ps(y[0], y[1], 0x31));
+  }
+};
 
-// Four vectors to one: per 128-bit group, one partial sum of each of v[0..3]'s lanes, in order.
-inline __m512 fold4(const __m512* v) {
-  // per group: v[0]'s partials in lanes 0, 2 and v[1]'s in 1, 3 (and so for v[2], v[3])
-  const __m512d a = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1])));
-  const __m512d b = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3])));
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+#if defined(__AVX512F__)
+struct B512 {
+  using V = __m512;
+  static constexpr int64_t kLanes = 16, kChunk = 32;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V clamp(V x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, set1(lo)), set1(hi)); }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static void pair(const c10::BFloat16* p, V& e, V& o) {
+    const __m512i w = _mm512_loadu_si512(p);
+    e = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    o = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+  }
+  static V fold4(const V* v) {
+    const __m512d a = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1])));
+    const __m512d b = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3])));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  static V fold(const V* y) {  // four fold4 results: groups 0, 1 of each pair's first, 2, 3 of its second
+    const V z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+    const V z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+  }
+};
+#endif
+
+// vexp on a vector (the same clamp, rounding, reduction and polynomial).
+template <class X>
+inline typename X::V exp_v(typename X::V x) {
+  using V = typename X::V;
+  x = X::clamp(x, -87.0f, 88.0f);
+  const V n = X::round(X::mul(x, X::set1(1.44269504088896341f)));
+  const V r = X::fnma(n, X::set1(1.428606765330187045e-06f), X::fnma(n, X::set1(0.693145751953125f), x));
+  V p = X::set1(1.f / 720.f);
+  p = X::fma(p, r, X::set1(1.f / 120.f));
+  p = X::fma(p, r, X::set1(1.f / 24.f));
+  p = X::fma(p, r, X::set1(1.f / 6.f));
+  p = X::fma(p, r, X::set1(0.5f));
+  p = X::fma(p, r, X::set1(1.f));
+  p = X::fma(p, r, X::set1(1.f));
+  return X::mul(p, X::pow2(n));
 }
 
-// Four fold4 results (of v[0..15]) to one vector whose lane j is the sum of v[j]'s sixteen lanes.
-inline __m512 fold16(const __m512* y) {
-  // groups 0, 1: two halves of y[0]'s sums, 2, 3: of y[1]'s (and so for y[2], y[3])
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+// Scores of R query rows for positions t0 + first + [0, kLanes) (those from n on: 0) into s[r], lane j
+// for position t0 + first + j. q(r, c, odd) is row r's even or odd floats of chunk c. Four positions at
+// a time, their dot products folded at once (the first two levels of the add tree), so that only R *
+// kLanes / 4 vectors wait for the rest.
+template <class X, int NC, int R, class Q>
+inline void scores(const KvView& kv, int64_t head, const int32_t* slots, int64_t t0, int64_t first, int64_t n,
+                   int64_t end, Q&& q, typename X::V* s) {
+  using V = typename X::V;
+  constexpr int64_t d = X::kChunk * NC, kAhead = 16;
+  const c10::BFloat16* kbuf = static_cast<const c10::BFloat16*>(kv.k);
+  V y[R][X::kLanes / 4];
+  for (int64_t j4 = 0; j4 < X::kLanes; j4 += 4) {
+    V dots[R][4];
+    for (int64_t u = 0; u < 4; ++u) {
+      const int64_t j = first + j4 + u, pos = t0 + j;
+      if (j >= n) {
+        for (int r = 0; r < R; ++r) dots[r][u] = X::zero();
+        continue;
+      }
+      if (pos + kAhead < end)
+        prefetch_kv<c10::BFloat16, kFloat>(kv, static_cast<int64_t>(slots[pos + kAhead]) * kv.kv_heads + head, d);
+      const c10::BFloat16* krow = kbuf + (static_cast<int64_t>(slots[pos]) * kv.kv_heads + head) * d;
+      V x[R];
+      for (int r = 0; r < R; ++r) x[r] = X::zero();
+      for (int c = 0; c < NC; ++c) {
+        V e, o;
+        X::pair(krow + X::kChunk * c, e, o);
+        for (int r = 0; r < R; ++r) x[r] = X::fma(q(r, c, 1), o, X::fma(q(r, c, 0), e, x[r]));
+      }
+      for (int r = 0; r < R; ++r) dots[r][u] = x[r];
+    }
+    for (int r = 0; r < R; ++r) y[r][j4 / 4] = X::fold4(dots[r]);
+  }
+  for (int r = 0; r < R; ++r) s[r] = X::fold(y[r]);
 }
 
-// vexp on sixteen lanes (the same clamp, rounding, reduction and polynomial).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-// Floats [32c, 32c + 32) of a row as (even, odd) vectors, and back.
-inline void split(const float* row, __m512& e, __m512& o) {
+#if defined(__AVX512F__)
+// attend() for R query rows of head_dim 32 * NC on AVX-512, in blocks of 32 positions (two vectors of
+// scores a row: the online softmax's chain of reductions and exps, which the next block waits on, once
+// per 32); the rows' outputs stay in registers.
+template <int NC, int R>
+void rows512(const float* q, const int64_t* limit, const KvView& kv, int64_t head, const int32_t* slots,
+             int64_t start, int64_t end, float* m_io, float* l_io, float* acc) {
+  using X = B512;
+  constexpr int64_t d = 32 * NC, kHalf = 16, kBlock = 2 * kHalf;
   const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  const __m512 lo = _mm512_loadu_ps(row), hi = _mm512_loadu_ps(row + 16);
-  e = _mm512_permutex2var_ps(lo, ie, hi);
-  o = _mm512_permutex2var_ps(lo, io, hi);
-}
-inline void join(__m512 e, __m512 o, float* row) {
-  const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i ih = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  _mm512_storeu_ps(row, _mm512_permutex2var_ps(e, il, o));
-  _mm512_storeu_ps(row + 16, _mm512_permutex2var_ps(e, ih, o));
-}
-
-// attend() for R query rows of head_dim 32 * NC over bf16 K / V rows, in blocks of 32 positions (two
-// vectors of scores a row: the online softmax's chain of reductions and exps, which the next block
-// waits on, once per 32).
-template <int NC, int R>
-void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, const int32_t* slots, int64_t start,
-          int64_t end, float* m_io, float* l_io, float* acc) {
-  constexpr int64_t d = 32 * NC, kHalf = 16, kBlock = 2 * kHalf, kAhead = 16;
-  const int64_t kv_heads = kv.kv_heads;
-  const c10::BFloat16* kbuf = static_cast<const c10::BFloat16*>(kv.k);
+  auto split = [&](const float* row, __m512& e, __m512& o) {  // floats [0, 32) as (even, odd)
+    const __m512 lo = _mm512_loadu_ps(row), hi = _mm512_loadu_ps(row + 16);
+    e = _mm512_permutex2var_ps(lo, ie, hi), o = _mm512_permutex2var_ps(lo, io, hi);
+  };
   const c10::BFloat16* vbuf = static_cast<const c10::BFloat16*>(kv.v);
-  __m512 qe[R][NC], qo[R][NC], oe[R][NC], oo[R][NC];
+  __m512 qv[R][NC][2], oe[R][NC], oo[R][NC];
   float m[R], l[R];
   for (int r = 0; r < R; ++r) {
     m[r] = m_io[r], l[r] = l_io[r];
     for (int c = 0; c < NC; ++c) {
-      split(q + r * d + 32 * c, qe[r][c], qo[r][c]);
+      split(q + r * d + 32 * c, qv[r][c][0], qv[r][c][1]);
       split(acc + r * d + 32 * c, oe[r][c], oo[r][c]);
     }
   }
+  auto qf = [&](int r, int c, int odd) { return qv[r][c][odd]; };
+  auto lanes = [](int64_t k) {  // the first k of 16 lanes
+    return static_cast<__mmask16>(k >= kHalf ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1);
+  };
   alignas(64) float p[R][kBlock];
   for (int64_t t0 = start; t0 < end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, end - t0);
-    __m512 s[R][2];
-    for (int h = 0; h < 2; ++h) {
-      // four positions at a time, their dot products folded at once to one vector a row (the first two
-      // levels of the add tree), so that only R * 4 of them wait for the last two
-      __m512 y[R][4];
-      for (int64_t j4 = 0; j4 < kHalf; j4 += 4) {
-        __m512 dots[R][4];
-        for (int64_t u = 0; u < 4; ++u) {
-          const int64_t j = h * kHalf + j4 + u, pos = t0 + j;
-          if (j >= n) {
-            for (int r = 0; r < R; ++r) dots[r][u] = _mm512_setzero_ps();
-            continue;
-          }
-          if (pos + kAhead < end)
-            prefetch_kv<c10::BFloat16, kFloat>(kv, static_cast<int64_t>(slots[pos + kAhead]) * kv_heads + head, d);
-          const c10::BFloat16* krow = kbuf + (static_cast<int64_t>(slots[pos]) * kv_heads + head) * d;
-          __m512 ke[NC], ko[NC];
-          for (int c = 0; c < NC; ++c) {
-            const __m512i w = _mm512_loadu_si512(krow + 32 * c);
-            ke[c] = even(w), ko[c] = odd(w);
-          }
-          for (int r = 0; r < R; ++r) {
-            __m512 x = _mm512_mul_ps(qe[r][0], ke[0]);
-            x = _mm512_fmadd_ps(qo[r][0], ko[0], x);
-            for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qo[r][c], ko[c], _mm512_fmadd_ps(qe[r][c], ke[c], x));
-            dots[r][u] = x;
-          }
-        }
-        for (int r = 0; r < R; ++r) y[r][j4 / 4] = fold4(dots[r]);
-      }
-      for (int r = 0; r < R; ++r) s[r][h] = fold16(y[r]);
-    }
-    auto lanes = [](int64_t k) {  // the first k of 16 lanes
-      return static_cast<__mmask16>(k >= kHalf ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1);
-    };
+    __m512 s[2][R];
+    for (int h = 0; h < 2; ++h) scores<X, NC, R>(kv, head, slots, t0, h * kHalf, n, end, qf, s[h]);
     for (int r = 0; r < R; ++r) {
       const int64_t seen_n = std::min(n, limit[r] - t0);  // positions of the block row r sees
       const __mmask16 s0 = lanes(seen_n), s1 = lanes(seen_n - kHalf);
@@ -507,13 +550,13 @@ void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, 
         for (int64_t j = 0; j < kBlock; ++j) p[r][j] = 0.f;
         continue;
       }
-      const __m512 top = _mm512_mask_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), s0, s[r][0]), s1, s[r][0],
-                                            s[r][1]);
+      const __m512 top = _mm512_mask_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), s0, s[0][r]), s1, s[0][r],
+                                            s[1][r]);
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(top));
       const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
       const __m512 mv = _mm512_set1_ps(m_new);
-      const __m512 e0 = _mm512_maskz_mov_ps(s0, exp16(_mm512_sub_ps(s[r][0], mv)));
-      const __m512 e1 = _mm512_maskz_mov_ps(s1, exp16(_mm512_sub_ps(s[r][1], mv)));
+      const __m512 e0 = _mm512_maskz_mov_ps(s0, exp_v<X>(_mm512_sub_ps(s[0][r], mv)));
+      const __m512 e1 = _mm512_maskz_mov_ps(s1, exp_v<X>(_mm512_sub_ps(s[1][r], mv)));
       _mm512_store_ps(p[r], e0);
       _mm512_store_ps(p[r] + kHalf, e1);
       l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
@@ -524,12 +567,9 @@ void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, 
       }
     }
     for (int64_t j = 0; j < n; ++j) {
-      const c10::BFloat16* vrow = vbuf + (static_cast<int64_t>(slots[t0 + j]) * kv_heads + head) * d;
+      const c10::BFloat16* vrow = vbuf + (static_cast<int64_t>(slots[t0 + j]) * kv.kv_heads + head) * d;
       __m512 ve[NC], vo[NC];
-      for (int c = 0; c < NC; ++c) {
-        const __m512i w = _mm512_loadu_si512(vrow + 32 * c);
-        ve[c] = even(w), vo[c] = odd(w);
-      }
+      for (int c = 0; c < NC; ++c) X::pair(vrow + 32 * c, ve[c], vo[c]);
       for (int r = 0; r < R; ++r) {
         const __m512 pj = _mm512_set1_ps(p[r][j]);
         for (int c = 0; c < NC; ++c) {
@@ -539,98 +579,38 @@ void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, 
       }
     }
   }
+  const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i ih = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int r = 0; r < R; ++r) {
     m_io[r] = m[r], l_io[r] = l[r];
-    for (int c = 0; c < NC; ++c) join(oe[r][c], oo[r][c], acc + r * d + 32 * c);
-  }
-}
-
-// Every query row, in blocks of up to four (two at head_dim 128, whose outputs take twice the registers).
-template <int NC>
-void attend(const float* q, int64_t rows_n, const int64_t* limit, const KvView& kv, int64_t head,
-            const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc) {
-  constexpr int64_t d = 32 * NC, most = NC <= 2 ? 4 : 2;
-  for (int64_t r0 = 0; r0 < rows_n; r0 += most) {
-    const int64_t k = std::min(most, rows_n - r0);
-    const float* qr = q + r0 * d;
-    float* ar = acc + r0 * d;
-    if (k == 1) rows<NC, 1>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
-    else if (k == 2) rows<NC, 2>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
-    else if constexpr (most > 2) {
-      if (k == 3) rows<NC, 3>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
-      else rows<NC, 4>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
+    for (int c = 0; c < NC; ++c) {
+      float* row = acc + r * d + 32 * c;
+      _mm512_storeu_ps(row, _mm512_permutex2var_ps(oe[r][c], il, oo[r][c]));
+      _mm512_storeu_ps(row + 16, _mm512_permutex2var_ps(oe[r][c], ih, oo[r][c]));
     }
   }
 }
-
-}  // namespace bf16x
 #endif
 
-#if defined(RADIXSERVE_SIMD_ATTENTION)
-// ---- the same for AVX2: eight positions' scores to a vector, blocks of 16 ----
-//
-// bf16x on eight lanes. With sixteen ymm registers the outputs of a row (head_dim floats) stay in
-// an L1 buffer between blocks and each row takes the block's V rows on its own.
-namespace bf16y {
-
-inline __m256 even(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
-inline __m256 odd(__m256i w) { return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536))); }
-
-// Four vectors to one: per 128-bit half, one partial sum of each of v[0..3]'s lanes, in order.
-inline __m256 fold4(const __m256* v) {
-  const __m256d a = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1])));
-  const __m256d b = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3])));
-  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-}
-
-// Two fold4 results (of v[0..7]) to one vector whose lane j is the sum of v[j]'s eight lanes.
-inline __m256 fold8(__m256 y0, __m256 y1) {
-  return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
-}
-
-inline float hmax(__m256 v) {
+inline float hmax256(__m256 v) {
   __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
-inline float hsum(__m256 v) {
+inline float hsum256(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// vexp on eight lanes (the same clamp, rounding, reduction and polynomial).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f),
-                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x));
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-// The first k of eight lanes, as an all-ones / zero lane mask.
-inline __m256 lanes(int64_t k) {
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const int32_t kk = static_cast<int32_t>(std::max<int64_t>(0, std::min<int64_t>(8, k)));
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(kk), iota));
-}
-
-// attend() for R query rows of head_dim 16 * NC over bf16 K / V rows.
+// attend() for R query rows of head_dim 16 * NC on AVX2, in blocks of 16 positions. With sixteen ymm
+// registers a row's outputs stay in an L1 buffer between blocks and each row takes the block's V rows
+// on its own.
 template <int NC, int R>
-void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, const int32_t* slots, int64_t start,
-          int64_t end, float* m_io, float* l_io, float* acc) {
-  constexpr int64_t d = 16 * NC, kHalf = 8, kBlock = 2 * kHalf, kAhead = 16;
-  const int64_t kv_heads = kv.kv_heads;
-  const c10::BFloat16* kbuf = static_cast<const c10::BFloat16*>(kv.k);
+void rows256(const float* q, const int64_t* limit, const KvView& kv, int64_t head, const int32_t* slots,
+             int64_t start, int64_t end, float* m_io, float* l_io, float* acc) {
+  using X = B256;
+  constexpr int64_t d = 16 * NC, kHalf = 8, kBlock = 2 * kHalf;
   const c10::BFloat16* vbuf = static_cast<const c10::BFloat16*>(kv.v);
   // query rows and outputs as (even, odd) eights of each chunk of 16: [row][chunk][even 8, odd 8]
   alignas(32) float qs[R][NC][16], os[R][NC][16];
@@ -643,54 +623,30 @@ void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, 
         os[r][c][i] = acc[r * d + 16 * c + 2 * i], os[r][c][8 + i] = acc[r * d + 16 * c + 2 * i + 1];
       }
   }
+  auto qf = [&](int r, int c, int odd) { return _mm256_load_ps(qs[r][c] + 8 * odd); };
+  auto lanes = [](int64_t k) {  // the first k of eight lanes, as an all-ones / zero lane mask
+    const int32_t kk = static_cast<int32_t>(std::max<int64_t>(0, std::min<int64_t>(8, k)));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(kk), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  };
   alignas(32) float p[R][kBlock];
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int64_t t0 = start; t0 < end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, end - t0);
-    __m256 s[R][2];
-    for (int h = 0; h < 2; ++h) {
-      __m256 y[R][2];
-      for (int64_t j4 = 0; j4 < kHalf; j4 += 4) {
-        __m256 dots[R][4];
-        for (int64_t u = 0; u < 4; ++u) {
-          const int64_t j = h * kHalf + j4 + u, pos = t0 + j;
-          if (j >= n) {
-            for (int r = 0; r < R; ++r) dots[r][u] = _mm256_setzero_ps();
-            continue;
-          }
-          if (pos + kAhead < end)
-            prefetch_kv<c10::BFloat16, kFloat>(kv, static_cast<int64_t>(slots[pos + kAhead]) * kv_heads + head, d);
-          const c10::BFloat16* krow = kbuf + (static_cast<int64_t>(slots[pos]) * kv_heads + head) * d;
-          __m256 x[R];
-          for (int r = 0; r < R; ++r) x[r] = _mm256_setzero_ps();
-          for (int c = 0; c < NC; ++c) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow + 16 * c));
-            const __m256 ke = even(w), ko = odd(w);
-            for (int r = 0; r < R; ++r)
-              x[r] = _mm256_fmadd_ps(_mm256_load_ps(qs[r][c] + 8), ko, _mm256_fmadd_ps(_mm256_load_ps(qs[r][c]), ke, x[r]));
-          }
-          for (int r = 0; r < R; ++r) dots[r][u] = x[r];
-        }
-        for (int r = 0; r < R; ++r) y[r][j4 / 4] = fold4(dots[r]);
-      }
-      for (int r = 0; r < R; ++r) s[r][h] = fold8(y[r][0], y[r][1]);
-    }
-    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+    __m256 s[2][R];
+    for (int h = 0; h < 2; ++h) scores<X, NC, R>(kv, head, slots, t0, h * kHalf, n, end, qf, s[h]);
     for (int r = 0; r < R; ++r) {
       const int64_t seen_n = std::min(n, limit[r] - t0);  // positions of the block row r sees
-      if (seen_n <= 0) {
-        for (int64_t j = 0; j < kBlock; ++j) p[r][j] = 0.f;
-        continue;
-      }
+      if (seen_n <= 0) continue;
       const __m256 k0 = lanes(seen_n), k1 = lanes(seen_n - kHalf);
-      const __m256 top = _mm256_max_ps(_mm256_blendv_ps(neg_inf, s[r][0], k0), _mm256_blendv_ps(neg_inf, s[r][1], k1));
-      const float m_new = std::max(m[r], hmax(top));
+      const __m256 top = _mm256_max_ps(_mm256_blendv_ps(neg_inf, s[0][r], k0), _mm256_blendv_ps(neg_inf, s[1][r], k1));
+      const float m_new = std::max(m[r], hmax256(top));
       const float corr = m[r] == kNegInf ? 0.f : vexp(m[r] - m_new);
       const __m256 mv = _mm256_set1_ps(m_new);
-      const __m256 e0 = _mm256_and_ps(k0, exp8(_mm256_sub_ps(s[r][0], mv)));
-      const __m256 e1 = _mm256_and_ps(k1, exp8(_mm256_sub_ps(s[r][1], mv)));
+      const __m256 e0 = _mm256_and_ps(k0, exp_v<X>(_mm256_sub_ps(s[0][r], mv)));
+      const __m256 e1 = _mm256_and_ps(k1, exp_v<X>(_mm256_sub_ps(s[1][r], mv)));
       _mm256_store_ps(p[r], e0);
       _mm256_store_ps(p[r] + kHalf, e1);
-      l[r] = l[r] * corr + hsum(_mm256_add_ps(e0, e1));
+      l[r] = l[r] * corr + hsum256(_mm256_add_ps(e0, e1));
       m[r] = m_new;
       // the row's outputs through this block's V rows, scaled by corr first
       const __m256 cv = _mm256_set1_ps(corr);
@@ -699,13 +655,14 @@ void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, 
         oe[c] = _mm256_load_ps(os[r][c]), oo[c] = _mm256_load_ps(os[r][c] + 8);
         if (corr != 1.f) oe[c] = _mm256_mul_ps(oe[c], cv), oo[c] = _mm256_mul_ps(oo[c], cv);
       }
-      for (int64_t j = 0; j < std::min(n, seen_n); ++j) {
-        const c10::BFloat16* vrow = vbuf + (static_cast<int64_t>(slots[t0 + j]) * kv_heads + head) * d;
+      for (int64_t j = 0; j < seen_n; ++j) {
+        const c10::BFloat16* vrow = vbuf + (static_cast<int64_t>(slots[t0 + j]) * kv.kv_heads + head) * d;
         const __m256 pj = _mm256_set1_ps(p[r][j]);
         for (int c = 0; c < NC; ++c) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + 16 * c));
-          oe[c] = _mm256_fmadd_ps(pj, even(w), oe[c]);
-          oo[c] = _mm256_fmadd_ps(pj, odd(w), oo[c]);
+          __m256 ve, vo;
+          X::pair(vrow + 16 * c, ve, vo);
+          oe[c] = _mm256_fmadd_ps(pj, ve, oe[c]);
+          oo[c] = _mm256_fmadd_ps(pj, vo, oo[c]);
         }
       }
       for (int c = 0; c < NC; ++c) _mm256_store_ps(os[r][c], oe[c]), _mm256_store_ps(os[r][c] + 8, oo[c]);
@@ -719,23 +676,50 @@ void rows(const float* q, const int64_t* limit, const KvView& kv, int64_t head, 
   }
 }
 
-// Every query row, in blocks of up to four.
+// rows512 / rows256 for k query rows, k up to four (two at head_dim 128 on AVX-512, whose outputs take
+// twice the registers).
+#if defined(__AVX512F__)
 template <int NC>
-void attend(const float* q, int64_t rows_n, const int64_t* limit, const KvView& kv, int64_t head,
-            const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc) {
-  constexpr int64_t d = 16 * NC, most = 4;
-  for (int64_t r0 = 0; r0 < rows_n; r0 += most) {
-    const int64_t k = std::min(most, rows_n - r0);
-    const float* qr = q + r0 * d;
-    float* ar = acc + r0 * d;
-    if (k == 1) rows<NC, 1>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
-    else if (k == 2) rows<NC, 2>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
-    else if (k == 3) rows<NC, 3>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
-    else rows<NC, 4>(qr, limit + r0, kv, head, slots, start, end, m + r0, l + r0, ar);
+void rows512_k(int k, const float* q, const int64_t* limit, const KvView& kv, int64_t head, const int32_t* slots,
+               int64_t start, int64_t end, float* m, float* l, float* acc) {
+  if (k == 1) rows512<NC, 1>(q, limit, kv, head, slots, start, end, m, l, acc);
+  else if (k == 2) rows512<NC, 2>(q, limit, kv, head, slots, start, end, m, l, acc);
+  else if constexpr (NC == 2) {
+    if (k == 3) rows512<NC, 3>(q, limit, kv, head, slots, start, end, m, l, acc);
+    else rows512<NC, 4>(q, limit, kv, head, slots, start, end, m, l, acc);
   }
 }
+#endif
+template <int NC>
+void rows256_k(int k, const float* q, const int64_t* limit, const KvView& kv, int64_t head, const int32_t* slots,
+               int64_t start, int64_t end, float* m, float* l, float* acc) {
+  if (k == 1) rows256<NC, 1>(q, limit, kv, head, slots, start, end, m, l, acc);
+  else if (k == 2) rows256<NC, 2>(q, limit, kv, head, slots, start, end, m, l, acc);
+  else if (k == 3) rows256<NC, 3>(q, limit, kv, head, slots, start, end, m, l, acc);
+  else rows256<NC, 4>(q, limit, kv, head, slots, start, end, m, l, acc);
+}
 
-}  // namespace bf16y
+// attend() for head_dim 64 / 128 on the widest vectors this build and the capped ISA allow; false where
+// neither applies (the caller takes attend_simd).
+inline bool attend(int isa, const float* q, int64_t rows_n, const int64_t* limit, const KvView& kv, int64_t head,
+                   int64_t d, const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc) {
+  using RowsK = void (*)(int, const float*, const int64_t*, const KvView&, int64_t, const int32_t*, int64_t, int64_t,
+                         float*, float*, float*);
+  auto blocks = [&](int64_t most, RowsK rows_k) {
+    for (int64_t r0 = 0; r0 < rows_n; r0 += most)
+      rows_k(static_cast<int>(std::min(most, rows_n - r0)), q + r0 * d, limit + r0, kv, head, slots, start, end,
+             m + r0, l + r0, acc + r0 * d);
+    return true;
+  };
+  if (d != 64 && d != 128) return false;
+#if defined(__AVX512F__)
+  if (isa >= 2) return d == 64 ? blocks(4, rows512_k<2>) : blocks(2, rows512_k<4>);
+#endif
+  if (isa >= 1) return d == 64 ? blocks(4, rows256_k<4>) : blocks(4, rows256_k<8>);
+  return false;
+}
+
+}  // namespace bf16blocks
 #endif
 
 template <typename T, int F>
@@ -743,25 +727,20 @@ void attend(const float* q, int64_t rows, const int64_t* limit, const KvView& kv
             const int32_t* slots, int64_t start, int64_t end, float* m, float* l, float* acc,
             std::vector<float>& scores) {
   const int isa = radixserve_kernel_isa();
-#if defined(RADIXSERVE_SIMD_ATTENTION) && defined(__AVX512F__)
+#if defined(RADIXSERVE_SIMD_ATTENTION)
   if constexpr (std::is_same_v<T, c10::BFloat16> && F == kFloat) {
-    if (isa >= 2 && (d == 64 || d == 128) && !bf16_blocks_disabled()) {
-      if (d == 64) return bf16x::attend<2>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
-      return bf16x::attend<4>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
-    }
+    if (!bf16_blocks_disabled() &&
+        bf16blocks::attend(isa, q, rows, limit, kv, head, d, slots, start, end, m, l, acc))
+      return;
   }
+#endif
+#if defined(RADIXSERVE_SIMD_ATTENTION) && defined(__AVX512F__)
   if (isa >= 2 && (d == 64 || d == 128)) {
     if (d == 64) return attend_simd<A512, T, F, 4>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
     return attend_simd<A512, T, F, 8>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
   }
 #endif
 #if defined(RADIXSERVE_SIMD_ATTENTION)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && F == kFloat) {
-    if (isa >= 1 && (d == 64 || d == 128) && !bf16_blocks_disabled()) {
-      if (d == 64) return bf16y::attend<4>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
-      return bf16y::attend<8>(q, rows, limit, kv, head, slots, start, end, m, l, acc);
-    }
-  }
   if (isa >= 1 && (d == 64 || d == 128)) {
     if (d == 64) return attend_simd<A256, T, F, 4>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
     return attend_simd<A256, T, F, 8>(q, rows, limit, kv, head, slots, start, end, m, l, acc, scores);
