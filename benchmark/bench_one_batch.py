@@ -77,7 +77,8 @@ def bench_ours(
         kv_cache_dtype=kv_cache_dtype,
         load_format=args.load_format,
     )
-    gen = StaticBatchGenerator(ModelRunner(ModelConfig.from_path(path), sa))
+    steps = getattr(args, "num_continuous_decode_steps", 1)  # greedy decode steps a call (as the server's flag)
+    gen = StaticBatchGenerator(ModelRunner(ModelConfig.from_path(path), sa), decode_steps=steps)
     if runner_box is not None:
         runner_box.append(gen.runner)
     vocab = gen.runner.model_config.vocab_size
@@ -467,6 +468,12 @@ def main() -> None:
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument(
         "--attention-backend", default="cpu", help="comma-separated backends to compare, e.g. cpu,torch_native"
+    )
+    p.add_argument(
+        "--num-continuous-decode-steps",
+        type=int,
+        default=1,
+        help="decode steps per call in the decode runs (the server's flag of that name; greedy runs take them all)",
     )
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same weights")
     p.add_argument("--output-file", default=None, help="append one JSON record per run")

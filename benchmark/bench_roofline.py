@@ -286,7 +286,7 @@ def paired_decode(runner, args, read_bw, bytes_token: float) -> dict:
     (`read_bw()`, GB/s: the faster of the big buffer's and the step-sized one's): each run's tok/s
     against the memory limit at the faster of its two readings, so a run is held to the rate the
     machine had around it."""
-    gen = StaticBatchGenerator(runner)
+    gen = StaticBatchGenerator(runner, decode_steps=args.num_continuous_decode_steps)
     vocab = runner.model_config.vocab_size
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
     runs = []
@@ -317,6 +317,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None, 
         prefill_len=args.prefill_len,
         load_format="auto",
         model_repeats=args.model_repeats,
+        num_continuous_decode_steps=args.num_continuous_decode_steps,
     )
     print(f"model {path}: loading, then prefill {args.prefill_len} and decode at batch {sizes} ...", flush=True)
     box: list[ModelRunner] = []
@@ -402,6 +403,7 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None, 
         )
     return {
         "model_path": path,
+        "num_continuous_decode_steps": args.num_continuous_decode_steps,
         "dtype": str(runner.dtype).removeprefix("torch."),
         "weight_report": runner.weight_report,
         "weight_bytes_read_per_step": weights[1],
@@ -486,6 +488,11 @@ def print_model(m: dict, threads: int, args) -> None:
             "read again and again, a buffer of each figure's bytes per step (the caches hold what fits; the "
             "faster rate is its limit's): "
             + "; ".join(f"{f['figure']} {f['step_mb']:,.1f} MB {f['step_bandwidth_gb_s']:,.1f} GB/s" for f in steps)
+        )
+    if m.get("num_continuous_decode_steps", 1) > 1:
+        print(
+            f"decode figures: up to {m['num_continuous_decode_steps']} greedy steps a call "
+            "(--num-continuous-decode-steps)"
         )
     if m["not_modelled"]:
         print(f"warning: the FLOPs model is a dense one; this model has {m['not_modelled']} (limits approximate)")
@@ -589,6 +596,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64, help="batch size of the wide decode figure")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request in the decode runs")
     p.add_argument("--output-len", type=int, default=32, help="new tokens per request in the decode runs")
+    p.add_argument(
+        "--num-continuous-decode-steps",
+        type=int,
+        default=1,
+        help="greedy decode steps per call in the decode figures (the server's flag of that name)",
+    )
     p.add_argument("--skip-model", action="store_true", help="measure the machine only")
     p.add_argument("--model-repeats", type=int, default=3, help="runs of each model figure (best taken)")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth buffer")

@@ -190,6 +190,13 @@ class ServerArgs:
         "final answer): fewer wake-ups of the detokenizer and HTTP processes, which share the cores",
         ge=1,
     )
+    num_continuous_decode_steps: int = SCHEDULING.opt(
+        1,
+        "decode up to N steps in one call of the model worker when every running request is greedy (the "
+        "scheduler and, on CPU, Python between steps run once for the N): more tokens a second at small "
+        "batches, tokens streamed N at a time, a new request waits up to N steps (docs/continuous_decode.md)",
+        ge=1,
+    )
 
     enable_priority_scheduling: bool = QOS.opt(
         False,
@@ -568,6 +575,7 @@ class ServerArgs:
         """Each feature package checks its own option group (and fills the values that default from others).
         This module sits above the feature packages (docs/architecture.md, "Layers"); their checks are
         imported when first run, as they bring torch and the CLI's --help does not need it."""
+        from srt.continuous_decode.options import check_continuous_decode_server_args
         from srt.disaggregation.options import check_disaggregation_server_args
         from srt.layers.batch_invariant import check_deterministic_server_args
         from srt.layers.quantization.options import check_quantization_server_args
@@ -578,6 +586,7 @@ class ServerArgs:
 
         for check in (
             check_speculative_server_args,
+            check_continuous_decode_server_args,
             check_quantization_server_args,
             check_hicache_server_args,
             check_lora_server_args,

@@ -81,6 +81,11 @@ def test_flag_spellings():
         (dict(log_requests_level=5), "--log-requests-level must be one of 0, 1, 2, 3; got 5"),
         (dict(device="tpu"), "--device must be one of auto, cpu, cuda; got 'tpu'"),
         (dict(chunked_prefill_size=0), r"--chunked-prefill-size must be > 0 or -1 \(off\), got 0"),
+        (dict(num_continuous_decode_steps=0), "--num-continuous-decode-steps must be >= 1, got 0"),
+        (
+            dict(num_continuous_decode_steps=4, speculative_algorithm="NGRAM"),
+            "--num-continuous-decode-steps 4 and --speculative-algorithm NGRAM both decide",
+        ),
     ],
 )
 def test_declared_checks_name_the_flag_the_value_and_the_limit(kwargs, message):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import cpu as cpu_kernels
 from srt.layers.attention.cpu_backend import CpuAttnBackend
 from srt.layers.layernorm import RMSNorm
 from srt.layers.moe.block import SparseMoeBlock
@@ -138,6 +139,7 @@ class FusedDecodeStack:
         self.stack = torch.classes.radixserve.DecodeStack()
         self.kv_key: tuple | None = None
         self.head_key: tuple | None = None  # (id of the final norm, id of the LM head, whether the stack took them)
+        self.embed_key: tuple[int, bool] | None = None  # (id of the embedding, whether the stack took it)
         for f in layers:
             self.stack.add_layer(
                 f.ln1,
@@ -161,7 +163,7 @@ class FusedDecodeStack:
 
     def __call__(self, positions, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last layer's output, residual stream), or None where the per-layer calls must run."""
-        if not self._ready(hidden, fb):
+        if hidden.dim() != 2 or not self._ready(fb):
             return None
         return self.stack.run(hidden, positions, *self._step_args(fb))
 
@@ -174,9 +176,54 @@ class FusedDecodeStack:
         them itself)."""
         if not self._take_head(norm, lm_head) or not self.stack.head_for(hidden.dtype, hidden.size(0)):
             return None
-        if not self._ready(hidden, fb):
+        if hidden.dim() != 2 or not self._ready(fb):
             return None
         return self.stack.run_head(hidden, positions, *self._step_args(fb))
+
+    def decode_steps(
+        self, fb, embed: nn.Module, norm: nn.Module, lm_head: nn.Module, vocab: int, argmax
+    ) -> torch.Tensor | None:
+        """`fb.decode_steps` greedy steps of a decode batch (--num-continuous-decode-steps): each step
+        embeds the tokens (`embed`), runs the layers, the final norm and the LM head (run_head), and
+        takes each row's first largest logit of the first `vocab` as its next token (`argmax`: the
+        sampler's greedy pick), which the next step embeds. Returns [steps, B] ids: what the same steps
+        taken one by one sample. With a quantized embedding table every step runs in one C++ call
+        (DecodeStack.run_steps); otherwise a step a call. None where the stack cannot take the batch
+        (the caller then runs the steps one forward at a time)."""
+        steps, batch = fb.decode_steps, fb.batch_size
+        if fb.step_locs is None or not self._take_head(norm, lm_head) or not self._ready(fb):
+            return None
+        kv_heads, longest = fb.token_to_kv_pool.head_num, max(fb.seq_lens_cpu)
+        # the splits the attention backend picks for a step whose longest context is longest + s
+        splits = [cpu_kernels.num_decode_splits(batch, kv_heads, longest + s) for s in range(steps)]
+        args = (fb.req_to_token_pool.req_to_token, fb.req_pool_indices)
+        if self._take_embed(embed) and self.stack.steps_for(batch):
+            return self.stack.run_steps(fb.input_ids, fb.positions, fb.step_locs, *args, fb.seq_lens, splits, vocab)
+        ids, positions, seq_lens = fb.input_ids, fb.positions, fb.seq_lens
+        out = torch.empty(steps, batch, dtype=torch.int64)
+        for s in range(steps):
+            hidden = embed(ids)
+            if s == 0 and (hidden.dim() != 2 or not self.stack.head_for(hidden.dtype, batch)):
+                return None
+            _, logits = self.stack.run_head(hidden, positions, fb.step_locs[s], *args, seq_lens, splits[s])
+            if logits.size(1) != vocab:  # the LM head's padding rows (LogitsProcessor cuts them too)
+                logits = logits[:, :vocab].contiguous()
+            ids = argmax(logits)
+            out[s] = ids
+            positions, seq_lens = positions + 1, seq_lens + 1
+        return out
+
+    def _take_embed(self, embed: nn.Module) -> bool:
+        """Gives the stack the token embedding once, where it is one quantized table that the C++
+        quant_embedding reads (a GGUF file's; run_steps embeds with it)."""
+        if self.embed_key is None or self.embed_key[0] != id(embed):
+            method = getattr(embed, "quant_method", None)
+            kernel = getattr(method, "embedding_kernel", None)
+            table = kernel(embed) if kernel is not None and getattr(embed, "tp_size", 1) == 1 else None
+            if table is not None:
+                self.stack.set_embed(*table)
+            self.embed_key = (id(embed), table is not None)
+        return self.embed_key[1]
 
     @staticmethod
     def _step_args(fb) -> tuple:
@@ -211,10 +258,10 @@ class FusedDecodeStack:
         self.stack.set_head(weight.contiguous(), float(norm.variance_epsilon), weights[0][0], Q8_0_ROW_TILES)
         return True
 
-    def _ready(self, hidden: torch.Tensor, fb) -> bool:
+    def _ready(self, fb) -> bool:
         """Whether the batch can run on the stack; hands the stack the KV pool's buffers when they change."""
         backend = fb.attn_backend
-        if not isinstance(backend, CpuAttnBackend) or hidden.dim() != 2:
+        if not isinstance(backend, CpuAttnBackend):
             return False
         if self.layers[0].lora_args() != ([], []):
             return False  # LoRA rows in the batch (or a LoRA backend other than the C++ one)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from srt.constrained.component import GrammarComponent
+from srt.continuous_decode.component import ContinuousDecode
 from srt.disaggregation.setup import build_disaggregation
 from srt.disaggregation.setup import build_follower as disaggregation_follower
 from srt.lora.component import LoRAComponent
@@ -43,6 +44,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("grammar", GrammarComponent.build),
     Feature("disaggregation", build_disaggregation, disaggregation_follower),
     Feature("speculative", SpeculativeDecoding.build, speculative_follower),
+    Feature("continuous_decode", ContinuousDecode.build),
     Feature("pooling", build_pooling),
     Feature("sessions", SessionComponent.build),
     # last: a request it refuses for a full queue has passed every other component's checks

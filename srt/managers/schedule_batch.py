@@ -238,6 +238,9 @@ class ScheduleBatch:
     spec_trees: list[DraftTree] | None = None
     kv_ends: list[int] | None = None  # each request's kv_len right after this batch was launched
     kv_starts: list[int] | None = None  # ... and right before (an extend's rows are its positions in between)
+    # a DECODE batch of greedy requests that takes this many steps in one forward call (a result row
+    # per step and request: request i's rows are i * decode_steps ...; --num-continuous-decode-steps)
+    decode_steps: int = 1
 
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished]
@@ -290,6 +293,8 @@ class BatchBuilder:
             fb = self.prepare_for_verify(batch)
         elif batch.forward_mode.is_extend():
             fb = self.prepare_for_extend(batch)
+        elif batch.decode_steps > 1:
+            fb = self.prepare_for_decode_steps(batch)
         else:
             fb = self.prepare_for_decode(batch)
         fb.lora_slots_cpu = lora_slots
@@ -430,6 +435,34 @@ class BatchBuilder:
             positions=positions,
             tree_masks=masks,
             **common,
+        )
+
+    def prepare_for_decode_steps(self, batch: ScheduleBatch) -> ForwardBatch:
+        """A decode batch that takes `batch.decode_steps` steps in one call: each request's KV slots
+        for all of them up front (its kv_len advances by the steps; a request that stops early gives
+        the rest back when it is released), step s's slots in `step_locs[s]`."""
+        reqs, steps = batch.reqs, batch.decode_steps
+        assert not any(r.mm_items for r in reqs), "planned on text requests (positions are indices)"
+        prefix_lens = [r.kv_len for r in reqs]
+        self._ensure_free(sum(self.rows_slots_needed(r, steps) for r in reqs))
+        ends = [p + steps for p in prefix_lens]
+        loc = self.allocator.alloc_extend(prefix_lens, ends, self._last_locs(reqs, prefix_lens))
+        if loc is None:
+            raise RuntimeError("KV pool exhausted during continuous decode; planning should have fit its steps")
+        for i, (r, p) in enumerate(zip(reqs, prefix_lens)):
+            self.req_to_token_pool.write(r.req_pool_idx, p, loc[i * steps : (i + 1) * steps])
+            r.kv_len = p + steps
+        step_locs = loc.view(len(reqs), steps).t().contiguous()  # [steps, B]
+        return ForwardBatch.build(
+            ForwardMode.DECODE,
+            [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs],
+            _pool_indices(reqs),
+            [p + 1 for p in prefix_lens],
+            prefix_lens,
+            step_locs[0],
+            self.device,
+            decode_steps=steps,
+            step_locs=step_locs.to(self.device, non_blocking=True),
         )
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:

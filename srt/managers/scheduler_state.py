@@ -61,6 +61,8 @@ class SchedulerState:
     pooling: dict[str, Any] | None = None  # srt/pooling: what it serves and how many requests it pooled
     sessions: dict[str, Any] | None = None  # srt/sessions: sessions with locked KV, their tokens
     qos: dict[str, Any] | None = None  # srt/qos: priorities, preemptions, queue rejections, fair shares
+    # srt/continuous_decode: decode calls that took several steps, the steps they took, single-step calls
+    continuous_decode: dict[str, Any] | None = None
 
     @property
     def used_tokens(self) -> int:

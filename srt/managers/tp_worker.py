@@ -139,6 +139,8 @@ class TpModelWorker:
         """Forward + sample; the sampled tokens also land in `future_slots` of the future map."""
         start = time.perf_counter()
         fb = dataclasses.replace(fb, input_ids=self.future_map.resolve(fb.input_ids))
+        if fb.decode_steps > 1:
+            return self._run_steps(fb, future_slots, start)
         logits_output = self.forward(fb)
         # a verify batch samples every row (each request's token after that node's path); a
         # request's first row is the token the next step feeds when its drafts fail
@@ -150,5 +152,16 @@ class TpModelWorker:
         result.hidden_states = logits_output.hidden_states
         if logits_output.last_hidden is not None:
             result.last_hidden = logits_output.last_hidden.float().cpu()
+        result.forward_start, result.forward_end = start, time.perf_counter()
+        return result
+
+    def _run_steps(self, fb: ForwardBatch, future_slots: list[int], start: float) -> BatchResult:
+        """A continuous decode batch (`ModelRunner.decode_steps`): request i's tokens are rows
+        i * steps ... of the result; its last one goes to its future slot."""
+        # with tensor parallelism each step is a forward of every rank
+        ids = self.model_runner.decode_steps(fb, self.forward if self.broadcaster is not None else None)
+        slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.future_map.tokens[slots] = ids[-1]
+        result = BatchResult(ids.t().reshape(-1).tolist())
         result.forward_start, result.forward_end = start, time.perf_counter()
         return result

@@ -68,6 +68,11 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None
     # Extend only: return each request's last row's hidden state (`LogitsProcessorOutput.last_hidden`)
     return_last_hidden: bool = False
+    # Continuous decode (--num-continuous-decode-steps): a DECODE batch of greedy requests that runs
+    # `decode_steps` steps in one go, each feeding the token the step before sampled (ModelRunner.decode_steps);
+    # `step_locs` [decode_steps, B]: each step's KV slots (row 0 is out_cache_loc)
+    decode_steps: int = 1
+    step_locs: torch.Tensor | None = None
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None

@@ -436,6 +436,43 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
         return self.model.forward(fb.input_ids, fb.positions, fb)
 
+    def decode_steps(
+        self, forward_batch: ForwardBatch, forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None
+    ) -> torch.Tensor:
+        """A continuous decode batch (`decode_steps` > 1, greedy requests without logit processors):
+        that many decode steps, step s + 1 feeding the tokens step s sampled, at positions, context
+        lengths and KV slots (`step_locs[s]`) one further each step. Returns the ids [steps, B], as
+        the same steps taken one by one would sample them: on the CPU's fused decode stack without
+        returning to Python between steps where the model has one, else a forward (`forward`, default
+        this runner's; a tensor-parallel worker's sends each step to the other ranks) and a sample a step."""
+        fb = self.bind(forward_batch)
+        steps = fb.decode_steps
+        assert fb.forward_mode.is_decode() and fb.step_locs is not None and fb.step_locs.size(0) == steps
+        info = fb.sampling_info
+        assert info is None or (info.is_all_greedy and not info.has_logit_processors), "greedy batches only"
+        fused = getattr(self.model, "decode_steps", None)  # the model's steps in one call (LlamaForCausalLM)
+        eager = forward is None and self.lora_manager is None and self.cuda_graph_runner is None
+        if eager and self.compiled_decode is None and callable(fused):
+            self.attn_backend.init_forward_metadata(fb)
+            ids = fused(fb, self.sampler.argmax)
+            if isinstance(ids, torch.Tensor):  # else the model cannot take this batch in one call
+                return ids
+        out = torch.empty(steps, fb.batch_size, dtype=torch.int64, device=self.device)
+        step = forward_batch
+        for s in range(steps):
+            if s:
+                seq_lens_cpu = [n + 1 for n in step.seq_lens_cpu]
+                step = dataclasses.replace(
+                    step,
+                    input_ids=out[s - 1],
+                    positions=step.positions + 1,
+                    seq_lens=step.seq_lens + 1,
+                    seq_lens_cpu=seq_lens_cpu,
+                    out_cache_loc=fb.step_locs[s],
+                )
+            out[s] = self.sample((forward or self.forward)(step), step)
+        return out
+
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
         fb = forward_batch
         return self.sampler(

@@ -40,11 +40,19 @@ class StaticReq:
 
 
 class StaticBatchGenerator:
-    def __init__(self, runner: ModelRunner, forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None,
+        decode_steps: int = 1,
+    ):
         """`forward` runs a batch (default: `runner.forward`); rank 0 of a tensor-parallel group
-        passes its worker's, which sends the batch to the other ranks too."""
+        passes its worker's, which sends the batch to the other ranks too. `decode_steps` > 1: greedy
+        batches decode that many steps in one go (`ModelRunner.decode_steps`, as the server's
+        --num-continuous-decode-steps), each request keeping its tokens up to its first stop."""
         self.runner = runner
         self.forward = forward or runner.forward
+        self.decode_steps = decode_steps if forward is None else 1  # (one rank's runner alone)
         self.eos = runner.model_config.eos_token_ids
         # Wall time of the last generate(): prefill (through its first token) and the decode steps.
         self.last_timings: dict[str, float] = {}
@@ -71,9 +79,8 @@ class StaticBatchGenerator:
             prefilled = time.perf_counter()
             running, steps = [r for r in reqs if r.finish_reason is None], 0
             while running:
-                self._decode(running, return_logprob)
+                steps += self._decode(running, return_logprob)
                 running = [r for r in running if r.finish_reason is None]
-                steps += 1
             self.last_timings = {
                 "prefill_s": prefilled - start,
                 "decode_s": time.perf_counter() - prefilled,
@@ -190,7 +197,45 @@ class StaticBatchGenerator:
                 self._sample_and_check([pending[i] for i in done], out.next_token_logits[done], return_logprob)
             pending = [r for i, r in enumerate(pending) if i not in done]
 
-    def _decode(self, reqs: list[StaticReq], return_logprob: bool) -> None:
+    def _decode(self, reqs: list[StaticReq], return_logprob: bool) -> int:
+        """A decode step of reqs (or several: see `decode_steps`); returns how many."""
+        if self.decode_steps > 1 and not return_logprob and not any(r.mm_items for r in reqs):
+            info = SamplingBatchInfo.from_reqs(reqs, self.runner.model_config.vocab_size, self.eos, self.runner.device)
+            left = max(
+                (r.sampling_params.max_new_tokens or self.decode_steps) - len(r.output_ids) for r in reqs
+            )  # no step past the longest request's budget
+            room = min(self.runner.model_config.context_len - r.seq_len for r in reqs)
+            steps = min(self.decode_steps, left, room)
+            if info.is_all_greedy and not info.has_logit_processors and steps > 1:
+                self._decode_steps(reqs, info, steps)
+                return steps
+        self._decode_one(reqs, return_logprob)
+        return 1
+
+    def _decode_steps(self, reqs: list[StaticReq], info: SamplingBatchInfo, steps: int) -> None:
+        prefix_lens = [r.seq_len - 1 for r in reqs]  # the last token has no KV yet
+        loc = self._alloc_kv(prefix_lens, [p + steps for p in prefix_lens], reqs)
+        step_locs = loc.view(len(reqs), steps).t().contiguous()  # [steps, B]
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE,
+            [r.output_ids[-1] for r in reqs],
+            [r.req_pool_idx for r in reqs],
+            [p + 1 for p in prefix_lens],
+            prefix_lens,
+            step_locs[0],
+            self.runner.device,
+            sampling_info=info,
+            decode_steps=steps,
+            step_locs=step_locs,
+        )
+        ids = self.runner.decode_steps(fb).t().tolist()  # [B, steps]
+        for r, row in zip(reqs, ids):
+            for t in row:
+                self._append(r, t)
+                if r.finish_reason is not None:
+                    break  # the tokens after a stop are dropped (their KV is freed with the request's)
+
+    def _decode_one(self, reqs: list[StaticReq], return_logprob: bool) -> None:
         seq_lens = [r.seq_len for r in reqs]
         pool, allocator = self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator
         idx, lens = torch.tensor([r.req_pool_idx for r in reqs]), torch.tensor(seq_lens)
@@ -231,16 +276,20 @@ class StaticBatchGenerator:
             assert logits_output.next_token_logprobs is not None  # the sampler fills it when asked
             logprobs = logits_output.next_token_logprobs.tolist()
         for i, (r, t) in enumerate(zip(reqs, ids)):
-            p = r.sampling_params
-            if p.max_new_tokens == 0:
+            if r.sampling_params.max_new_tokens == 0:
                 r.finish_reason = "length"
                 continue
-            r.output_ids.append(t)
             if logprobs is not None:
                 r.output_logprobs.append(logprobs[i])
-            if (t in self.eos and not p.ignore_eos) or t in (p.stop_token_ids or ()):
-                r.finish_reason = "stop"
-            elif p.max_new_tokens is not None and len(r.output_ids) >= p.max_new_tokens:
-                r.finish_reason = "length"
-            elif r.seq_len >= self.runner.model_config.context_len:
-                r.finish_reason = "length"
+            self._append(r, t)
+
+    def _append(self, r: StaticReq, t: int) -> None:
+        """r's next token t, then its stop conditions."""
+        p = r.sampling_params
+        r.output_ids.append(t)
+        if (t in self.eos and not p.ignore_eos) or t in (p.stop_token_ids or ()):
+            r.finish_reason = "stop"
+        elif p.max_new_tokens is not None and len(r.output_ids) >= p.max_new_tokens:
+            r.finish_reason = "length"
+        elif r.seq_len >= self.runner.model_config.context_len:
+            r.finish_reason = "length"

@@ -168,6 +168,12 @@ class FusedStack(Protocol):
         """(the final norm's output, the LM head's float32 logits), or None where it cannot run them."""
         ...
 
+    def decode_steps(
+        self, forward_batch, embed: nn.Module, norm: nn.Module, lm_head: nn.Module, vocab: int, argmax
+    ) -> torch.Tensor | None:
+        """[steps, B] greedy token ids of forward_batch.decode_steps steps, or None where it cannot run them."""
+        ...
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -307,6 +313,22 @@ class LlamaForCausalLM(nn.Module):
         if capture:  # an EAGLE head's input: the last hidden state, or the aux layers' (EAGLE-3)
             out.hidden_states = torch.cat(aux, dim=-1) if aux else hidden_states
         return out
+
+    @torch.no_grad()
+    def decode_steps(self, forward_batch, argmax) -> torch.Tensor | None:
+        """A continuous decode batch's steps on the fused stack (`FusedStack.decode_steps`: [steps, B]
+        greedy ids, `argmax` picking them), or None where this model runs them one forward at a time
+        (no fused stack, or a subclass whose forward does more than embed, the layers and the head)."""
+        stack = self.model.fused_decode_stack
+        plain = (
+            type(self).forward is LlamaForCausalLM.forward
+            and type(self.model).forward is LlamaModel.forward
+            and type(self.logits_processor) is LogitsProcessor
+        )
+        if stack is None or not plain or forward_batch.capture_hidden:
+            return None
+        vocab = self.logits_processor.vocab_size
+        return stack.decode_steps(forward_batch, self.model.embed_tokens, self.model.norm, self.lm_head, vocab, argmax)
 
     # checkpoint name fragment -> ours (a module named otherwise in the checkpoint)
     checkpoint_renames: list[tuple[str, str]] = []

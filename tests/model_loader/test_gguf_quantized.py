@@ -324,6 +324,46 @@ def test_lean_stack_runs_the_lm_head_as_quant_linear_does(gguf_files, runner_fac
         assert [r.output_logprobs for r in a] == [r.output_logprobs for r in b]
 
 
+@pytest.mark.parametrize("arch", ["qwen3-q4", "llama-q4"])
+def test_continuous_decode_steps_match_single_steps(gguf_files, runner_factory, arch):
+    """--num-continuous-decode-steps' model side (ModelRunner.decode_steps): N greedy steps in one
+    call give the tokens of N single steps, at batch 1 and 4, with budgets that end inside a call and
+    a stop token met inside one; every KV slot comes back. qwen3's tiny file ties a Q8_0 embedding and
+    LM head as the default model does: the stack runs all the steps in one C++ call (run_steps); llama's
+    Q6_K head is not the stack's, so its steps run one forward at a time."""
+    from srt.model_executor.static_batch import StaticBatchGenerator
+    from srt.model_loader.default_model import resolve_model_path
+    from srt.sampling.sampling_params import SamplingParams
+
+    runner = runner_factory(resolve_model_path(gguf_files[arch]), quantization="gguf", dtype="bfloat16")
+    model = runner.model.model
+    stack = model.fused_decode_stack
+    if not stack.stack.lean_for(torch.bfloat16, 1):
+        pytest.skip("no lean path for these kernels on this CPU")
+    single, multi = StaticBatchGenerator(runner), StaticBatchGenerator(runner, decode_steps=5)
+    free = runner.token_to_kv_pool_allocator.available_size()
+    calls = []
+    original = stack.decode_steps
+    stack.decode_steps = lambda *args: calls.append(out := original(*args)) or out
+    try:
+        for prompts in (PROMPTS[:1], PROMPTS):
+            params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (13, 7, 11, 2)]
+            params = params[: len(prompts)]
+            want = [r.output_ids for r in single.generate(prompts, params)]
+            assert [r.output_ids for r in multi.generate(prompts, params)] == want
+            # a stop token met on the 4th decode step: the steps after it are dropped
+            stop = [SamplingParams(temperature=0, max_new_tokens=13, stop_token_ids=[want[0][4]])] + params[1:]
+            want = [r.output_ids for r in single.generate(prompts, stop)]
+            assert want[0][-1] == want[0][4] and len(want[0]) <= 5
+            assert [r.output_ids for r in multi.generate(prompts, stop)] == want
+            assert runner.token_to_kv_pool_allocator.available_size() == free
+    finally:
+        stack.decode_steps = original
+    assert calls and all((out is not None) == (arch == "qwen3-q4") for out in calls)
+    if arch == "qwen3-q4":  # the quantized embedding table went to the stack: the steps ran in C++
+        assert stack.embed_key is not None and stack.embed_key[1]
+
+
 def test_released_weights_come_back_to_the_lean_stack(gguf_files, runner_factory):
     """/release_memory_occupation's weights on a quantized model: every tensor the model holds is
     freed in place (the huge-page arena with them) and read back into the same tensor objects, so

@@ -208,6 +208,13 @@ class GGUFLinearMethod(LinearMethodBase):
         table = torch.cat([self._rows_dense(w, t, self.shape[1]) for w, t in zip(self.qweights, self.qtypes)])
         return torch.nn.functional.embedding(ids, table).to(self.dtype)
 
+    def embedding_kernel(self, layer: nn.Module) -> tuple[torch.Tensor, int, int, torch.dtype] | None:
+        """(weight, qtype, columns, dtype) where `embedding` is the C++ quant_embedding of one quantized
+        table (what the fused decode stack's continuous steps call), else None."""
+        if len(self.qweights) == 1 and (self.qtypes[0] in KERNEL_TYPES or self.qtypes[0] in ROW_TILE_TYPES):
+            return self.qweights[0], self.qtypes[0], self.shape[1], self.dtype
+        return None
+
     def _rows_dense(self, w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         quantized = qtype in KERNEL_TYPES or qtype in ROW_TILE_TYPES
         return self.ops.quant_dequantize(w, qtype, k) if quantized else w.float()

@@ -1,0 +1,94 @@
+"""Continuous decode (--num-continuous-decode-steps N, SGLang's flag): a decode batch whose requests are
+all greedy takes up to N steps in one call of the model worker, each step feeding the tokens the step
+before picked. The scheduler's loop, the batch's tensors, the sampler and, on the CPU's fused decode
+stack, the Python between steps run once for the N steps instead of once a step; the tokens are those
+of single steps. The costs: tokens reach streaming clients N at a time, a new request waits for the
+running call to end (up to N steps) before its prefill, and a request that stops inside a call has the
+steps after its stop computed and dropped (their KV slots are freed with the request).
+
+A batch takes several steps when every request in it is greedy without logit processors (no
+penalties, logit bias, pending min_new_tokens ban or grammar), asks for no logprobs, has no images,
+and the KV cache has room for all of the steps; otherwise, and for steps past the longest remaining
+budget or the context length, it decodes one step at a time as usual.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from srt.managers.schedule_batch import ScheduleBatch
+from srt.managers.scheduler_component import DecodeStrategy, SchedulerComponent
+from srt.model_executor.forward_batch_info import ForwardMode
+
+if TYPE_CHECKING:
+    from srt.managers.schedule_batch import Req
+    from srt.managers.scheduler_component import SchedulerPort
+    from srt.managers.scheduler_state import SchedulerState
+
+
+class ContinuousDecode(SchedulerComponent, DecodeStrategy):
+    name = "continuous_decode"
+
+    def __init__(self, port: SchedulerPort, steps: int):
+        self.port = port
+        self.steps = steps
+        self.context_len = port.runner.model_config.context_len
+        self.multi_calls = self.multi_steps = self.single_calls = 0
+
+    @classmethod
+    def build(cls, port: SchedulerPort) -> ContinuousDecode | None:
+        steps = port.server_args.num_continuous_decode_steps
+        return cls(port, steps) if steps > 1 else None
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        """Whether req's next tokens can be decoded several at a time: its sampling reads nothing a
+        step changes, and nothing is returned per token besides the token."""
+        p = req.sampling_params
+        return (
+            p.is_greedy
+            and not p.logit_bias
+            and not req.needs_fresh_history
+            and not req.return_logprob
+            and not req.mm_items
+            and req.to_abort is None
+        )
+
+    def plan(self, reqs: list[Req]) -> ScheduleBatch:
+        steps = self.steps_for(reqs)
+        return ScheduleBatch(reqs, ForwardMode.DECODE, decode_steps=steps)
+
+    def steps_for(self, reqs: list[Req]) -> int:
+        if not all(self.eligible(r) for r in reqs):
+            return 1
+        # kv_len: the positions written, those of tokens a launched batch is still computing included
+        budget = max((r.max_new_tokens or self.steps) - (r.kv_len - len(r.origin_input_ids) + 1) for r in reqs)
+        room = min(self.context_len - r.kv_len for r in reqs)  # no position past the context
+        steps = min(self.steps, budget, room)
+        if steps <= 1:
+            return 1
+        # the core made room for one step; the others need theirs without retracting anyone
+        port = self.port
+        spare = port.allocator.available_size() + port.tree_cache.evictable_size()
+        return steps if sum(port.builder.rows_slots_needed(r, steps) for r in reqs) <= spare else 1
+
+    def width(self, batch: ScheduleBatch, i: int) -> int:
+        return batch.decode_steps
+
+    def accepted(self, batch: ScheduleBatch, i: int, samples: list[int]) -> list[int]:
+        return list(range(batch.decode_steps))
+
+    def after_step(self, batch: ScheduleBatch, num_reqs: int, generated: int) -> None:
+        if batch.decode_steps > 1:
+            self.multi_calls += 1
+            self.multi_steps += batch.decode_steps
+        else:
+            self.single_calls += 1
+
+    def fill_state(self, state: SchedulerState) -> None:
+        state.continuous_decode = {
+            "steps": self.steps,
+            "multi_step_calls": self.multi_calls,
+            "multi_step_steps": self.multi_steps,
+            "single_step_calls": self.single_calls,
+        }

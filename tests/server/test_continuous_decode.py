@@ -1,0 +1,114 @@
+"""--num-continuous-decode-steps (docs/continuous_decode.md): a batch of greedy requests decodes several
+steps per call of the model worker, with the tokens of single steps, through the server."""
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+import requests
+
+FLAG = ("--num-continuous-decode-steps", "4")
+TINY = ("--max-total-tokens", "8192")  # the tiny_server fixture's flags
+
+
+async def _post_all(url: str, bodies: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        resps = await asyncio.gather(*(client.post("/generate", json=b) for b in bodies))
+    assert all(r.status_code == 200 for r in resps), [r.text for r in resps if r.status_code != 200][:2]
+    return [r.json() for r in resps]
+
+
+def _answers(outs: list[dict]) -> list[tuple]:
+    return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in outs]
+
+
+def _idle_and_whole(server) -> dict:
+    state = server.wait_idle()
+    assert state["integrity_ok"] and state["kv_available"] + state["kv_evictable"] == state["kv_capacity"]
+    return state
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(shared_server, tiny_chat_model, tiny_server):
+    multi = shared_server("--model-path", tiny_chat_model, *TINY, *FLAG)
+    info = requests.get(multi.url + "/server_info", timeout=30).json()
+    assert info["num_continuous_decode_steps"] == 4
+    return multi, tiny_server
+
+
+def test_concurrent_mixed_requests_match_single_steps(tiny_pair):
+    """Concurrent requests of every kind against the plain server (the tiny model's float32 path gives
+    the same tokens in any batch): greedy ones with budgets that end inside a call, stop strings and
+    stop tokens met inside one, EOS; seeded sampled ones, logprobs and a penalty in the same batches
+    (those batches decode a step at a time). Every KV slot comes back."""
+    multi, plain = tiny_pair
+    rng = random.Random(7)
+    bodies = []
+    for i in range(24):
+        params: dict = {"temperature": 0, "max_new_tokens": rng.randrange(1, 23)}
+        kind = i % 6
+        if kind == 1:
+            params |= {"stop_token_ids": [rng.randrange(100, 4000) for _ in range(200)]}
+        elif kind == 2:
+            params |= {"stop": ["e", "a"], "max_new_tokens": 30}
+        elif kind == 3:
+            params |= {"ignore_eos": True}
+        elif kind == 4:
+            params = {"temperature": 0.8, "sampling_seed": i, "max_new_tokens": 9}
+        bodies.append({"text": f"Tell me about {rng.randrange(10**6)} things", "sampling_params": params})
+    bodies.append(
+        {"text": "logprobs too", "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": True}
+    )
+    bodies.append(
+        {"text": "a penalty", "sampling_params": {"temperature": 0, "max_new_tokens": 7, "frequency_penalty": 1.0}}
+    )
+    before = multi.state()["continuous_decode"]
+    got, want = asyncio.run(_post_all(multi.url, bodies)), asyncio.run(_post_all(plain.url, bodies))
+    assert _answers(got) == _answers(want)
+    assert got[-2]["meta_info"]["output_token_logprobs"] == want[-2]["meta_info"]["output_token_logprobs"]
+    assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in got[:24])  # stops inside calls happened
+    after = _idle_and_whole(multi)["continuous_decode"]
+    assert after["multi_step_calls"] > before["multi_step_calls"]  # greedy batches took several steps a call
+    assert after["single_step_calls"] > before["single_step_calls"]  # the sampled ones' batches one
+
+
+def test_streaming_sends_every_token_once(tiny_pair):
+    """A streamed greedy request's chunks add up to the unstreamed text (chunks come a call at a time)."""
+    multi, plain = tiny_pair
+    body = {"text": "Stream me", "sampling_params": {"temperature": 0, "max_new_tokens": 19, "ignore_eos": True}}
+    text, chunks = "", 0
+    with requests.post(multi.url + "/generate", json=body | {"stream": True}, stream=True, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                text, chunks = json.loads(line[6:])["text"], chunks + 1
+    want = plain.generate(**body)
+    assert text == want["text"] and 2 <= chunks <= 19
+    _idle_and_whole(multi)
+
+
+def test_default_model_runs_the_steps_in_one_call(shared_server, default_server):
+    """The default model's fused CPU stack takes every step of a call without returning to Python
+    (DecodeStack.run_steps): a request at a time (batch 1 on both servers, fresh prompts on both), the
+    plain server's tokens, texts and finish reasons, with budgets and an EOS that end inside a call."""
+    multi = shared_server("--max-total-tokens", "16384", *FLAG)
+    rng = random.Random(11)
+    bodies = [
+        {"input_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 40))], "sampling_params": p}
+        for p in (
+            {"temperature": 0, "max_new_tokens": 29, "ignore_eos": True},
+            {"temperature": 0, "max_new_tokens": 6},
+            {"temperature": 0, "max_new_tokens": 40},
+            {"temperature": 0, "max_new_tokens": 17, "stop": ["."]},
+        )
+    ]
+    bodies.append({"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 64}})
+    before = multi.state()["continuous_decode"]
+    got = [multi.generate(**b) for b in bodies]
+    want = [default_server.generate(**b) for b in bodies]
+    assert _answers(got) == _answers(want)
+    assert got[-1]["meta_info"]["finish_reason"]["type"] == "stop"  # EOS, not the budget
+    after = _idle_and_whole(multi)["continuous_decode"]
+    # the first request alone decodes its 28 tokens after the prefill's in 7 calls of 4
+    assert after["multi_step_steps"] - before["multi_step_steps"] >= 28
