@@ -8,8 +8,8 @@ steps after its stop computed and dropped (their KV slots are freed with the req
 
 A batch takes several steps when every request in it is greedy without logit processors (no
 penalties, logit bias, pending min_new_tokens ban or grammar), asks for no logprobs, has no images,
-and the KV cache has room for all of the steps; otherwise, and for steps past the longest remaining
-budget or the context length, it decodes one step at a time as usual.
+no request waits for admission, and the KV cache has room for all of the steps; otherwise, and for
+steps past the longest remaining budget or the context length, it decodes one step at a time.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         return ScheduleBatch(reqs, ForwardMode.DECODE, decode_steps=steps)
 
     def steps_for(self, reqs: list[Req]) -> int:
-        if not all(self.eligible(r) for r in reqs):
-            return 1
+        if self.port.waiting_queue or not all(self.eligible(r) for r in reqs):
+            return 1  # (requests waiting for room: a step at a time lets them in as soon as some finish)
         # kv_len: the positions written, those of tokens a launched batch is still computing included
         budget = max((r.max_new_tokens or self.steps) - (r.kv_len - len(r.origin_input_ids) + 1) for r in reqs)
         room = min(self.context_len - r.kv_len for r in reqs)  # no position past the context

@@ -79,6 +79,8 @@ def test_tp2_matches_tp1_and_rank_death_stops_the_server(server_factory, tiny_ch
 
 
 def test_two_nodes_over_loopback_match_tp1(tmp_path, tiny_chat_model, reference):
+    """Two nodes of one tensor-parallel group, also decoding 4 greedy steps per worker call
+    (--num-continuous-decode-steps: each step a forward sent to the other node): tp1's tokens."""
     addr = f"127.0.0.1:{free_port()}"
     common = [
         "--model-path",
@@ -91,6 +93,8 @@ def test_two_nodes_over_loopback_match_tp1(tmp_path, tiny_chat_model, reference)
         "2",
         "--dist-init-addr",
         addr,
+        "--num-continuous-decode-steps",
+        "4",
     ]
     log1 = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen(
@@ -105,6 +109,7 @@ def test_two_nodes_over_loopback_match_tp1(tmp_path, tiny_chat_model, reference)
     try:
         node0 = ServerProcess([*common, "--node-rank", "0"], str(tmp_path / "node0.log"), env=ONE_THREAD)
         assert ids(node0.generate(text=PROMPTS, sampling_params=PARAMS)) == reference
+        assert node0.state()["continuous_decode"]["multi_step_calls"] > 0
         assert node1.poll() is None
         # Node 0 going away ends node 1 too, with a non-zero exit.
         node0.stop()
