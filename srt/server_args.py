@@ -192,9 +192,10 @@ class ServerArgs:
     )
     num_continuous_decode_steps: int = SCHEDULING.opt(
         1,
-        "decode up to N steps in one call of the model worker when every running request is greedy (the "
-        "scheduler and, on CPU, Python between steps run once for the N): more tokens a second at small "
-        "batches, tokens streamed N at a time, a new request waits up to N steps (docs/continuous_decode.md)",
+        "decode up to N steps in one call of the model worker when no running request asks for logprobs, "
+        "penalties or a grammar (the scheduler, and for greedy batches on CPU the Python between steps, run "
+        "once for the N): same tokens, more of them a second; tokens stream N at a time and a new request "
+        "waits up to N steps (docs/continuous_decode.md)",
         ge=1,
     )
 

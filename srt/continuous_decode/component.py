@@ -1,15 +1,17 @@
-"""Continuous decode (--num-continuous-decode-steps N, SGLang's flag): a decode batch whose requests are
-all greedy takes up to N steps in one call of the model worker, each step feeding the tokens the step
-before picked. The scheduler's loop, the batch's tensors, the sampler and, on the CPU's fused decode
-stack, the Python between steps run once for the N steps instead of once a step; the tokens are those
-of single steps. The costs: tokens reach streaming clients N at a time, a new request waits for the
-running call to end (up to N steps) before its prefill, and a request that stops inside a call has the
-steps after its stop computed and dropped (their KV slots are freed with the request).
+"""Continuous decode (--num-continuous-decode-steps N, SGLang's flag): a decode batch takes up to N
+steps in one call of the model worker, each step feeding the tokens the step before sampled. The
+scheduler's loop (batch building, result processing, streaming) runs once for the N steps instead of
+once a step, and for greedy batches on the CPU's fused decode stack so does the forward's Python; the
+tokens are those of single steps (seeded samples included: a seed hashes the token's position). The
+costs: tokens reach streaming clients N at a time, a new request waits for the running call to end
+(up to N steps) before its prefill, and a request that stops inside a call has the steps after its
+stop computed and dropped (their KV slots are freed with the request).
 
-A batch takes several steps when every request in it is greedy without logit processors (no
-penalties, logit bias, pending min_new_tokens ban or grammar), asks for no logprobs, has no images,
-no request waits for admission, and the KV cache has room for all of the steps; otherwise, and for
-steps past the longest remaining budget or the context length, it decodes one step at a time.
+A batch takes several steps when no request in it has a logit processor that changes from step to
+step or one the fused path does not run (penalties, a pending min_new_tokens ban, a grammar, logit
+bias), asks for logprobs or has images, no request waits for admission, and the KV cache has room for
+all of the steps; otherwise, and for steps past the longest remaining budget or the context length,
+it decodes one step at a time.
 """
 
 from __future__ import annotations
@@ -46,8 +48,7 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         step changes, and nothing is returned per token besides the token."""
         p = req.sampling_params
         return (
-            p.is_greedy
-            and not p.logit_bias
+            not p.logit_bias
             and not req.needs_fresh_history
             and not req.return_logprob
             and not req.mm_items

@@ -303,7 +303,8 @@ class BatchBuilder:
                 batch.reqs, batch.spec_trees, vocab_size, eos_token_ids, self.device
             )
         else:  # each row's sampled token sits right after the KV of the request's last token
-            positions = [r.kv_len for r in batch.reqs]
+            # (a continuous decode batch advanced kv_len by all its steps: its first step's position)
+            positions = [r.kv_len - batch.decode_steps + 1 for r in batch.reqs]
             fb.sampling_info = SamplingBatchInfo.from_reqs(
                 batch.reqs, vocab_size, eos_token_ids, self.device, positions=positions
             )

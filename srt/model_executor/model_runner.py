@@ -439,20 +439,22 @@ class ModelRunner:
     def decode_steps(
         self, forward_batch: ForwardBatch, forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None
     ) -> torch.Tensor:
-        """A continuous decode batch (`decode_steps` > 1, greedy requests without logit processors):
-        that many decode steps, step s + 1 feeding the tokens step s sampled, at positions, context
-        lengths and KV slots (`step_locs[s]`) one further each step. Returns the ids [steps, B], as
-        the same steps taken one by one would sample them: on the CPU's fused decode stack without
-        returning to Python between steps where the model has one, else a forward (`forward`, default
-        this runner's; a tensor-parallel worker's sends each step to the other ranks) and a sample a step."""
+        """A continuous decode batch (`decode_steps` > 1, requests without logit processors or
+        logprobs): that many decode steps, step s + 1 feeding the tokens step s sampled, at positions,
+        context lengths and KV slots (`step_locs[s]`) one further each step (and seeded samples at
+        positions one further). Returns the ids [steps, B], as the same steps taken one by one would
+        sample them: for a greedy batch on the CPU's fused decode stack without returning to Python
+        between steps where the model has one, else a forward (`forward`, default this runner's; a
+        tensor-parallel worker's sends each step to the other ranks) and a sample a step."""
         fb = self.bind(forward_batch)
         steps = fb.decode_steps
         assert fb.forward_mode.is_decode() and fb.step_locs is not None and fb.step_locs.size(0) == steps
         info = fb.sampling_info
-        assert info is None or (info.is_all_greedy and not info.has_logit_processors), "greedy batches only"
+        assert info is None or not info.has_logit_processors, "no per-step sampling state"
         fused = getattr(self.model, "decode_steps", None)  # the model's steps in one call (LlamaForCausalLM)
         eager = forward is None and self.lora_manager is None and self.cuda_graph_runner is None
-        if eager and self.compiled_decode is None and callable(fused):
+        greedy = info is None or info.is_all_greedy
+        if eager and greedy and self.compiled_decode is None and callable(fused):
             self.attn_backend.init_forward_metadata(fb)
             ids = fused(fb, self.sampler.argmax)
             if isinstance(ids, torch.Tensor):  # else the model cannot take this batch in one call
@@ -470,6 +472,8 @@ class ModelRunner:
                     seq_lens_cpu=seq_lens_cpu,
                     out_cache_loc=fb.step_locs[s],
                 )
+                if info is not None and info.seed_positions is not None:  # seeds hash the token's position
+                    step.sampling_info = dataclasses.replace(info, seed_positions=info.seed_positions + s)
             out[s] = self.sample((forward or self.forward)(step), step)
         return out
 

@@ -48,8 +48,9 @@ class StaticBatchGenerator:
     ):
         """`forward` runs a batch (default: `runner.forward`); rank 0 of a tensor-parallel group
         passes its worker's, which sends the batch to the other ranks too. `decode_steps` > 1: greedy
-        batches decode that many steps in one go (`ModelRunner.decode_steps`, as the server's
-        --num-continuous-decode-steps), each request keeping its tokens up to its first stop."""
+        batches without logit processors or logprobs decode that many steps in one go
+        (`ModelRunner.decode_steps`, as the server's --num-continuous-decode-steps), each request
+        keeping its tokens up to its first stop."""
         self.runner = runner
         self.forward = forward or runner.forward
         self.decode_steps = decode_steps if forward is None else 1  # (one rank's runner alone)
@@ -206,7 +207,7 @@ class StaticBatchGenerator:
             )  # no step past the longest request's budget
             room = min(self.runner.model_config.context_len - r.seq_len for r in reqs)
             steps = min(self.decode_steps, left, room)
-            if info.is_all_greedy and not info.has_logit_processors and steps > 1:
+            if not info.has_logit_processors and steps > 1:
                 self._decode_steps(reqs, info, steps)
                 return steps
         self._decode_one(reqs, return_logprob)

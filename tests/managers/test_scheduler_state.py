@@ -11,7 +11,7 @@ WIRE_KEYS = {
     "forward_busy_s", "forward_wait_s", "forward_idle_fraction", "overlap_schedule", "avg_spec_accept_length",
     "spec_accept_rate", "speculative", "hicache", "disagg", "lora", "attention_backend", "torch_compile",
     "cuda_graph", "metrics", "idle", "pid", "pooling", "weights", "qos", "sessions",
-    "prompt_tokens_total", "generated_tokens_total",
+    "prompt_tokens_total", "generated_tokens_total", "continuous_decode",
 }  # fmt: skip
 
 
@@ -33,7 +33,7 @@ def test_wire_form_without_features_has_every_key_with_neutral_values():
     assert out["avg_spec_accept_length"] == 0.0 and out["spec_accept_rate"] == 0.0 and out["speculative"] is None
     assert out["lora"] is None and out["hicache"] is None and out["disagg"] is None and out["pooling"] is None
     assert out["qos"] is None and out["sessions"] is None
-    assert out["weights"] is None
+    assert out["weights"] is None and out["continuous_decode"] is None
 
 
 def test_feature_parts_flatten_to_sglang_keys():

@@ -1,5 +1,5 @@
-"""--num-continuous-decode-steps (docs/continuous_decode.md): a batch of greedy requests decodes several
-steps per call of the model worker, with the tokens of single steps, through the server."""
+"""--num-continuous-decode-steps (docs/continuous_decode.md): a decode batch takes several steps per
+call of the model worker, with the tokens of single steps, through the server."""
 
 import asyncio
 import json
@@ -41,8 +41,9 @@ def tiny_pair(shared_server, tiny_chat_model, tiny_server):
 def test_concurrent_mixed_requests_match_single_steps(tiny_pair):
     """Concurrent requests of every kind against the plain server (the tiny model's float32 path gives
     the same tokens in any batch): greedy ones with budgets that end inside a call, stop strings and
-    stop tokens met inside one, EOS; seeded sampled ones, logprobs and a penalty in the same batches
-    (those batches decode a step at a time). Every KV slot comes back."""
+    stop tokens met inside one, EOS; seeded sampled ones (a step's forward and sample at a time inside
+    a call); logprobs and a penalty in the same batches (those batches decode a step per call). Every
+    KV slot comes back."""
     multi, plain = tiny_pair
     rng = random.Random(7)
     bodies = []
@@ -71,7 +72,7 @@ def test_concurrent_mixed_requests_match_single_steps(tiny_pair):
     assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in got[:24])  # stops inside calls happened
     after = _idle_and_whole(multi)["continuous_decode"]
     assert after["multi_step_calls"] > before["multi_step_calls"]  # greedy batches took several steps a call
-    assert after["single_step_calls"] > before["single_step_calls"]  # the sampled ones' batches one
+    assert after["single_step_calls"] > before["single_step_calls"]  # batches with the last two: one
 
 
 def test_streaming_sends_every_token_once(tiny_pair):
