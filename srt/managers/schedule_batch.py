@@ -238,8 +238,8 @@ class ScheduleBatch:
     spec_trees: list[DraftTree] | None = None
     kv_ends: list[int] | None = None  # each request's kv_len right after this batch was launched
     kv_starts: list[int] | None = None  # ... and right before (an extend's rows are its positions in between)
-    # a DECODE batch of greedy requests that takes this many steps in one forward call (a result row
-    # per step and request: request i's rows are i * decode_steps ...; --num-continuous-decode-steps)
+    # a DECODE batch that takes this many steps in one call of the model worker (a result row per step
+    # and request: request i's rows are i * decode_steps ...; --num-continuous-decode-steps)
     decode_steps: int = 1
 
     def filter_finished(self) -> None:

@@ -47,8 +47,8 @@ class StaticBatchGenerator:
         decode_steps: int = 1,
     ):
         """`forward` runs a batch (default: `runner.forward`); rank 0 of a tensor-parallel group
-        passes its worker's, which sends the batch to the other ranks too. `decode_steps` > 1: greedy
-        batches without logit processors or logprobs decode that many steps in one go
+        passes its worker's, which sends the batch to the other ranks too. `decode_steps` > 1: batches
+        without logit processors or logprobs decode that many steps in one go
         (`ModelRunner.decode_steps`, as the server's --num-continuous-decode-steps), each request
         keeping its tokens up to its first stop."""
         self.runner = runner
