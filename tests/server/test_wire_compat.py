@@ -64,12 +64,17 @@ def test_streamed_chunks_add_up_to_the_final_answer(tiny_server, incremental, mo
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_every_n(tiny_server, incremental):
+    """The scheduler sends a stream's ids at counts 1, 2, 3, ... (interval 1) or 1, 4, 7, ... and the last
+    (interval 3). A handler that wakes late sends the newest state only (SGLang's tokenizer manager does the
+    same), so chunks may merge: what is checked is the set each chunk's count comes from."""
     body = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 14, "ignore_eos": True}}
-    every = [len(c["output_ids"]) for c in stream(tiny_server, body)]  # cumulative ids: 1, 2, ..., 14
-    assert every == list(range(1, 15))
+    every = [len(c["output_ids"]) for c in stream(tiny_server, body)]  # cumulative ids
+    assert every == sorted(set(every)) and every[-1] == 14, every
+    assert any(n % 3 != 1 for n in every[:-1]), every  # counts the interval-3 server never sends
     sizes = [len(c["output_ids"]) for c in stream(incremental, body)]  # incremental: new ids per chunk
-    assert sizes[0] == 1 and sum(sizes) == 14
-    assert all(s == 3 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 3, sizes
+    counts = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    assert counts[-1] == 14 and all(n % 3 == 1 for n in counts[:-1]), sizes
+    assert len(sizes) >= 2, sizes  # streamed, not one answer at the end
 
 
 def test_incremental_stream_of_a_batch_keeps_each_index_apart(incremental):
