@@ -31,6 +31,7 @@ SOURCES = [
         "cpu_moe.cpp",
         "cpu_mla.cpp",
         "cpu_membw.cpp",
+        "cpu_sampling.cpp",
     )
 ]
 HEADERS = [

@@ -175,6 +175,12 @@ class ServerArgs:
     page_size: int = MEMORY.opt(1, "tokens per KV page", ge=1)
 
     schedule_policy: str = SCHEDULING.opt("fcfs", "order of the waiting queue", choices=SCHEDULE_POLICIES)
+    schedule_conservativeness: float = SCHEDULING.opt(
+        1.0,
+        "how much of a running request's remaining tokens admission keeps room for (its expected share "
+        "starts at 0.7 x this, decays to 0.1 x this, capped at 1): larger retracts less, smaller admits more",
+        gt=0,
+    )
     chunked_prefill_size: int = SCHEDULING.opt(2048, "max prompt tokens per prefill chunk; -1 disables chunking")
     max_prefill_tokens: int = SCHEDULING.opt(16384, "max new prompt tokens in one prefill batch", ge=1)
     disable_radix_cache: bool = SCHEDULING.opt(False, "no prefix reuse across requests")

@@ -82,6 +82,7 @@ def test_flag_spellings():
         (dict(device="tpu"), "--device must be one of auto, cpu, cuda; got 'tpu'"),
         (dict(chunked_prefill_size=0), r"--chunked-prefill-size must be > 0 or -1 \(off\), got 0"),
         (dict(num_continuous_decode_steps=0), "--num-continuous-decode-steps must be >= 1, got 0"),
+        (dict(schedule_conservativeness=0.0), "--schedule-conservativeness must be > 0, got 0.0"),
         (
             dict(num_continuous_decode_steps=4, speculative_algorithm="NGRAM"),
             "--num-continuous-decode-steps 4 and --speculative-algorithm NGRAM both decide",

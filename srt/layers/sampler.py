@@ -51,7 +51,12 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+def sample(logits: torch.Tensor, info: SamplingBatchInfo, ops: Any = None) -> torch.Tensor:
+    """Next ids of a batch that samples (greedy rows take their argmax). With `ops` (kernels/cpu.py's
+    namespace) and float32 CPU logits, one C++ pass per row (`sample_rows`): the same race with the
+    same seeded noise, without the softmax, the noise tensor or a sort of the vocabulary."""
+    if ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return _sample_rows(ops, logits, info)
     probs = torch.softmax(logits / info.temperatures, dim=-1)
     if info.need_top_k or info.need_top_p or info.need_min_p:
         probs = filter_probs(probs, info)
@@ -64,6 +69,21 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         noise[rows] = seeded_exponential(info.seeds[rows], info.seed_positions[rows], probs.shape[1])
     sampled = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
     return torch.where(info.greedy, logits.argmax(dim=-1), sampled)
+
+
+def _sample_rows(ops: Any, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    rows = logits.shape[0]
+    # rows without a seed race on the noise of a fresh random seed from torch's generator
+    seeds = torch.randint(0, 2**62, (rows,), dtype=torch.int64)
+    positions = torch.zeros(rows, dtype=torch.int64)
+    if info.seeds is not None:
+        assert info.seed_positions is not None, "set with seeds"
+        seeded = info.seeds >= 0
+        seeds = torch.where(seeded, info.seeds, seeds)
+        positions = torch.where(seeded, info.seed_positions, positions)
+    return ops.sample_rows(
+        logits, info.temperatures, info.top_ks, info.top_ps, info.min_ps, info.greedy, seeds, positions
+    )
 
 
 class Sampler(nn.Module):
@@ -94,7 +114,7 @@ class Sampler(nn.Module):
         if info.has_logit_processors:
             logits = logits.clone()
             info.apply_logit_processors(logits)
-        ids = self.argmax(logits) if info.is_all_greedy else sample(logits, info)
+        ids = self.argmax(logits) if info.is_all_greedy else sample(logits, info, self.fused_ops)
         if return_logprob:
             logits_output.next_token_logprobs = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
             k = max(top_logprobs_nums or [0])

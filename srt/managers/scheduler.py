@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = 0.001
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
 IDLE_POLL_MS = 1000
 
@@ -110,7 +110,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         self.waiting_queue: list[Req] = []
         self.running_batch = ScheduleBatch([])
         self.chunked_req: Req | None = None
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # --schedule-conservativeness (SGLang's): the share of a running request's remaining tokens that
+        # admission keeps room for starts at init and decays to min over 600 steps without retraction
+        c = server_args.schedule_conservativeness
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0)
+        self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * c, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
         self.checked_idle = False
         self.init_stats()
         self.init_guard()
@@ -537,7 +543,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         batch = self.running_batch
         needed = self.builder.decode_slots_needed(batch.reqs)
         if self.allocator.available_size() + self.tree_cache.evictable_size() >= needed:
-            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
             return
         # Retraction needs every request's tokens: finish processing launched batches first.
         self.sync_pending()
@@ -731,7 +737,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
 
     def on_idle(self) -> None:
         self.tp_worker.keepalive()  # the other tensor-parallel ranks wait for work
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.new_token_ratio = self.init_new_token_ratio
         if self.metrics is not None:
             self.metrics.gen_throughput = 0.0
         for c in self.components:

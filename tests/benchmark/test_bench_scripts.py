@@ -326,3 +326,10 @@ def test_bench_lora_quick(tiny_chat_model, tmp_path):
     assert pool["loads_during_runs"] == 0 and pool["evictions_during_runs"] == 0
     assert "--lora-paths" in res["server_flags"] and "bench_lora.py" in res["command"]
     assert "| 2 adapters | 2 |" in stdout and "goal (issue 24)" in stdout
+
+
+def test_bench_sampler_small_run(ops):
+    """Both samplers time every setting, and seeded rows agree (the script flags rows that differ)."""
+    out = run("bench_sampler.py", "--batch", "4", "--vocab", "2000", "--repeats", "1")
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith("4 ")]
+    assert len(lines) == 10 and all(ln.rstrip().endswith("x") for ln in lines), out

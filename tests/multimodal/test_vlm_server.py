@@ -228,9 +228,9 @@ def _generate_all(url: str, bodies: list[dict]) -> list[dict]:
 
 def test_a_tight_pool_retracts_image_requests_and_outputs_match(shared_server, server, idefics3_path):
     """Twelve image prompts (80 image rows each, four images shared by three prompts) that grow by
-    150 tokens each in a 700-token KV pool: admission expects only part of that growth, so requests
-    are retracted and resumed (their image rows recomputed), and every output equals the roomy
-    server's."""
+    150 tokens each in a 700-token KV pool whose admission keeps room for almost none of that growth
+    (--schedule-conservativeness 0.05: requests arriving apart still run together), so requests are
+    retracted and resumed (their image rows recomputed), and every output equals the roomy server's."""
     text = "User:<image>Describe it at length.<end_of_utterance>\nAssistant:"
     images = [data_url(random_image(100, 150, seed=20 + i % 4)) for i in range(12)]
     bodies = [
@@ -242,7 +242,10 @@ def test_a_tight_pool_retracts_image_requests_and_outputs_match(shared_server, s
         for im in images
     ]
     expect = _generate_all(server.url, bodies)
-    tight = shared_server("--model-path", idefics3_path, "--max-total-tokens", "700", "--chunked-prefill-size", "64")
+    tight = shared_server(
+        "--model-path", idefics3_path, "--max-total-tokens", "700", "--chunked-prefill-size", "64",
+        "--schedule-conservativeness", "0.05",
+    )  # fmt: skip
     before = tight.wait_idle()
     got = _generate_all(tight.url, bodies)
     assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expect]

@@ -173,3 +173,83 @@ def test_logprobs_are_from_the_unpenalized_distribution():
     torch.testing.assert_close(lp_out.next_token_logprobs, ref.gather(1, ids[:, None]).squeeze(1))
     assert lp_out.next_token_top_logprobs_val.shape == (3, 2)
     torch.testing.assert_close(lp_out.next_token_top_logprobs_val, ref.topk(2, -1).values)
+
+
+# The C++ row pass (kernels/csrc/cpu_sampling.cpp), which the model runner's sampler takes on CPU.
+
+FILTERS = [
+    {},
+    {"top_k": 5},
+    {"top_p": 0.8},
+    {"min_p": 0.1},
+    {"top_k": 20, "top_p": 0.9, "min_p": 0.02},
+]
+
+
+def fused(ops):
+    s = Sampler()
+    s.fused_ops = ops
+    return s
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: ",".join(f) or "none")
+def test_fused_seeded_rows_equal_the_torch_path(ops, filters):
+    """Seeded rows draw the same noise (the hash of seed, position and token) and run the same race,
+    so the C++ pass picks torch's token, row for row, with every filter, masked tokens included."""
+    g = torch.Generator().manual_seed(3)
+    vocab, rows = 3000, 48
+    logits = torch.randn(rows, vocab, generator=g) * 2.5
+    logits[::5, 100:400] = float("-inf")  # a grammar mask
+    logits[3, :] = float("-inf")
+    logits[3, 17] = 0.0  # one allowed token
+    params = [SamplingParams(temperature=0.3 + 0.1 * (i % 9), sampling_seed=1000 + i, **filters) for i in range(rows)]
+    info = info_for(*params, outputs=[[1] * (i % 7) for i in range(rows)], vocab=vocab)
+    want, got = sample(logits, info), fused(ops)(LogitsProcessorOutput(next_token_logits=logits.clone()), info)
+    assert torch.equal(got, want)
+    assert int(got[3]) == 17 and not ((got >= 100) & (got < 400))[::5].any()
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: ",".join(f) or "none")
+def test_fused_rows_follow_the_filtered_distribution(ops, filters):
+    """20,000 unseeded rows of one distribution: the frequencies are the filtered, renormalized
+    probabilities (filter_probs' mask), within 0.015."""
+    torch.manual_seed(5)
+    vocab, rows = 40, 20000
+    base = torch.randn(vocab) * 1.5
+    params = SamplingParams(temperature=0.7, **filters)
+    info = info_for(*[params] * rows, vocab=vocab)
+    ids = fused(ops)(LogitsProcessorOutput(next_token_logits=base.repeat(rows, 1)), info)
+    probs = torch.softmax(base / 0.7, -1).unsqueeze(0)
+    want = filter_probs(probs, info_for(params, vocab=vocab))[0]
+    want = want / want.sum()
+    freq = torch.bincount(ids, minlength=vocab).float() / rows
+    assert set(ids.unique().tolist()) <= set(want.nonzero().squeeze(1).tolist())
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+
+
+def test_fused_greedy_unseeded_and_reproducible(ops):
+    torch.manual_seed(7)
+    logits = torch.randn(6, 50000) * 3
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, top_k=50),
+        SamplingParams(temperature=1.0, sampling_seed=9),
+    ]
+    info = info_for(*params, vocab=50000)
+    s = fused(ops)
+
+    def run():
+        return s(LogitsProcessorOutput(next_token_logits=logits.clone()), info)
+
+    torch.manual_seed(11)
+    a = run()
+    torch.manual_seed(11)
+    b = run()
+    assert torch.equal(a, b)  # unseeded rows follow torch's generator
+    assert int(a[0]) == int(logits[0].argmax()) and int(a[3]) == int(logits[3].argmax())
+    assert int(a[4]) in set(logits[4].topk(50).indices.tolist())
+    draws = {tuple(run().tolist()) for _ in range(8)}
+    assert len({d[1] for d in draws}) > 1 and len({d[5] for d in draws}) == 1  # fresh noise unless seeded
