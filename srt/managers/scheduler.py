@@ -115,7 +115,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         c = server_args.schedule_conservativeness
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0)
         self.min_new_token_ratio = min(MIN_NEW_TOKEN_RATIO * c, 1.0)
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
         self.checked_idle = False
         self.init_stats()
