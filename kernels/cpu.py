@@ -45,6 +45,7 @@ HEADERS = [
         "cpu_qvnni.h",
         "cpu_rowops.h",
         "cpu_lean.h",
+        "cpu_sampling.h",
     )
 ]
 # -fopenmp: ATen's parallel_for is a header template that runs serially unless the extension itself

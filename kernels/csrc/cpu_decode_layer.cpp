@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -30,6 +31,7 @@
 
 #include "cpu_lean.h"
 #include "cpu_rowops.h"
+#include "cpu_sampling.h"
 
 // Kernels of the other translation units of this extension.
 void rms_norm(at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
@@ -369,15 +371,17 @@ struct DecodeStack : torch::CustomClassHolder {
   // Whether run_steps can run `tokens` rows now (an embedding and a head set, a lean batch).
   bool steps_for(int64_t tokens) const { return embed.has_value() && head_for(embed->dtype, tokens); }
 
-  // Greedy decode steps without returning to Python (--num-continuous-decode-steps): step s embeds `ids`
-  // (the batch's last tokens for s = 0, then the tokens step s - 1 picked), runs run_head at positions and
+  // Decode steps without returning to Python (--num-continuous-decode-steps): step s embeds `ids` (the
+  // batch's last tokens for s = 0, then the tokens step s - 1 picked), runs run_head at positions and
   // context lengths s further than `positions` / `seq_lens`, with its new K / V in slots step_locs[s]
-  // (written into req_to_token by the caller) and `num_splits[s]`, and picks each row's first largest logit
-  // of the first `vocab` (the sampler's greedy argmax). Returns the ids [steps, T]: those of the same steps
-  // run one by one. Between steps, Python ran ~0.15 ms from caches the weights had just gone through.
+  // (written into req_to_token by the caller) and `num_splits[s]`, and picks each row's token from the
+  // first `vocab` logits: the first largest (the sampler's greedy argmax) where `sampling` is empty, else
+  // the sampler's row pass with sample_rows' tensors [temperatures, top_ks, top_ps, min_ps, greedy, seeds
+  // [steps, T], positions] (step s: seeds[s], positions + s). Returns the ids [steps, T]: those of the same
+  // steps run one by one. Between steps, Python ran ~0.15 ms from caches the weights had just gone through.
   at::Tensor run_steps(at::Tensor ids, at::Tensor positions, at::Tensor step_locs, at::Tensor req_to_token,
                        at::Tensor req_pool_indices, at::Tensor seq_lens, std::vector<int64_t> num_splits,
-                       int64_t vocab) {
+                       int64_t vocab, std::vector<at::Tensor> sampling) {
     const int64_t T = ids.numel(), steps = step_locs.dim() == 2 ? step_locs.size(0) : 0;
     TORCH_CHECK(steps_for(T), "DecodeStack.run_steps: set_embed and set_head first, on a lean batch (steps_for)");
     TORCH_CHECK(steps >= 1 && step_locs.size(1) == T && static_cast<int64_t>(num_splits.size()) == steps,
@@ -385,6 +389,13 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(positions.numel() == T && seq_lens.numel() == T, "DecodeStack.run_steps: one position and length per row");
     TORCH_CHECK(vocab >= 1 && vocab <= head->w.size(0), "DecodeStack.run_steps: vocab ", vocab, " outside [1, ",
                 head->w.size(0), "]");
+    TORCH_CHECK(sampling.empty() || sampling.size() == 7, "DecodeStack.run_steps: sampling is [] or sample_rows' 7 tensors");
+    std::unique_ptr<radixserve_sampling::Rows> spec;
+    if (!sampling.empty()) {
+      spec = std::make_unique<radixserve_sampling::Rows>(sampling[0], sampling[1], sampling[2], sampling[3],
+                                                         sampling[4], sampling[5], sampling[6], T);
+      TORCH_CHECK(spec->steps() == steps, "DecodeStack.run_steps: one seed per row and step");
+    }
     at::Tensor out = at::empty({steps, T}, at::kLong);
     at::Tensor cur = ids.to(at::kLong).contiguous().clone(), pos = positions.to(at::kLong).contiguous().clone();
     at::Tensor lens = seq_lens.contiguous().clone();
@@ -401,7 +412,8 @@ struct DecodeStack : torch::CustomClassHolder {
       const float* lp = logits.data_ptr<float>();
       const int64_t width = logits.size(1);
       at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) cp[t] = argmax_row(lp + t * width, vocab);
+        for (int64_t t = begin; t < end; ++t)
+          cp[t] = spec ? spec->pick(lp + t * width, vocab, t, s) : argmax_row(lp + t * width, vocab);
       });
 #else
       TORCH_CHECK(false, "DecodeStack.run_steps: built without the lean kernels");

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_sampling.h"
 
 int64_t argmax_row(const float* x, int64_t n);  // cpu_norm_act.cpp
 
@@ -118,8 +119,9 @@ _Pragma("omp simd")
 // The race among the tokens a row's filters keep: the top-n by probability, n the least of top_k, the
 // top-p prefix (tokens whose preceding mass is at most top_p) and the min-p floor (probability at least
 // min_p times the largest), as filter_probs keeps them.
-int64_t filtered_row(const float* l, int64_t n, float inv_t, uint32_t key, int64_t top_k, float top_p, float min_p,
-                     std::vector<float>& e, std::vector<std::pair<float, int32_t>>& cand) {
+int64_t filtered_row(const float* l, int64_t n, float inv_t, uint32_t key, int64_t top_k, float top_p, float min_p) {
+  thread_local std::vector<float> e;
+  thread_local std::vector<std::pair<float, int32_t>> cand;
   const int64_t top = argmax_row(l, n);
   const float m = l[top];
   if (std::isnan(m) || m == -std::numeric_limits<float>::infinity()) return top;
@@ -211,6 +213,45 @@ _Pragma("omp simd reduction(+ : count, mass)")
   return where;
 }
 
+}  // namespace
+
+namespace radixserve_sampling {
+
+Rows::Rows(const at::Tensor& temperatures, const at::Tensor& top_ks, const at::Tensor& top_ps,
+           const at::Tensor& min_ps, const at::Tensor& greedy, const at::Tensor& seeds, const at::Tensor& positions,
+           int64_t rows)
+    : t_(temperatures.to(at::kFloat).reshape({-1}).contiguous()),
+      k_(top_ks.to(at::kLong).contiguous()),
+      p_(top_ps.to(at::kFloat).contiguous()),
+      mp_(min_ps.to(at::kFloat).contiguous()),
+      g_(greedy.to(at::kBool).contiguous()),
+      s_(seeds.to(at::kLong).contiguous()),
+      pos_(positions.to(at::kLong).contiguous()),
+      rows_(rows),
+      steps_(seeds.dim() == 2 ? seeds.size(0) : 1) {
+  for (const at::Tensor* v : {&t_, &k_, &p_, &mp_, &g_, &pos_})
+    TORCH_CHECK(v->numel() == rows, "sample_rows: one value per row in every per-row tensor");
+  TORCH_CHECK(s_.dim() <= 2 && s_.numel() == steps_ * rows && (s_.dim() < 2 || s_.size(1) == rows),
+              "sample_rows: seeds must be [rows] or [steps, rows]");
+}
+
+int64_t Rows::pick(const float* l, int64_t n, int64_t r, int64_t step) const {
+  const float temp = t_.const_data_ptr<float>()[r];
+  if (g_.const_data_ptr<bool>()[r] || !(temp > 0.f)) return argmax_row(l, n);
+  const float inv_t = 1.f / temp;
+  const int64_t seed = s_.const_data_ptr<int64_t>()[std::min(step, steps_ - 1) * rows_ + r];
+  const int64_t pos = pos_.const_data_ptr<int64_t>()[r] + step;
+  const uint32_t key = row_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(pos));
+  const int64_t k = k_.const_data_ptr<int64_t>()[r], top_k = k < 1 ? n : std::min(k, n);
+  const float top_p = p_.const_data_ptr<float>()[r], min_p = mp_.const_data_ptr<float>()[r];
+  if (top_k >= n && !(top_p < 1.f) && !(min_p > 0.f)) return race_row(l, n, inv_t, key);
+  return filtered_row(l, n, inv_t, key, top_k, std::min(top_p, 1.f), std::max(min_p, 0.f));
+}
+
+}  // namespace radixserve_sampling
+
+namespace {
+
 // ids[B] (int64) for float32 logits [B, V]: greedy rows their first largest logit; the others sampled
 // at temperatures[b] with their filters (top_ks[b] >= V, top_ps[b] >= 1 and min_ps[b] <= 0 for none)
 // and the noise of (seeds[b], positions[b]).
@@ -221,36 +262,14 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
               "sample_rows: logits must be float32 [rows, vocab]");
   const int64_t rows = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n < (int64_t{1} << 31), "sample_rows: vocabulary too large");
+  TORCH_CHECK(seeds.dim() == 1, "sample_rows: one seed per row");
+  const radixserve_sampling::Rows spec(temperatures, top_ks, top_ps, min_ps, greedy, seeds, positions, rows);
   const at::Tensor x = logits.contiguous();
-  const at::Tensor t = temperatures.to(at::kFloat).reshape({-1}).contiguous();
-  const at::Tensor k = top_ks.to(at::kLong).contiguous(), p = top_ps.to(at::kFloat).contiguous();
-  const at::Tensor mp = min_ps.to(at::kFloat).contiguous(), g = greedy.to(at::kBool).contiguous();
-  const at::Tensor s = seeds.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
-  for (const at::Tensor* v : {&t, &k, &p, &mp, &g, &s, &pos})
-    TORCH_CHECK(v->numel() == rows, "sample_rows: one value per row in every per-row tensor");
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>(),
-              *mpp = mp.data_ptr<float>();
-  const int64_t *kp = k.data_ptr<int64_t>(), *sp = s.data_ptr<int64_t>(), *posp = pos.data_ptr<int64_t>();
-  const bool* gp = g.data_ptr<bool>();
+  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e;
-    std::vector<std::pair<float, int32_t>> cand;
-    for (int64_t r = begin; r < end; ++r) {
-      const float* l = xp + r * n;
-      if (gp[r] || !(tp[r] > 0.f)) {
-        op[r] = argmax_row(l, n);
-        continue;
-      }
-      const float inv_t = 1.f / tp[r];
-      const uint32_t key = row_key(static_cast<uint64_t>(sp[r]), static_cast<uint64_t>(posp[r]));
-      const int64_t top_k = kp[r] < 1 ? n : std::min(kp[r], n);
-      if (top_k >= n && !(pp[r] < 1.f) && !(mpp[r] > 0.f))
-        op[r] = race_row(l, n, inv_t, key);
-      else
-        op[r] = filtered_row(l, n, inv_t, key, top_k, std::min(pp[r], 1.f), std::max(mpp[r], 0.f), e, cand);
-    }
+    for (int64_t r = begin; r < end; ++r) op[r] = spec.pick(xp + r * n, n, r, 0);
   });
   return out;
 }

@@ -181,12 +181,13 @@ class FusedDecodeStack:
         return self.stack.run_head(hidden, positions, *self._step_args(fb))
 
     def decode_steps(
-        self, fb, embed: nn.Module, norm: nn.Module, lm_head: nn.Module, vocab: int, argmax
+        self, fb, embed: nn.Module, norm: nn.Module, lm_head: nn.Module, vocab: int, rows: list, pick
     ) -> torch.Tensor | None:
-        """`fb.decode_steps` greedy steps of a decode batch (--num-continuous-decode-steps): each step
-        embeds the tokens (`embed`), runs the layers, the final norm and the LM head (run_head), and
-        takes each row's first largest logit of the first `vocab` as its next token (`argmax`: the
-        sampler's greedy pick), which the next step embeds. Returns [steps, B] ids: what the same steps
+        """`fb.decode_steps` steps of a decode batch (--num-continuous-decode-steps): each step embeds
+        the tokens (`embed`), runs the layers, the final norm and the LM head (run_head), and picks
+        each row's next token from the first `vocab` logits, which the next step embeds: the first
+        largest where `rows` is empty, else the sampler's C++ row pass with `rows` (Sampler.step_rows;
+        `pick(logits, step)` is the same pick from Python). Returns [steps, B] ids: what the same steps
         taken one by one sample. With a quantized embedding table every step runs in one C++ call
         (DecodeStack.run_steps); otherwise a step a call. None where the stack cannot take the batch
         (the caller then runs the steps one forward at a time)."""
@@ -198,7 +199,9 @@ class FusedDecodeStack:
         splits = [cpu_kernels.num_decode_splits(batch, kv_heads, longest + s) for s in range(steps)]
         args = (fb.req_to_token_pool.req_to_token, fb.req_pool_indices)
         if self._take_embed(embed) and self.stack.steps_for(batch):
-            return self.stack.run_steps(fb.input_ids, fb.positions, fb.step_locs, *args, fb.seq_lens, splits, vocab)
+            return self.stack.run_steps(
+                fb.input_ids, fb.positions, fb.step_locs, *args, fb.seq_lens, splits, vocab, rows
+            )
         ids, positions, seq_lens = fb.input_ids, fb.positions, fb.seq_lens
         out = torch.empty(steps, batch, dtype=torch.int64)
         for s in range(steps):
@@ -208,7 +211,7 @@ class FusedDecodeStack:
             _, logits = self.stack.run_head(hidden, positions, fb.step_locs[s], *args, seq_lens, splits[s])
             if logits.size(1) != vocab:  # the LM head's padding rows (LogitsProcessor cuts them too)
                 logits = logits[:, :vocab].contiguous()
-            ids = argmax(logits)
+            ids = pick(logits, s)
             out[s] = ids
             positions, seq_lens = positions + 1, seq_lens + 1
         return out

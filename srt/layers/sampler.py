@@ -71,19 +71,23 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, ops: Any = None) -> to
     return torch.where(info.greedy, logits.argmax(dim=-1), sampled)
 
 
-def _sample_rows(ops: Any, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    rows = logits.shape[0]
-    # rows without a seed race on the noise of a fresh random seed from torch's generator
-    seeds = torch.randint(0, 2**62, (rows,), dtype=torch.int64)
+def step_rows(info: SamplingBatchInfo, steps: int, rows: int) -> list[torch.Tensor]:
+    """sample_rows' per-row tensors for `steps` steps of a batch: [temperatures, top_ks, top_ps, min_ps,
+    greedy, seeds [steps, rows], positions]. Rows without a seed race on the noise of fresh random
+    seeds from torch's generator, one per step; seeded rows hash their seed and position (+ step)."""
+    seeds = torch.randint(0, 2**62, (steps, rows), dtype=torch.int64)
     positions = torch.zeros(rows, dtype=torch.int64)
     if info.seeds is not None:
         assert info.seed_positions is not None, "set with seeds"
         seeded = info.seeds >= 0
         seeds = torch.where(seeded, info.seeds, seeds)
         positions = torch.where(seeded, info.seed_positions, positions)
-    return ops.sample_rows(
-        logits, info.temperatures, info.top_ks, info.top_ps, info.min_ps, info.greedy, seeds, positions
-    )
+    return [info.temperatures, info.top_ks, info.top_ps, info.min_ps, info.greedy, seeds, positions]
+
+
+def _sample_rows(ops: Any, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    t, k, p, mp, g, seeds, positions = step_rows(info, 1, logits.shape[0])
+    return ops.sample_rows(logits, t, k, p, mp, g, seeds[0], positions)
 
 
 class Sampler(nn.Module):
@@ -96,6 +100,21 @@ class Sampler(nn.Module):
         if ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
             return ops.argmax_rows(logits)
         return logits.argmax(dim=-1)
+
+    def step_rows(self, info: SamplingBatchInfo | None, steps: int, rows: int) -> list[torch.Tensor] | None:
+        """How a continuous decode call picks its tokens: [] for an all-greedy batch (the argmax),
+        `step_rows`' tensors for the C++ row pass, None where this sampler has no C++ pass (then
+        each step goes through forward())."""
+        if info is None or info.is_all_greedy:
+            return []
+        return step_rows(info, steps, rows) if self.fused_ops is not None else None
+
+    def pick_step(self, logits: torch.Tensor, rows: list[torch.Tensor], step: int) -> torch.Tensor:
+        """Step `step`'s tokens of a continuous decode call from its float32 logits (rows: step_rows')."""
+        if not rows:
+            return self.argmax(logits)
+        t, k, p, mp, g, seeds, positions = rows
+        return self.fused_ops.sample_rows(logits, t, k, p, mp, g, seeds[step], positions + step)
 
     def forward(
         self,

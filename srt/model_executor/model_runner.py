@@ -443,9 +443,10 @@ class ModelRunner:
         logprobs): that many decode steps, step s + 1 feeding the tokens step s sampled, at positions,
         context lengths and KV slots (`step_locs[s]`) one further each step (and seeded samples at
         positions one further). Returns the ids [steps, B], as the same steps taken one by one would
-        sample them: for a greedy batch on the CPU's fused decode stack without returning to Python
-        between steps where the model has one, else a forward (`forward`, default this runner's; a
-        tensor-parallel worker's sends each step to the other ranks) and a sample a step."""
+        sample them: on the CPU's fused decode stack without returning to Python between steps where
+        the model has one (greedy batches, and sampled ones with the C++ sampler), else a forward
+        (`forward`, default this runner's; a tensor-parallel worker's sends each step to the other
+        ranks) and a sample a step."""
         fb = self.bind(forward_batch)
         steps = fb.decode_steps
         assert fb.forward_mode.is_decode() and fb.step_locs is not None and fb.step_locs.size(0) == steps
@@ -453,10 +454,10 @@ class ModelRunner:
         assert info is None or not info.has_logit_processors, "no per-step sampling state"
         fused = getattr(self.model, "decode_steps", None)  # the model's steps in one call (LlamaForCausalLM)
         eager = forward is None and self.lora_manager is None and self.cuda_graph_runner is None
-        greedy = info is None or info.is_all_greedy
-        if eager and greedy and self.compiled_decode is None and callable(fused):
+        rows = self.sampler.step_rows(info, steps, fb.batch_size)  # how the fused steps pick tokens
+        if eager and rows is not None and self.compiled_decode is None and callable(fused):
             self.attn_backend.init_forward_metadata(fb)
-            ids = fused(fb, self.sampler.argmax)
+            ids = fused(fb, rows, self.sampler.pick_step)
             if isinstance(ids, torch.Tensor):  # else the model cannot take this batch in one call
                 return ids
         out = torch.empty(steps, fb.batch_size, dtype=torch.int64, device=self.device)

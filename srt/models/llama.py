@@ -169,9 +169,9 @@ class FusedStack(Protocol):
         ...
 
     def decode_steps(
-        self, forward_batch, embed: nn.Module, norm: nn.Module, lm_head: nn.Module, vocab: int, argmax
+        self, forward_batch, embed: nn.Module, norm: nn.Module, lm_head: nn.Module, vocab: int, rows, pick
     ) -> torch.Tensor | None:
-        """[steps, B] greedy token ids of forward_batch.decode_steps steps, or None where it cannot run them."""
+        """[steps, B] token ids of forward_batch.decode_steps steps, or None where it cannot run them."""
         ...
 
 
@@ -315,10 +315,11 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     @torch.no_grad()
-    def decode_steps(self, forward_batch, argmax) -> torch.Tensor | None:
+    def decode_steps(self, forward_batch, rows, pick) -> torch.Tensor | None:
         """A continuous decode batch's steps on the fused stack (`FusedStack.decode_steps`: [steps, B]
-        greedy ids, `argmax` picking them), or None where this model runs them one forward at a time
-        (no fused stack, or a subclass whose forward does more than embed, the layers and the head)."""
+        ids, picked as `rows` and `pick` say: Sampler.step_rows / pick_step), or None where this model
+        runs them one forward at a time (no fused stack, or a subclass whose forward does more than
+        embed, the layers and the head)."""
         stack = self.model.fused_decode_stack
         plain = (
             type(self).forward is LlamaForCausalLM.forward
@@ -328,7 +329,8 @@ class LlamaForCausalLM(nn.Module):
         if stack is None or not plain or forward_batch.capture_hidden:
             return None
         vocab = self.logits_processor.vocab_size
-        return stack.decode_steps(forward_batch, self.model.embed_tokens, self.model.norm, self.lm_head, vocab, argmax)
+        model = self.model
+        return stack.decode_steps(forward_batch, model.embed_tokens, model.norm, self.lm_head, vocab, rows, pick)
 
     # checkpoint name fragment -> ours (a module named otherwise in the checkpoint)
     checkpoint_renames: list[tuple[str, str]] = []

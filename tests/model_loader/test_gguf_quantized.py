@@ -328,7 +328,8 @@ def test_lean_stack_runs_the_lm_head_as_quant_linear_does(gguf_files, runner_fac
 def test_continuous_decode_steps_match_single_steps(gguf_files, runner_factory, arch):
     """--num-continuous-decode-steps' model side (ModelRunner.decode_steps): N steps in one call give
     the tokens of N single steps, at batch 1 and 4, with budgets that end inside a call, a stop token
-    met inside one, and seeded sampling; every KV slot comes back. qwen3's tiny file ties a Q8_0 embedding and
+    met inside one, and seeded sampling with filters next to greedy rows; every KV slot comes back. qwen3's tiny file
+    ties a Q8_0 embedding and
     LM head as the default model does: the stack runs all the steps in one C++ call (run_steps); llama's
     Q6_K head is not the stack's, so its steps run one forward at a time."""
     from srt.model_executor.static_batch import StaticBatchGenerator
@@ -356,9 +357,14 @@ def test_continuous_decode_steps_match_single_steps(gguf_files, runner_factory, 
             want = [r.output_ids for r in single.generate(prompts, stop)]
             assert want[0][-1] == want[0][4] and len(want[0]) <= 5
             assert [r.output_ids for r in multi.generate(prompts, stop)] == want
-            # seeded sampling (a step at a time inside the call): the seed hashes each token's position
-            seeded = [SamplingParams(temperature=1.5, top_k=20, sampling_seed=i, max_new_tokens=9) for i in range(4)]
-            seeded = seeded[: len(prompts)]
+            # seeded sampling (on qwen3's stack, the sampler's row pass inside run_steps): the seed hashes
+            # each token's position; greedy and filtered rows in the same batch
+            seeded = [
+                SamplingParams(temperature=1.5, top_k=20, sampling_seed=0, max_new_tokens=9),
+                SamplingParams(temperature=0, max_new_tokens=8),
+                SamplingParams(temperature=1.2, top_p=0.9, min_p=0.02, sampling_seed=2, max_new_tokens=9),
+                SamplingParams(temperature=0.9, sampling_seed=3, max_new_tokens=6),
+            ][: len(prompts)]
             want = [r.output_ids for r in single.generate(prompts, seeded)]
             assert [r.output_ids for r in multi.generate(prompts, seeded)] == want
             assert runner.token_to_kv_pool_allocator.available_size() == free
