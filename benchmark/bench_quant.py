@@ -353,10 +353,13 @@ def serve_levels(backend: str, url: str, tokenizer, args, desc: str, levels: lis
     model = models[0] if models else None
     out = {}
     for conc in levels if levels is not None else args.concurrency:
+        # --sampling: in sampling_params on /generate (ours), at the top level on /v1/completions (llama-server)
+        sampling = json.loads(args.sampling) if args.sampling else {}
+        extra = {"sampling_params": sampling} if backend == "sglang" and sampling else sampling
         reqs, warm = level_requests(tokenizer, args, conc)
-        asyncio.run(run_workload(backend, url, model, warm, math.inf, conc, True, {}, tokenizer, args.seed, False))
+        asyncio.run(run_workload(backend, url, model, warm, math.inf, conc, True, extra, tokenizer, args.seed, False))
         results, duration = asyncio.run(
-            run_workload(backend, url, model, reqs, math.inf, conc, True, {}, tokenizer, args.seed, not args.quiet)
+            run_workload(backend, url, model, reqs, math.inf, conc, True, extra, tokenizer, args.seed, not args.quiet)
         )
         s = summarize(results, duration)
         s["num_prompts"] = len(reqs)
@@ -662,6 +665,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="in-process repeats (best is reported)")
     p.add_argument("--bench-reps", type=int, default=3, help="llama-bench -r")
     p.add_argument("--server-args", default="", help="extra flags for our servers")
+    p.add_argument(
+        "--sampling",
+        default=None,
+        help='sampling for the serving runs, as JSON, e.g. \'{"temperature": 0.8, "top_p": 0.9}\' (default: '
+        "greedy); both servers get it (ours in sampling_params, llama-server at the top level)",
+    )
     p.add_argument("--llama-server-args", default="", help="extra flags for llama-server (e.g. '--poll 0')")
     p.add_argument(
         "--llama-huge-pages",
@@ -690,7 +699,7 @@ def main() -> None:
     cpu["busy_percent_before"] = busy = cpu_busy()
     if busy > 10:
         print(f"warning: the CPUs were {busy:.0f}% busy before the run (other load): figures will be noisy", flush=True)
-    print(f"model {gguf}, {threads} threads, configs {configs}", flush=True)
+    print(f"model {gguf}, {threads} threads, configs {configs}, sampling {args.sampling or 'greedy'}", flush=True)
     has_quant = server_supports_quantization()
     if not has_quant:
         print("note: ServerArgs has no `quantization` field yet; `none`/`bf16` run without --quantization", flush=True)
@@ -703,7 +712,12 @@ def main() -> None:
         "configs": configs,
         "concurrency": [] if args.skip_serving else args.concurrency,
         "prefill_len": args.prefill_len,
-        "workload": {"input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts},
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "sampling": json.loads(args.sampling) if args.sampling else "greedy",
+        },
         "server_has_quantization_flag": has_quant,
         "ours": {c: {} for c in configs},
         "llama_cpp": None,
