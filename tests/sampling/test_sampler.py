@@ -253,3 +253,34 @@ def test_fused_greedy_unseeded_and_reproducible(ops):
     assert int(a[4]) in set(logits[4].topk(50).indices.tolist())
     draws = {tuple(run().tolist()) for _ in range(8)}
     assert len({d[1] for d in draws}) > 1 and len({d[5] for d in draws}) == 1  # fresh noise unless seeded
+
+
+def test_fused_odd_rows(ops):
+    """Rows that are all masked but one, a one-token vocabulary, extreme temperatures and a NaN: each gets
+    an answer in range (the allowed token where there is one), none crashes."""
+    vocab = 1000
+    logits = torch.randn(7, vocab)
+    logits[0] = float("-inf")
+    logits[0, 123] = 5.0  # one allowed token, filtered row
+    logits[1] = float("-inf")
+    logits[1, 7] = -3.0  # one allowed token, unfiltered row
+    logits[2] = float("-inf")  # nothing allowed: still an id in range
+    logits[3, 11] = float("nan")
+    n = logits.shape[0]
+    temps = torch.tensor([1.0, 1.0, 1.0, 1.0, 1e-4, 100.0, 0.7])
+    top_ks = torch.tensor([5, vocab, vocab, vocab, vocab, 3, vocab])
+    top_ps = torch.tensor([0.5, 1.0, 0.9, 1.0, 1.0, 1.0, 1e-6])
+    min_ps = torch.zeros(n)
+    greedy = torch.zeros(n, dtype=torch.bool)
+    seeds, positions = torch.arange(n) + 5, torch.zeros(n, dtype=torch.int64)
+    ids = ops.sample_rows(logits, temps, top_ks, top_ps, min_ps, greedy, seeds, positions)
+    assert ids.tolist()[:2] == [123, 7] and all(0 <= i < vocab for i in ids.tolist())
+    assert int(ids[3]) == 11  # NaN wins, as torch.argmax has it
+    assert int(ids[4]) == int(logits[4].argmax())  # a tiny temperature is the argmax
+    assert int(ids[5]) in set(logits[5].topk(3).indices.tolist())
+    assert int(ids[6]) == int(logits[6].argmax())  # a tiny top_p keeps the most probable token only
+    one = ops.sample_rows(torch.zeros(3, 1), torch.ones(3), torch.ones(3, dtype=torch.int64), torch.ones(3),
+                          torch.zeros(3), torch.zeros(3, dtype=torch.bool), torch.arange(3), torch.zeros(3, dtype=torch.int64))  # fmt: skip
+    assert one.tolist() == [0, 0, 0]
+    with pytest.raises(RuntimeError, match="one value per row"):
+        ops.sample_rows(logits, temps[:3], top_ks, top_ps, min_ps, greedy, seeds, positions)
