@@ -279,8 +279,8 @@ def test_fused_odd_rows(ops):
     assert int(ids[4]) == int(logits[4].argmax())  # a tiny temperature is the argmax
     assert int(ids[5]) in set(logits[5].topk(3).indices.tolist())
     assert int(ids[6]) == int(logits[6].argmax())  # a tiny top_p keeps the most probable token only
-    one = ops.sample_rows(torch.zeros(3, 1), torch.ones(3), torch.ones(3, dtype=torch.int64), torch.ones(3),
-                          torch.zeros(3), torch.zeros(3, dtype=torch.bool), torch.arange(3), torch.zeros(3, dtype=torch.int64))  # fmt: skip
+    flags = (torch.ones(3), torch.ones(3, dtype=torch.int64), torch.ones(3), torch.zeros(3))
+    one = ops.sample_rows(torch.zeros(3, 1), *flags, torch.zeros(3, dtype=torch.bool), torch.arange(3), torch.zeros(3))
     assert one.tolist() == [0, 0, 0]
     with pytest.raises(RuntimeError, match="one value per row"):
         ops.sample_rows(logits, temps[:3], top_ks, top_ps, min_ps, greedy, seeds, positions)
