@@ -107,7 +107,8 @@ class Sampler(nn.Module):
         each step goes through forward())."""
         if info is None or info.is_all_greedy:
             return []
-        return step_rows(info, steps, rows) if self.fused_ops is not None else None
+        on_cpu = info.temperatures.device.type == "cpu"
+        return step_rows(info, steps, rows) if self.fused_ops is not None and on_cpu else None
 
     def pick_step(self, logits: torch.Tensor, rows: list[torch.Tensor], step: int) -> torch.Tensor:
         """Step `step`'s tokens of a continuous decode call from its float32 logits (rows: step_rows')."""
