@@ -1198,15 +1198,36 @@ void DecodeAttention::add_layer(const at::Tensor& k_buffer, const at::Tensor& v_
   TORCH_CHECK(layers_.empty() || k_buffer.size(1) == kv_heads_, "DecodeAttention: every layer's KV heads alike");
   kv_heads_ = k_buffer.size(1);
   group_ = heads_ / kv_heads_;
+  layers_.push_back({k_buffer, v_buffer, k_scales, v_scales, k_scale, v_scale});
+  shape();
+}
+
+void DecodeAttention::shape() {
   // a group's query rows share each K / V row's loads and score reductions (one row per task made a
   // batch-1 step's attention slower, balance or not); split only where threads would otherwise idle
   const int64_t tasks = batch_ * kv_heads_ * splits_;
   parts_ = tasks >= threads_ ? 1 : std::min<int64_t>(group_, (threads_ + tasks - 1) / std::max<int64_t>(1, tasks));
-  layers_.push_back({k_buffer, v_buffer, k_scales, v_scales, k_scale, v_scale});
   if (splits_ > 1) {
     ml_.resize(tasks * group_ * 2);
     po_.resize(tasks * group_ * d_);
   }
+}
+
+void DecodeAttention::next_step(const at::Tensor& out_cache_loc, int64_t num_splits) {
+  TORCH_CHECK(!layers_.empty() && out_cache_loc.numel() == batch_, "DecodeAttention.next_step: one new token per request");
+  at::Tensor slots = out_cache_loc.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (const Layer& L : layers_)
+    for (int64_t t = 0; t < batch_; ++t)
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < L.k_buffer.size(0), "kv_store: slot ", sp[t], " out of range");
+  int64_t* lens = lens_.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch_; ++b)
+    TORCH_CHECK(lens[b] < req_to_token_.size(1), "DecodeAttention.next_step: request ", b, " is outside req_to_token");
+  if (!own_lens_) lens_ = lens_.clone(), lens = lens_.data_ptr<int64_t>(), own_lens_ = true;  // not the caller's
+  for (int64_t b = 0; b < batch_; ++b) ++lens[b];
+  slots_ = std::move(slots);
+  splits_ = std::max<int64_t>(1, num_splits);
+  shape();
 }
 
 void DecodeAttention::store(int64_t layer, int64_t t, int64_t kv_head, bool value, const c10::BFloat16* x) const {

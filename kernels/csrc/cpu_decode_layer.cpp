@@ -398,17 +398,23 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     at::Tensor out = at::empty({steps, T}, at::kLong);
     at::Tensor cur = ids.to(at::kLong).contiguous().clone(), pos = positions.to(at::kLong).contiguous().clone();
-    at::Tensor lens = seq_lens.contiguous().clone();
     const at::Tensor locs = step_locs.contiguous();
     int64_t* cp = cur.data_ptr<int64_t>();
     int64_t* op = out.data_ptr<int64_t>();
+    int64_t* pp = pos.data_ptr<int64_t>();
+#if defined(RADIXSERVE_LEAN_DECODE)
+    for (Lean& l : lean)
+      for (LeanLinear* W : {&l.qkv, &l.o, &l.gate_up, &l.down}) W->choose(T);
+    // made once, then moved on a step at a time (each step's setup cost ~10 us of a ~2.5 ms step)
+    const auto attn = attention(locs.select(0, 0), req_to_token, req_pool_indices, seq_lens, num_splits[0]);
+#endif
     for (int64_t s = 0; s < steps; ++s) {
       at::Tensor hidden = quant_embedding(cur, embed->w, embed->qtype, embed->k, embed->dtype);
 #if defined(RADIXSERVE_LEAN_DECODE)
-      for (Lean& l : lean)
-        for (LeanLinear* W : {&l.qkv, &l.o, &l.gate_up, &l.down}) W->choose(T);
+      if (s > 0) attn->next_step(locs.select(0, s), num_splits[s]);
       at::Tensor normed, logits;
-      run_lean(hidden, pos, locs.select(0, s), req_to_token, req_pool_indices, lens, num_splits[s], &normed, &logits);
+      run_lean(hidden, pos, locs.select(0, s), req_to_token, req_pool_indices, seq_lens, num_splits[s], &normed, &logits,
+               attn.get());
       const float* lp = logits.data_ptr<float>();
       const int64_t width = logits.size(1);
       at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
@@ -419,8 +425,7 @@ struct DecodeStack : torch::CustomClassHolder {
       TORCH_CHECK(false, "DecodeStack.run_steps: built without the lean kernels");
 #endif
       std::copy(cp, cp + T, op + s * T);
-      pos.add_(1);
-      lens.add_(1);
+      for (int64_t t = 0; t < T; ++t) ++pp[t];
     }
     return out;
   }
@@ -463,11 +468,32 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
 #if defined(RADIXSERVE_LEAN_DECODE)
+  // The batch's attention over every layer's cache (checked here, before any parallel region).
+  std::unique_ptr<radixserve_rows::DecodeAttention> attention(const at::Tensor& out_cache_loc,
+                                                              const at::Tensor& req_to_token,
+                                                              const at::Tensor& req_pool_indices,
+                                                              const at::Tensor& seq_lens, int64_t num_splits) const {
+    const Layer& L0 = layers[0];
+    auto attn = std::make_unique<radixserve_rows::DecodeAttention>(
+        req_to_token, req_pool_indices, seq_lens, out_cache_loc, L0.q_size / L0.head_dim, L0.head_dim, kv_format,
+        num_splits, std::max<int64_t>(1, at::get_num_threads()));
+    TORCH_CHECK(seq_lens.size(0) == out_cache_loc.numel(), "DecodeStack.run: one token per request in a decode batch");
+    for (size_t i = 0; i < layers.size(); ++i)
+      attn->add_layer(k_buffers[i], v_buffers[i],
+                      k_scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(k_scales[i]),
+                      v_scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(v_scales[i]), k_scale[i], v_scale[i]);
+    TORCH_CHECK(attn->kv_heads() == L0.kv_size / L0.head_dim, "DecodeStack.run: the KV pool's heads do not match the model's");
+    return attn;
+  }
+
+  // A step of the lean path; `prepared` (run_steps: one for all its steps, moved on by next_step) or
+  // else an attention made from out_cache_loc, req_to_token, req_pool_indices, seq_lens and num_splits.
   std::tuple<at::Tensor, at::Tensor> run_lean(const at::Tensor& hidden_in, const at::Tensor& positions,
                                               const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                                               const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                                               int64_t num_splits, at::Tensor* normed_out = nullptr,
-                                              at::Tensor* logits_out = nullptr) {
+                                              at::Tensor* logits_out = nullptr,
+                                              radixserve_rows::DecodeAttention* prepared = nullptr) {
     using bf16 = c10::BFloat16;
     const Layer& L0 = layers[0];
     const at::Tensor hidden = hidden_in.contiguous();
@@ -481,14 +507,10 @@ struct DecodeStack : torch::CustomClassHolder {
     for (int64_t t = 0; t < T; ++t)
       for (const Layer& L : layers)
         TORCH_CHECK(pp[t] >= 0 && pp[t] < L.cos_cache.size(0), "DecodeStack.run: position ", pp[t], " out of range");
-    radixserve_rows::DecodeAttention attn(req_to_token, req_pool_indices, seq_lens, out_cache_loc, qh, hd, kv_format,
-                                          num_splits, threads);
+    std::unique_ptr<radixserve_rows::DecodeAttention> made;
+    if (prepared == nullptr) made = attention(out_cache_loc, req_to_token, req_pool_indices, seq_lens, num_splits);
+    radixserve_rows::DecodeAttention& attn = prepared != nullptr ? *prepared : *made;
     TORCH_CHECK(seq_lens.size(0) == T, "DecodeStack.run: one token per request in a decode batch");
-    for (size_t i = 0; i < layers.size(); ++i)
-      attn.add_layer(k_buffers[i], v_buffers[i],
-                     k_scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(k_scales[i]),
-                     v_scales.empty() ? c10::nullopt : c10::optional<at::Tensor>(v_scales[i]), k_scale[i], v_scale[i]);
-    TORCH_CHECK(attn.kv_heads() == kh, "DecodeStack.run: the KV pool's heads do not match the model's");
     const auto opts = hidden.options();
     at::Tensor residual = at::empty({T, H}, opts), down = at::empty({T, H}, opts);
     at::Tensor qkv = at::empty({T, qkv_n}, opts), att = at::empty({T, q_size}, opts), o = at::empty({T, H}, opts);
@@ -528,13 +550,17 @@ struct DecodeStack : torch::CustomClassHolder {
         steal.start(tid, nt, units, ++epoch);
         for (int64_t u; (u = steal.next(tid, nt, epoch)) >= 0;) fn(u);
       };
-      // The O and down phases' units: whole 16-row tiles of about 48 KB of weights, at least two units a
-      // thread (the default model's O rows in 16-row units of ~6 KB took ~0.23 ms a step against ~0.17
-      // in units of 144 rows; its down rows, ~15 KB per 16, did not care)
-      auto unit_rows = [&](const LeanLinear& W) {
+      // The O and down phases' rows: 16-row tiles, a thread taking spans of about 48 KB of weights from
+      // its own range (the default model's O rows 16 at a time, ~6 KB, took ~0.23 ms a step against ~0.17
+      // in spans of 144 rows) but its last two tiles one by one, which a thread that finished first may
+      // take (in 64-row units the default model's down phase left one thread waiting ~1.3 us a layer)
+      auto rows_of = [&](const LeanLinear& W, auto&& fn) {
         const int64_t row_bytes = std::max<int64_t>(1, W.segs.front().row_bytes);
-        const int64_t most = std::max<int64_t>(16, H / (2 * nt) / 16 * 16);
-        return std::min(most, std::max<int64_t>(16, (48 * 1024 / row_bytes + 15) / 16 * 16));
+        const int64_t most = std::max<int64_t>(1, (48 * 1024 / row_bytes + 15) / 16);
+        steal.start(tid, nt, (H + 15) / 16, ++epoch);
+        int64_t count = 0;
+        for (int64_t u; (u = steal.next_span(tid, nt, epoch, most, 2, count)) >= 0;)
+          fn(u * 16, std::min(H, (u + count) * 16));
       };
       for (size_t i = 0; i < layers.size(); ++i) {
         const Layer& L = layers[i];
@@ -571,15 +597,13 @@ struct DecodeStack : torch::CustomClassHolder {
 #pragma omp barrier
         attn.attend(static_cast<int64_t>(i), qp, qkv_n, ap, L.scale, tid, nt);
 #pragma omp barrier
-        if (attn.needs_merge()) {
+        if (attn.needs_merge()) {  // (each thread merging every head itself instead: ~2% slower)
           attn.merge(static_cast<int64_t>(i), ap, tid, nt);
 #pragma omp barrier
         }
         {
           const LeanX x = acts.make(ap, T, q_size, W.o);
-          const int64_t rows = unit_rows(W.o);
-          units_of((H + rows - 1) / rows,
-                   [&](int64_t u) { W.o.rows(x, T, u * rows, std::min(H, (u + 1) * rows), op, H); });
+          rows_of(W.o, [&](int64_t r0, int64_t r1) { W.o.rows(x, T, r0, r1, op, H); });
         }
 #pragma omp barrier
         for (int64_t t = 0; t < T; ++t)
@@ -603,9 +627,7 @@ struct DecodeStack : torch::CustomClassHolder {
 #pragma omp barrier
         {
           const LeanX x = down_acts.acts(acts, T);
-          const int64_t rows = unit_rows(W.down);
-          units_of((H + rows - 1) / rows,
-                   [&](int64_t u) { W.down.rows(x, T, u * rows, std::min(H, (u + 1) * rows), dp, H); });
+          rows_of(W.down, [&](int64_t r0, int64_t r1) { W.down.rows(x, T, r0, r1, dp, H); });
         }
 #pragma omp barrier
       }

@@ -171,6 +171,30 @@ class Steal {
     return -1;
   }
 
+  // As next, but up to `most` consecutive units of this thread's own range at once, leaving its last
+  // `tail` units to be taken one by one (by it or by a thread that has finished): the first unit, or -1,
+  // and their number in `count`. Big spans keep a thread's memory stream long; small ones at the end
+  // keep the two threads' finishing times within a small unit of each other.
+  int64_t next_span(int64_t tid, int64_t nt, uint64_t epoch, int64_t most, int64_t tail, int64_t& count) {
+    uint64_t w = slots_[tid].word.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t f = (w >> 24) & 0xFFFFFF, b = w & 0xFFFFFF;
+      if ((w >> 48) != (epoch & 0xFFFF) || f >= b) break;
+      const int64_t k = std::max<int64_t>(1, std::min<int64_t>(most, static_cast<int64_t>(b - f) - tail));
+      if (slots_[tid].word.compare_exchange_weak(w, pack(epoch, f + k, b), std::memory_order_acq_rel)) {
+        count = k;
+        return static_cast<int64_t>(f);
+      }
+    }
+    int64_t u;
+    for (int64_t o = 1; o < nt; ++o)
+      if (take((tid + o) % nt, epoch, false, u)) {
+        count = 1;
+        return u;
+      }
+    return -1;
+  }
+
  private:
   struct alignas(64) Slot {
     std::atomic<uint64_t> word{0};

@@ -42,6 +42,9 @@ class DecodeAttention {
   void attend(int64_t layer, const c10::BFloat16* q, int64_t q_stride, c10::BFloat16* out, double scale,
               int64_t thread, int64_t threads);
   void merge(int64_t layer, c10::BFloat16* out, int64_t thread, int64_t threads);
+  // The next decode step of the same requests: every context one longer, the new tokens' K / V in
+  // out_cache_loc's slots, contexts split num_splits ways (checked as the constructor and add_layer do).
+  void next_step(const at::Tensor& out_cache_loc, int64_t num_splits);
   bool needs_merge() const { return splits_ > 1; }
   int64_t kv_heads() const { return kv_heads_; }
 
@@ -53,8 +56,10 @@ class DecodeAttention {
   };
   at::Tensor req_idx_, lens_, req_to_token_, slots_;
   int64_t batch_, heads_, d_, kv_heads_ = 0, group_ = 0, format_, splits_, parts_ = 1, threads_;
+  bool own_lens_ = false;  // lens_ may share the caller's seq_lens until next_step copies it
   std::vector<Layer> layers_;
   std::vector<float> ml_, po_;  // per (request, KV head, split, group row): max and sum; output
+  void shape();                 // parts_ and the split buffers for the batch, heads and splits
 };
 
 }  // namespace radixserve_rows

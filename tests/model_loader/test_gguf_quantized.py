@@ -19,6 +19,7 @@ from conftest import chat_prompt_ids, forcing_body, top1_agreement
 from gguf import GGMLQuantizationType as Q
 from test_gguf_loader import TOKENS, add_tokenizer, llama_cpp_permute
 
+from kernels import cpu as cpu_kernels
 from kernels.cpu import cpu_flags
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
@@ -325,10 +326,12 @@ def test_lean_stack_runs_the_lm_head_as_quant_linear_does(gguf_files, runner_fac
 
 
 @pytest.mark.parametrize("arch", ["qwen3-q4", "llama-q4"])
-def test_continuous_decode_steps_match_single_steps(gguf_files, runner_factory, arch):
+def test_continuous_decode_steps_match_single_steps(gguf_files, runner_factory, arch, monkeypatch):
     """--num-continuous-decode-steps' model side (ModelRunner.decode_steps): N steps in one call give
     the tokens of N single steps, at batch 1 and 4, with budgets that end inside a call, a stop token
-    met inside one, and seeded sampling with filters next to greedy rows; every KV slot comes back. qwen3's tiny file
+    met inside one, seeded sampling with filters next to greedy rows, and contexts split a different
+    number of ways at every step (the C++ loop moves one attention on from step to step); every KV slot
+    comes back. qwen3's tiny file
     ties a Q8_0 embedding and
     LM head as the default model does: the stack runs all the steps in one C++ call (run_steps); llama's
     Q6_K head is not the stack's, so its steps run one forward at a time."""
@@ -367,6 +370,10 @@ def test_continuous_decode_steps_match_single_steps(gguf_files, runner_factory, 
             ][: len(prompts)]
             want = [r.output_ids for r in single.generate(prompts, seeded)]
             assert [r.output_ids for r in multi.generate(prompts, seeded)] == want
+            with monkeypatch.context() as m:  # 1, 2 or 3 pieces of context by step, in both
+                m.setattr(cpu_kernels, "num_decode_splits", lambda batch, kv_heads, longest: 1 + longest % 3)
+                want = [r.output_ids for r in single.generate(prompts, params)]
+                assert [r.output_ids for r in multi.generate(prompts, params)] == want
             assert runner.token_to_kv_pool_allocator.available_size() == free
     finally:
         stack.decode_steps = original
