@@ -7,11 +7,12 @@ costs: tokens reach streaming clients N at a time, a new request waits for the r
 (up to N steps) before its prefill, and a request that stops inside a call has the steps after its
 stop computed and dropped (their KV slots are freed with the request).
 
-A batch takes several steps when no request in it has a logit processor that changes from step to
-step or one the fused path does not run (penalties, a pending min_new_tokens ban, a grammar, logit
-bias), asks for logprobs or has images, no request waits for admission, and the KV cache has room for
-all of the steps; otherwise, and for steps past the longest remaining budget or the context length,
-it decodes one step at a time.
+A batch takes several steps when no request in it has a grammar or images, no request waits for
+admission, and the KV cache has room for all of the steps; otherwise, and for steps past the longest
+remaining budget or the context length, it decodes one step at a time. Penalties, logit bias, the
+min_new_tokens ban and logprobs are taken step by step inside the call (a forward and a sample a
+step: penalties count the call's earlier tokens, the ban lifts at its step); batches without them run
+all their steps in one C++ call on the CPU's fused stack.
 """
 
 from __future__ import annotations
@@ -44,16 +45,10 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
 
     @staticmethod
     def eligible(req: Req) -> bool:
-        """Whether req's next tokens can be decoded several at a time: its sampling reads nothing a
-        step changes, and nothing is returned per token besides the token."""
-        p = req.sampling_params
-        return (
-            not p.logit_bias
-            and not req.needs_fresh_history
-            and not req.return_logprob
-            and not req.mm_items
-            and req.to_abort is None
-        )
+        """Whether req's next tokens can be decoded several at a time: its sampling reads nothing the
+        worker cannot move on from step to step itself (a grammar's state lives here), and it has no
+        images (positions run ahead of indices)."""
+        return req.grammar is None and not req.mm_items and req.to_abort is None
 
     def plan(self, reqs: list[Req]) -> ScheduleBatch:
         steps = self.steps_for(reqs)

@@ -103,8 +103,11 @@ class Sampler(nn.Module):
 
     def step_rows(self, info: SamplingBatchInfo | None, steps: int, rows: int) -> list[torch.Tensor] | None:
         """How a continuous decode call picks its tokens: [] for an all-greedy batch (the argmax),
-        `step_rows`' tensors for the C++ row pass, None where this sampler has no C++ pass (then
-        each step goes through forward())."""
+        `step_rows`' tensors for the C++ row pass, None where this sampler has no C++ pass or the batch
+        has logit processors (penalties, logit bias, the min_new_tokens ban: then each step goes
+        through forward())."""
+        if info is not None and info.has_logit_processors:
+            return None
         if info is None or info.is_all_greedy:
             return []
         on_cpu = info.temperatures.device.type == "cpu"

@@ -464,6 +464,7 @@ class BatchBuilder:
             self.device,
             decode_steps=steps,
             step_locs=step_locs.to(self.device, non_blocking=True),
+            **_output_logprob_fields(reqs),
         )
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:

@@ -159,9 +159,18 @@ class TpModelWorker:
         """A continuous decode batch (`ModelRunner.decode_steps`): request i's tokens are rows
         i * steps ... of the result; its last one goes to its future slot."""
         # with tensor parallelism each step is a forward of every rank
-        ids = self.model_runner.decode_steps(fb, self.forward if self.broadcaster is not None else None)
+        outputs: list | None = [] if fb.return_logprob else None
+        ids = self.model_runner.decode_steps(fb, self.forward if self.broadcaster is not None else None, outputs)
         slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
         self.future_map.tokens[slots] = ids[-1]
         result = BatchResult(ids.t().reshape(-1).tolist())
+        if outputs:  # each step's logprobs, in the same request-major rows
+            steps = [to_batch_result(out, ids[s], fb) for s, out in enumerate(outputs)]
+            order = [(s, i) for i in range(ids.size(1)) for s in range(len(steps))]
+            result.next_token_logprobs = [steps[s].next_token_logprobs[i] for s, i in order]  # type: ignore[index]
+            if steps[0].next_top_logprobs is not None:
+                result.next_top_logprobs = [steps[s].next_top_logprobs[i] for s, i in order]  # type: ignore[index]
+            if steps[0].next_token_ids_logprobs is not None:
+                result.next_token_ids_logprobs = [steps[s].next_token_ids_logprobs[i] for s, i in order]  # type: ignore[index]
         result.forward_start, result.forward_end = start, time.perf_counter()
         return result

@@ -437,24 +437,30 @@ class ModelRunner:
         return self.model.forward(fb.input_ids, fb.positions, fb)
 
     def decode_steps(
-        self, forward_batch: ForwardBatch, forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None
+        self,
+        forward_batch: ForwardBatch,
+        forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None,
+        outputs: list[LogitsProcessorOutput] | None = None,
     ) -> torch.Tensor:
-        """A continuous decode batch (`decode_steps` > 1, requests without logit processors or
-        logprobs): that many decode steps, step s + 1 feeding the tokens step s sampled, at positions,
-        context lengths and KV slots (`step_locs[s]`) one further each step (and seeded samples at
-        positions one further). Returns the ids [steps, B], as the same steps taken one by one would
-        sample them: on the CPU's fused decode stack without returning to Python between steps where
-        the model has one (greedy batches, and sampled ones with the C++ sampler), else a forward
-        (`forward`, default this runner's; a tensor-parallel worker's sends each step to the other
-        ranks) and a sample a step."""
+        """A continuous decode batch (`decode_steps` > 1, requests without a grammar): that many decode
+        steps, step s + 1 feeding the tokens step s sampled, at positions, context lengths and KV slots
+        (`step_locs[s]`) one further each step, seeded samples at positions one further, penalties
+        counting the tokens of the steps before and the min_new_tokens ban lifting where it would.
+        Returns the ids [steps, B], as the same steps taken one by one would sample them: on the CPU's
+        fused decode stack without returning to Python between steps where the model has one (greedy
+        batches, and sampled ones with the C++ sampler, without logit processors or logprobs), else a
+        forward (`forward`, default this runner's; a tensor-parallel worker's sends each step to the
+        other ranks) and a sample a step, whose outputs (logprobs where the batch asks) go to
+        `outputs` when given."""
         fb = self.bind(forward_batch)
         steps = fb.decode_steps
         assert fb.forward_mode.is_decode() and fb.step_locs is not None and fb.step_locs.size(0) == steps
         info = fb.sampling_info
-        assert info is None or not info.has_logit_processors, "no per-step sampling state"
+        assert info is None or info.vocab_mask is None, "constrained rows decode one step per call"
         fused = getattr(self.model, "decode_steps", None)  # the model's steps in one call (LlamaForCausalLM)
         eager = forward is None and self.lora_manager is None and self.cuda_graph_runner is None
-        rows = self.sampler.step_rows(info, steps, fb.batch_size)  # how the fused steps pick tokens
+        # how the fused steps pick tokens (None: a forward and a sample a step)
+        rows = None if fb.return_logprob else self.sampler.step_rows(info, steps, fb.batch_size)
         if eager and rows is not None and self.compiled_decode is None and callable(fused):
             self.attn_backend.init_forward_metadata(fb)
             ids = fused(fb, rows, self.sampler.pick_step)
@@ -473,9 +479,12 @@ class ModelRunner:
                     seq_lens_cpu=seq_lens_cpu,
                     out_cache_loc=fb.step_locs[s],
                 )
-                if info is not None and info.seed_positions is not None:  # seeds hash the token's position
-                    step.sampling_info = dataclasses.replace(info, seed_positions=info.seed_positions + s)
-            out[s] = self.sample((forward or self.forward)(step), step)
+                if info is not None:  # seeds, penalties and the min_new_tokens ban at this step
+                    step.sampling_info = info.at_step(s, out[:s].t().tolist())
+            logits_output = (forward or self.forward)(step)
+            out[s] = self.sample(logits_output, step)
+            if outputs is not None:
+                outputs.append(logits_output)
         return out
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:

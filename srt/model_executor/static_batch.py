@@ -207,7 +207,7 @@ class StaticBatchGenerator:
             )  # no step past the longest request's budget
             room = min(self.runner.model_config.context_len - r.seq_len for r in reqs)
             steps = min(self.decode_steps, left, room)
-            if not info.has_logit_processors and steps > 1:
+            if info.vocab_mask is None and steps > 1:  # (penalties and bans move on inside the call)
                 self._decode_steps(reqs, info, steps)
                 return steps
         self._decode_one(reqs, return_logprob)

@@ -7,6 +7,8 @@ split and retract.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -36,6 +38,7 @@ class Penalties:
         output_ids: list[list[int]],
         device,
     ):
+        self.row_list = rows
         self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
         self.frequency = torch.tensor(frequency, dtype=torch.float32, device=device).unsqueeze(1)
         self.presence = torch.tensor(presence, dtype=torch.float32, device=device).unsqueeze(1)
@@ -64,6 +67,13 @@ class Penalties:
             [reqs[i].output_ids for i in rows],
             device,
         )
+
+    def extended(self, tokens: list[list[int]]) -> Penalties:
+        """These penalties after batch row i sampled tokens[i] more (a continuous decode call's earlier
+        steps): the same tensors, each penalized row's output history with its new tokens appended."""
+        out = copy.copy(self)
+        out.output_ids = [list(h) + tokens[r] for r, h in zip(self.row_list, self.output_ids)]
+        return out
 
     def apply(self, logits: torch.Tensor) -> None:
         vocab = logits.shape[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class SamplingBatchInfo:
     penalties: Penalties | None = None
     logit_bias: torch.Tensor | None = None  # [B, V]
     min_tokens_block: list[tuple[int, list[int]]] | None = None  # (row, ids banned until min_new_tokens)
+    min_tokens_left: list[int] | None = None  # per min_tokens_block entry: tokens to sample before it lifts
     seeds: torch.Tensor | None = None  # [B] int64, -1 = unseeded
     seed_positions: torch.Tensor | None = None  # [B] position of the token being sampled
     vocab_mask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 token bitmask of constrained rows
@@ -97,14 +99,15 @@ class SamplingBatchInfo:
             for i, p in enumerate(ps):
                 for k, v in (p.logit_bias or {}).items():
                     info.logit_bias[i, int(k)] = float(v)
-        block = []
+        block, left = [], []
         for i, r in enumerate(reqs):
             p = r.sampling_params
-            if len(r.output_ids) + (depths[i] if depths else 0) < p.min_new_tokens:
+            if (n := len(r.output_ids) + (depths[i] if depths else 0)) < p.min_new_tokens:
                 banned = set(p.stop_token_ids or []) | (set() if p.ignore_eos else eos_token_ids)
                 if banned:
                     block.append((i, sorted(banned)))
-        info.min_tokens_block = block or None
+                    left.append(p.min_new_tokens - n)
+        info.min_tokens_block, info.min_tokens_left = block or None, left or None
         if any(p.sampling_seed is not None for p in ps):
             info.seeds = torch.tensor(
                 [-1 if p.sampling_seed is None else p.sampling_seed for p in ps], dtype=torch.int64, device=device
@@ -136,6 +139,26 @@ class SamplingBatchInfo:
                 fill_tree_bitmask(t, r.grammar, info.vocab_mask, first)
             first += len(t)
         return info
+
+    def at_step(self, step: int, tokens: list[list[int]]) -> SamplingBatchInfo:
+        """The batch's sampling `step` steps further into a continuous decode call, after row i sampled
+        tokens[i] in the steps before: penalties count those tokens, the min_new_tokens ban holds only
+        for rows that still have tokens to sample before it lifts, seeds hash positions `step` further.
+        (A grammar's mask would need the grammar moved on: such rows decode a step a call.)"""
+        assert self.vocab_mask is None, "constrained rows decode one step per call"
+        if step == 0:
+            return self
+        changes: dict = {}
+        if self.penalties is not None:
+            changes["penalties"] = self.penalties.extended(tokens)
+        if self.min_tokens_block is not None:
+            assert self.min_tokens_left is not None, "set with min_tokens_block"
+            kept = [(b, n) for b, n in zip(self.min_tokens_block, self.min_tokens_left) if n > step]
+            changes["min_tokens_block"] = [b for b, _ in kept] or None
+            changes["min_tokens_left"] = [n for _, n in kept] or None
+        if self.seed_positions is not None:
+            changes["seed_positions"] = self.seed_positions + step
+        return dataclasses.replace(self, **changes)
 
     @property
     def has_logit_processors(self) -> bool:

@@ -370,6 +370,29 @@ def test_continuous_decode_steps_match_single_steps(gguf_files, runner_factory, 
             ][: len(prompts)]
             want = [r.output_ids for r in single.generate(prompts, seeded)]
             assert [r.output_ids for r in multi.generate(prompts, seeded)] == want
+            # logit processors that move on from step to step inside a call (a forward and a sample a
+            # step): a bias that would pick a stop token at once, banned by min_new_tokens for 4 tokens
+            # (the ban holds, then lifts, inside the first call); the same bias outweighed by the
+            # frequency penalty of its repeats inside a call; seeded sampling with presence and
+            # repetition penalties; a ban alone
+            ban = want[0][2]
+            moving = [
+                SamplingParams(
+                    temperature=0, max_new_tokens=12, min_new_tokens=4, stop_token_ids=[ban], logit_bias={str(ban): 6.0}
+                ),
+                SamplingParams(
+                    temperature=0, max_new_tokens=12, logit_bias={str(ban): 6.0}, frequency_penalty=2.0, ignore_eos=True
+                ),
+                SamplingParams(
+                    temperature=0.8, sampling_seed=5, presence_penalty=1.0, repetition_penalty=1.3, max_new_tokens=10
+                ),
+                SamplingParams(temperature=0, max_new_tokens=8, min_new_tokens=6, stop_token_ids=[ban]),
+            ][: len(prompts)]
+            want = [r.output_ids for r in single.generate(prompts, moving)]
+            assert [r.output_ids for r in multi.generate(prompts, moving)] == want
+            assert len(want[0]) == 5 and want[0][-1] == ban and ban not in want[0][:-1]
+            if len(prompts) > 1:
+                assert 2 <= want[1].count(ban) < len(want[1])
             with monkeypatch.context() as m:  # 1, 2 or 3 pieces of context by step, in both
                 m.setattr(cpu_kernels, "num_decode_splits", lambda batch, kv_heads, longest: 1 + longest % 3)
                 want = [r.output_ids for r in single.generate(prompts, params)]

@@ -42,8 +42,7 @@ def test_concurrent_mixed_requests_match_single_steps(tiny_pair):
     """Concurrent requests of every kind against the plain server (the tiny model's float32 path gives
     the same tokens in any batch): greedy ones with budgets that end inside a call, stop strings and
     stop tokens met inside one, EOS; seeded sampled ones (a step's forward and sample at a time inside
-    a call); logprobs and a penalty in the same batches (those batches decode a step per call). Every
-    KV slot comes back."""
+    a call); logprobs and a penalty in the same batches. Every KV slot comes back."""
     multi, plain = tiny_pair
     rng = random.Random(7)
     bodies = []
@@ -71,8 +70,75 @@ def test_concurrent_mixed_requests_match_single_steps(tiny_pair):
     assert got[-2]["meta_info"]["output_token_logprobs"] == want[-2]["meta_info"]["output_token_logprobs"]
     assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in got[:24])  # stops inside calls happened
     after = _idle_and_whole(multi)["continuous_decode"]
-    assert after["multi_step_calls"] > before["multi_step_calls"]  # greedy batches took several steps a call
-    assert after["single_step_calls"] > before["single_step_calls"]  # batches with the last two: one
+    assert after["multi_step_calls"] > before["multi_step_calls"]  # batches took several steps a call
+
+
+def test_logprobs_penalties_bias_and_bans_take_several_steps(tiny_pair):
+    """Requests with logprobs (top-k and asked ids too), penalties, logit bias and a min_new_tokens ban
+    decode several steps a call (a forward and a sample a step inside it, the penalties counting the
+    call's earlier tokens, the ban lifting at its step): the plain server's tokens, finish reasons and
+    logprobs, a request at a time and all together."""
+    multi, plain = tiny_pair
+    first = plain.generate(text="Ban this", sampling_params={"temperature": 0, "max_new_tokens": 1})["output_ids"][0]
+    logprobs = {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17]}
+    bodies = [
+        {"text": "Logprobs please", "sampling_params": {"temperature": 0, "max_new_tokens": 13}} | logprobs,
+        {
+            "text": "Sampled logprobs",
+            "sampling_params": {"temperature": 0.9, "sampling_seed": 4, "max_new_tokens": 9},
+            "return_logprob": True,
+        },
+        # the bias picks one token until the frequency penalty of its repeats outweighs it
+        {
+            "text": "Penalized",
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": 14,
+                "ignore_eos": True,
+                "frequency_penalty": 2.0,
+                "logit_bias": {str(first): 6.0},
+            },
+        },
+        {
+            "text": "Presence and repetition",
+            "sampling_params": {
+                "temperature": 0.7,
+                "sampling_seed": 9,
+                "presence_penalty": 1.0,
+                "repetition_penalty": 1.3,
+                "max_new_tokens": 11,
+            },
+        },
+        # the token the prompt's first step would take, banned for 5 tokens, then stopping
+        {
+            "text": "Ban this",
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": 12,
+                "min_new_tokens": 5,
+                "stop_token_ids": [first],
+                "logit_bias": {str(first): 6.0},
+            },
+        },
+    ]
+    before = multi.state()["continuous_decode"]
+    alone = [multi.generate(**b) for b in bodies]
+    got = asyncio.run(_post_all(multi.url, bodies))
+    want = [plain.generate(**b) for b in bodies]
+    after = _idle_and_whole(multi)["continuous_decode"]
+    for outs in (alone, got):
+        assert _answers(outs) == _answers(want)
+        for o, w in zip(outs, want):
+            for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+                assert (o["meta_info"].get(key) is None) == (w["meta_info"].get(key) is None), key
+                if w["meta_info"].get(key) is not None:
+                    assert json.dumps(o["meta_info"][key]) == json.dumps(w["meta_info"][key]), key
+    assert len(want[0]["meta_info"]["output_top_logprobs"]) == 13 and want[0]["meta_info"]["output_token_ids_logprobs"]
+    penalized = want[2]["output_ids"]
+    assert 2 <= penalized.count(first) < len(penalized)  # the penalty counted repeats and won
+    assert want[4]["output_ids"][-1] == first and len(want[4]["output_ids"]) == 6  # the ban held, then lifted
+    # the requests alone: 12 + 8 + 13 + 10 + 5 decode steps after their prefills, most several to a call
+    assert after["multi_step_steps"] - before["multi_step_steps"] >= 30
 
 
 def test_streaming_sends_every_token_once(tiny_pair):
