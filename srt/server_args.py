@@ -198,8 +198,8 @@ class ServerArgs:
     )
     num_continuous_decode_steps: int = SCHEDULING.opt(
         1,
-        "decode up to N steps in one call of the model worker when no running request has a grammar or "
-        "images (the scheduler, and on the CPU's fused decode stack the Python between steps, run once for the "
+        "decode up to N steps in one call of the model worker when no running request has images "
+        "(the scheduler, and on the CPU's fused decode stack the Python between steps, run once for the "
         "N): same tokens and logprobs, more of them a second; tokens stream N at a time and a new request "
         "waits up to N steps (docs/continuous_decode.md)",
         ge=1,

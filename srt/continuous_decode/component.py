@@ -7,12 +7,14 @@ costs: tokens reach streaming clients N at a time, a new request waits for the r
 (up to N steps) before its prefill, and a request that stops inside a call has the steps after its
 stop computed and dropped (their KV slots are freed with the request).
 
-A batch takes several steps when no request in it has a grammar or images, no request waits for
-admission, and the KV cache has room for all of the steps; otherwise, and for steps past the longest
-remaining budget or the context length, it decodes one step at a time. Penalties, logit bias, the
-min_new_tokens ban and logprobs are taken step by step inside the call (a forward and a sample a
-step: penalties count the call's earlier tokens, the ban lifts at its step); batches without them run
-all their steps in one C++ call on the CPU's fused stack.
+A batch takes several steps when no request in it has images, no request waits for admission, and
+the KV cache has room for all of the steps; otherwise, and for steps past the longest remaining
+budget or the context length, it decodes one step at a time. Penalties, logit bias, the
+min_new_tokens ban, grammars and logprobs are taken step by step inside the call (a forward and a
+sample a step: penalties count the call's earlier tokens, the ban lifts at its step, each grammar
+accepts the call's tokens and masks the next step, then is rolled back for the scheduler to accept
+the tokens it keeps); batches without them run all their steps in one C++ call on the CPU's fused
+stack.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
 
     @staticmethod
     def eligible(req: Req) -> bool:
-        """Whether req's next tokens can be decoded several at a time: its sampling reads nothing the
-        worker cannot move on from step to step itself (a grammar's state lives here), and it has no
-        images (positions run ahead of indices)."""
-        return req.grammar is None and not req.mm_items and req.to_abort is None
+        """Whether req's next tokens can be decoded several at a time: it has no images (positions run
+        ahead of indices) and is not being aborted. (Penalties, bans, logit bias, grammars and logprobs
+        move on from step to step inside the call.)"""
+        return not req.mm_items and req.to_abort is None
 
     def plan(self, reqs: list[Req]) -> ScheduleBatch:
         steps = self.steps_for(reqs)
@@ -73,6 +75,20 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
 
     def accepted(self, batch: ScheduleBatch, i: int, samples: list[int]) -> list[int]:
         return list(range(batch.decode_steps))
+
+    def after_request(self, batch: ScheduleBatch, i: int, req: Req, path: list[int], kept: int) -> None:
+        """A request that goes on with fewer tokens than the call's steps (a grammar's forced string cut
+        the call; a stop ends the request instead): the slots of the steps after its last kept token
+        held KV for dropped tokens; they go back (but the kept tail's page), before the forced tokens
+        are appended."""
+        if batch.decode_steps <= 1 or req.finished or (end := req.kv_committed_len) >= req.kv_len:
+            return
+        page = self.port.allocator.page_size
+        first_free = -(-end // page) * page
+        if first_free < req.kv_len:
+            table = self.port.runner.req_to_token_pool.host[req.req_pool_idx]
+            self.port.allocator.free(table[first_free : req.kv_len].long())
+        req.kv_len = end
 
     def after_step(self, batch: ScheduleBatch, num_reqs: int, generated: int) -> None:
         if batch.decode_steps > 1:

@@ -39,6 +39,7 @@ from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.gguf_loader import gguf_source
 from srt.model_loader.loader import load_model, weight_tensors
 from srt.models.registry import get_model_class
+from srt.sampling.token_bitmask import GrammarSteps
 from srt.utils import (
     available_memory_bytes,
     cpu_has_fast_bf16,
@@ -456,7 +457,6 @@ class ModelRunner:
         steps = fb.decode_steps
         assert fb.forward_mode.is_decode() and fb.step_locs is not None and fb.step_locs.size(0) == steps
         info = fb.sampling_info
-        assert info is None or info.vocab_mask is None, "constrained rows decode one step per call"
         fused = getattr(self.model, "decode_steps", None)  # the model's steps in one call (LlamaForCausalLM)
         eager = forward is None and self.lora_manager is None and self.cuda_graph_runner is None
         # how the fused steps pick tokens (None: a forward and a sample a step)
@@ -468,23 +468,32 @@ class ModelRunner:
                 return ids
         out = torch.empty(steps, fb.batch_size, dtype=torch.int64, device=self.device)
         step = forward_batch
-        for s in range(steps):
-            if s:
-                seq_lens_cpu = [n + 1 for n in step.seq_lens_cpu]
-                step = dataclasses.replace(
-                    step,
-                    input_ids=out[s - 1],
-                    positions=step.positions + 1,
-                    seq_lens=step.seq_lens + 1,
-                    seq_lens_cpu=seq_lens_cpu,
-                    out_cache_loc=fb.step_locs[s],
-                )
-                if info is not None:  # seeds, penalties and the min_new_tokens ban at this step
-                    step.sampling_info = info.at_step(s, out[:s].t().tolist())
-            logits_output = (forward or self.forward)(step)
-            out[s] = self.sample(logits_output, step)
-            if outputs is not None:
-                outputs.append(logits_output)
+        grammars = None
+        if info is not None and info.grammars:
+            grammars = GrammarSteps(info.grammars, fb.batch_size, info.vocab_size)
+        try:
+            for s in range(steps):
+                if s:
+                    seq_lens_cpu = [n + 1 for n in step.seq_lens_cpu]
+                    step = dataclasses.replace(
+                        step,
+                        input_ids=out[s - 1],
+                        positions=step.positions + 1,
+                        seq_lens=step.seq_lens + 1,
+                        seq_lens_cpu=seq_lens_cpu,
+                        out_cache_loc=fb.step_locs[s],
+                    )
+                    if info is not None:  # seeds, penalties, the min_new_tokens ban and grammars at this step
+                        step.sampling_info = info.at_step(s, out[:s].t().tolist())
+                        if grammars is not None:
+                            step.sampling_info.vocab_mask = grammars.advance(out[s - 1].tolist())
+                logits_output = (forward or self.forward)(step)
+                out[s] = self.sample(logits_output, step)
+                if outputs is not None:
+                    outputs.append(logits_output)
+        finally:
+            if grammars is not None:  # the scheduler accepts the tokens it keeps
+                grammars.restore()
         return out
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:

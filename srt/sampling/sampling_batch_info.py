@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class SamplingBatchInfo:
     seed_positions: torch.Tensor | None = None  # [B] position of the token being sampled
     vocab_mask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 token bitmask of constrained rows
     vocab_mask_rows: list[int] | None = None  # the constrained rows (the others are left alone)
+    grammars: list[tuple[int, Any]] | None = None  # (row, grammar matcher) of a decode batch's constrained rows
 
     @classmethod
     def from_reqs(
@@ -121,6 +123,8 @@ class SamplingBatchInfo:
             for i in rows:
                 if not depths or depths[i] == 0:
                     reqs[i].grammar.fill_next_token_bitmask(info.vocab_mask, i)
+            if not depths:  # (a continuous decode call moves them on: GrammarSteps)
+                info.grammars = [(i, reqs[i].grammar) for i in rows]
         return info
 
     @classmethod
@@ -144,8 +148,7 @@ class SamplingBatchInfo:
         """The batch's sampling `step` steps further into a continuous decode call, after row i sampled
         tokens[i] in the steps before: penalties count those tokens, the min_new_tokens ban holds only
         for rows that still have tokens to sample before it lifts, seeds hash positions `step` further.
-        (A grammar's mask would need the grammar moved on: such rows decode a step a call.)"""
-        assert self.vocab_mask is None, "constrained rows decode one step per call"
+        (Grammar masks: GrammarSteps moves the matchers on and fills them.)"""
         if step == 0:
             return self
         changes: dict = {}

@@ -37,3 +37,33 @@ def fill_tree_bitmask(tree: DraftTree, matcher: Any, bitmask: Any, first_row: in
             matcher.rollback(1)
 
     visit(0)
+
+
+class GrammarSteps:
+    """A continuous decode call's constrained rows: before each step after the first, every row's
+    grammar accepts the token the step before sampled and fills a fresh mask (a row whose grammar has
+    terminated stays unmasked: the scheduler ends the request at the token that terminated it and drops
+    the rest). `restore` rolls the matchers back, so the scheduler accepts the tokens it keeps, in
+    order, as after single steps (and stops at a forced jump as it would)."""
+
+    def __init__(self, grammars: list[tuple[int, Any]], rows: int, vocab_size: int):
+        self.grammars, self.rows, self.vocab_size = grammars, rows, vocab_size
+        self.accepted = [0] * len(grammars)
+
+    def advance(self, tokens: list[int]) -> torch.Tensor:
+        """The next step's bitmask after row i sampled tokens[i]."""
+        mask = allocate_token_bitmask(self.rows, self.vocab_size)  # fresh: the last one may still be copying
+        for k, (row, matcher) in enumerate(self.grammars):
+            if matcher.is_terminated():
+                continue
+            if matcher.accept_token(tokens[row]):
+                self.accepted[k] += 1
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(mask, row)
+        return mask
+
+    def restore(self) -> None:
+        for (_, matcher), n in zip(self.grammars, self.accepted):
+            if n:
+                matcher.rollback(n)
+        self.accepted = [0] * len(self.grammars)

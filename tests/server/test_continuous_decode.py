@@ -179,3 +179,64 @@ def test_default_model_runs_the_steps_in_one_call(shared_server, default_server)
     after = _idle_and_whole(multi)["continuous_decode"]
     # the first request alone decodes its 28 tokens after the prefill's in 7 calls of 4
     assert after["multi_step_steps"] - before["multi_step_steps"] >= 28
+
+
+def test_grammars_take_several_steps_and_jump_forward_inside_a_call(tiny_pair):
+    """Constrained requests (a regex, a JSON schema whose long keys the grammar forces) decode several
+    steps a call: each grammar accepts the call's tokens and masks its next step inside the call, then
+    is rolled back for the scheduler; a forced string met inside a call cuts it there and jumps forward
+    (the slots of the steps after the cut go back: else the forced tokens would keep KV computed for
+    dropped ones, which a follow-up request reading the cached prefix shows). The plain server's
+    tokens, texts and finish reasons, a request at a time and all together; every KV slot comes back."""
+    multi, plain = tiny_pair
+    schema = {
+        "type": "object",
+        "properties": {
+            "the_customer_full_legal_name": {"type": "string", "maxLength": 12},
+            "the_customer_account_creation_year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        },
+        "required": ["the_customer_full_legal_name", "the_customer_account_creation_year"],
+        "additionalProperties": False,
+    }
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 4000) for _ in range(8)] for _ in range(4)]
+    bodies = [
+        {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 60, "json_schema": json.dumps(schema)},
+        }
+        for ids in prompts
+    ] + [
+        {
+            "text": f"Code {i}:",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 20, "regex": "[a-z]{2,5}-[0-9]{3} (yes|no)"},
+        }
+        for i in range(3)
+    ]
+    bodies.append(
+        {
+            "text": "Sampled",
+            "sampling_params": {"temperature": 0.9, "sampling_seed": 1, "max_new_tokens": 20, "regex": "(ab|cd)+x"},
+        }
+    )
+    before = multi.state()
+    alone = [multi.generate(**b) for b in bodies]
+    together = asyncio.run(_post_all(multi.url, bodies))
+    want = [plain.generate(**b) for b in bodies]
+    assert _answers(alone) == _answers(want) and _answers(together) == _answers(want)
+    for o in want[:4]:
+        assert set(json.loads(o["text"])) == set(schema["properties"])
+    # each record's whole sequence again: its prefix comes from each server's cache
+    for ids, o in zip(prompts, want[:4]):
+        follow = {
+            "input_ids": ids + o["output_ids"],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+            "return_logprob": True,
+        }
+        a, b = multi.generate(**follow)["meta_info"], plain.generate(**follow)["meta_info"]
+        assert a["cached_tokens"] > len(ids)
+        got, exp = [v for v, _, _ in a["output_token_logprobs"]], [v for v, _, _ in b["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(got, exp)) < 1e-4, (got, exp)
+    after = _idle_and_whole(multi)
+    assert after["jump_forward_tokens"] > before["jump_forward_tokens"]  # forced keys, inside calls
+    assert after["continuous_decode"]["multi_step_steps"] - before["continuous_decode"]["multi_step_steps"] >= 20
