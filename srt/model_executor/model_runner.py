@@ -443,10 +443,11 @@ class ModelRunner:
         forward: Callable[[ForwardBatch], LogitsProcessorOutput] | None = None,
         outputs: list[LogitsProcessorOutput] | None = None,
     ) -> torch.Tensor:
-        """A continuous decode batch (`decode_steps` > 1, requests without a grammar): that many decode
-        steps, step s + 1 feeding the tokens step s sampled, at positions, context lengths and KV slots
-        (`step_locs[s]`) one further each step, seeded samples at positions one further, penalties
-        counting the tokens of the steps before and the min_new_tokens ban lifting where it would.
+        """A continuous decode batch (`decode_steps` > 1): that many decode steps, step s + 1 feeding
+        the tokens step s sampled, at positions, context lengths and KV slots (`step_locs[s]`) one
+        further each step, seeded samples at positions one further, penalties counting the tokens of
+        the steps before, the min_new_tokens ban lifting where it would and grammars masking each step
+        after the tokens before it (moved on here, then rolled back: GrammarSteps).
         Returns the ids [steps, B], as the same steps taken one by one would sample them: on the CPU's
         fused decode stack without returning to Python between steps where the model has one (greedy
         batches, and sampled ones with the C++ sampler, without logit processors or logprobs), else a
