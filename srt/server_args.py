@@ -198,7 +198,7 @@ class ServerArgs:
     )
     num_continuous_decode_steps: int = SCHEDULING.opt(
         1,
-        "decode up to N steps in one call of the model worker when no running request has images "
+        "decode up to N steps in one call of the model worker while no request waits for admission "
         "(the scheduler, and on the CPU's fused decode stack the Python between steps, run once for the "
         "N): same tokens and logprobs, more of them a second; tokens stream N at a time and a new request "
         "waits up to N steps (docs/continuous_decode.md)",

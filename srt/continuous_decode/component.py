@@ -7,8 +7,8 @@ costs: tokens reach streaming clients N at a time, a new request waits for the r
 (up to N steps) before its prefill, and a request that stops inside a call has the steps after its
 stop computed and dropped (their KV slots are freed with the request).
 
-A batch takes several steps when no request in it has images, no request waits for admission, and
-the KV cache has room for all of the steps; otherwise, and for steps past the longest remaining
+A batch takes several steps when no request waits for admission and the KV cache has room for all
+of the steps; otherwise, and for steps past the longest remaining
 budget or the context length, it decodes one step at a time. Penalties, logit bias, the
 min_new_tokens ban, grammars and logprobs are taken step by step inside the call (a forward and a
 sample a step: penalties count the call's earlier tokens, the ban lifts at its step, each grammar
@@ -47,10 +47,10 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
 
     @staticmethod
     def eligible(req: Req) -> bool:
-        """Whether req's next tokens can be decoded several at a time: it has no images (positions run
-        ahead of indices) and is not being aborted. (Penalties, bans, logit bias, grammars and logprobs
-        move on from step to step inside the call.)"""
-        return not req.mm_items and req.to_abort is None
+        """Whether req's next tokens can be decoded several at a time: any request not being aborted.
+        (Penalties, bans, logit bias, grammars and logprobs move on from step to step inside the call;
+        a request with images starts from its shifted positions.)"""
+        return req.to_abort is None
 
     def plan(self, reqs: list[Req]) -> ScheduleBatch:
         steps = self.steps_for(reqs)

@@ -443,7 +443,6 @@ class BatchBuilder:
         for all of them up front (its kv_len advances by the steps; a request that stops early gives
         the rest back when it is released), step s's slots in `step_locs[s]`."""
         reqs, steps = batch.reqs, batch.decode_steps
-        assert not any(r.mm_items for r in reqs), "planned on text requests (positions are indices)"
         prefix_lens = [r.kv_len for r in reqs]
         self._ensure_free(sum(self.rows_slots_needed(r, steps) for r in reqs))
         ends = [p + steps for p in prefix_lens]
@@ -454,6 +453,9 @@ class BatchBuilder:
             self.req_to_token_pool.write(r.req_pool_idx, p, loc[i * steps : (i + 1) * steps])
             r.kv_len = p + steps
         step_locs = loc.view(len(reqs), steps).t().contiguous()  # [steps, B]
+        positions = None
+        if any(r.mm_items for r in reqs):  # after M-RoPE images, positions run ahead of indices
+            positions = [p + r.position_delta for r, p in zip(reqs, prefix_lens)]
         return ForwardBatch.build(
             ForwardMode.DECODE,
             [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs],
@@ -462,6 +464,7 @@ class BatchBuilder:
             prefix_lens,
             step_locs[0],
             self.device,
+            positions=positions,
             decode_steps=steps,
             step_locs=step_locs.to(self.device, non_blocking=True),
             **_output_logprob_fields(reqs),

@@ -253,6 +253,35 @@ def test_a_tight_pool_retracts_image_requests_and_outputs_match(shared_server, s
     at_baseline(tight)
 
 
+def test_images_under_continuous_decode(shared_server, qwen2_vl_path):
+    """--num-continuous-decode-steps 4 on Qwen2-VL: a request with images decodes several steps a call
+    from its M-RoPE-shifted positions, and gives HF's greedy text."""
+    server = shared_server(
+        "--model-path", qwen2_vl_path, "--max-total-tokens", "4096", "--num-continuous-decode-steps", "4"
+    )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    images = [random_image(50, 40, seed=7), random_image(30, 60, seed=8)]
+    before = server.state()["continuous_decode"]["multi_step_steps"]
+    out = client.chat.completions.create(
+        model="m",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    *({"type": "image_url", "image_url": {"url": data_url(im)}} for im in images),
+                    {"type": "text", "text": PROMPT},
+                ],
+            }
+        ],
+        max_tokens=14,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].message.content == hf_greedy(qwen2_vl_path, images, PROMPT, 14, "qwen2_vl")
+    assert server.state()["continuous_decode"]["multi_step_steps"] - before >= 12  # 13 decode steps, 3 calls of 4
+    at_baseline(server)
+
+
 @pytest.mark.full
 @pytest.mark.parametrize(
     "flags",
