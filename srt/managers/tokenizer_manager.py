@@ -458,6 +458,7 @@ class TokenizerManager:
             raise InvalidRequest(
                 f"the batch's {len(tokenized)} prompts share a bootstrap_room: give one room per prompt (a list)"
             )
+        self._check_rids([f"{t.rid}_{k}" if n > 1 else t.rid for t in tokenized for k in range(n)])
         self._admit(len(tokenized) * n, sum(len(t.input_ids) for t in tokenized) * n)
         if self.tenant_limiter is not None:
             name = tenant_name(tenant)
@@ -515,6 +516,17 @@ class TokenizerManager:
             for t in tasks:
                 t.cancel()
 
+    def _check_rids(self, rids: list[str]) -> None:
+        """Each of a request's rids once, and none of a request still running (outputs and aborts are
+        routed by rid: a repeated one would leave one of its requests without an answer)."""
+        seen: set[str] = set()
+        for rid in rids:
+            if rid in seen:
+                raise InvalidRequest(f"rid {rid!r} appears more than once in the batch: give each prompt its own rid")
+            if rid in self.rid_to_state:
+                raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
+            seen.add(rid)
+
     @staticmethod
     async def _last(gen) -> dict | None:
         """The generator's last output; None when it ended without one (the client went away)."""
@@ -539,6 +551,8 @@ class TokenizerManager:
         state = ReqState(obj, time.time(), image_tokens=sum(it.num_rows for it in tok.mm_items or ()))
         state.tenant = getattr(request.state, "tenant", None) if request is not None else None
         state.input_len = len(tok.input_ids)
+        if tok.rid in self.rid_to_state:  # taken since the check, by a request that arrived meanwhile
+            raise InvalidRequest(f"rid {tok.rid!r} is already in use by a running request")
         self.rid_to_state[tok.rid] = state
         self.inflight_prompt_tokens += len(tok.input_ids)
         name = tenant_name(state.tenant)

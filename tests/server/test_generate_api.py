@@ -184,6 +184,8 @@ def test_unknown_fields_ignored(server):
         ({"text": ["a", "b"], "sampling_params": [GREEDY]}, "list of 1 but the request has 2"),
         ({"text": 5}, "`text` must be"),
         ({"text": "x", "stream": "yes"}, "stream"),
+        ({"text": ["a", "b"], "rid": ["r1", "r1"]}, "rid 'r1' appears more than once in the batch"),
+        ({"text": ["a", "b"], "rid": ["r2", "r2"], "sampling_params": {"n": 2}}, "rid 'r2_0' appears more than once"),
     ],
 )
 def test_bad_input_is_400_naming_the_field(server, body, needle):
@@ -234,6 +236,8 @@ def test_abort_by_rid(server):
     )
     t.start()
     server.wait_for_requests(running=1)
+    r = server.post("/generate", {"rid": "my-request-1", "text": "x"})  # outputs are routed by rid
+    assert r.status_code == 400 and "already in use" in r.json()["error"]["message"], r.text
     server.post("/abort_request", {"rid": "my-request-1"})
     t.join(60)
     assert out[0]["meta_info"]["id"] == "my-request-1"
