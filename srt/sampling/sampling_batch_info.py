@@ -178,8 +178,18 @@ class SamplingBatchInfo:
             self.penalties.apply(logits)
         if self.logit_bias is not None:
             logits += self.logit_bias
+        banned = []
         for row, ids in self.min_tokens_block or ():
+            if self.vocab_mask is not None:
+                banned.append((row, ids, logits[row, ids].clone()))
             logits[row, ids] = float("-inf")
         if self.vocab_mask is not None:  # last: the grammar's choice is final
             assert self.vocab_mask_rows is not None, "set with vocab_mask"
             apply_token_bitmask(logits, self.vocab_mask, self.vocab_mask_rows, self.vocab_size)
+            # a grammar that can only end here (it allows the banned stop tokens and nothing else) ends
+            # the request: min_new_tokens cannot lengthen a finished structure, and a row of -inf would
+            # sample a token the grammar forbids
+            for row, ids, values in banned:
+                if logits[row].max() == float("-inf"):
+                    logits[row, ids] = values
+                    apply_token_bitmask(logits, self.vocab_mask, [row], self.vocab_size)

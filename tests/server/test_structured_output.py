@@ -211,6 +211,16 @@ def test_regex_and_ebnf(server, chat):
     assert re.fullmatch(r"The answer is (yes|no|maybe)\.", text), text
 
 
+def test_a_grammar_that_can_only_end_ends_before_min_new_tokens(server, chat):
+    # min_new_tokens bans the stop tokens, the finished grammar allows nothing else: the grammar wins
+    for constraint in ({"regex": "(yes|no)"}, {"ebnf": 'root ::= "ok"'}):
+        out = gen(server, chat("Answer."), 20, min_new_tokens=8, frequency_penalty=1.0, **constraint)
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert out["text"] in ("yes", "no", "ok"), out
+    out = gen(server, chat("Answer."), 20, min_new_tokens=3, regex="(ab)+c?")  # not finished yet: the ban holds
+    assert re.fullmatch("(ab)+c?", out["text"]) and out["meta_info"]["completion_tokens"] >= 3, out
+
+
 def test_mixed_concurrent_load(server, chat):
     def run(i):
         if i % 2:
