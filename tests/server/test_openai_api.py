@@ -174,6 +174,20 @@ def test_bad_values_are_400_naming_the_field(client, kwargs, field):
         client.completions.create(model=MODEL, prompt="x", stream=True, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ([{"type": "text"}], "content[0].text = None is invalid"),
+        ([{"type": "text", "text": "a"}, {"type": "text", "text": 5}], "content[1].text = 5 is invalid"),
+        ([{"type": "audio"}], "content[0] of type 'audio' is not supported"),
+    ],
+)
+def test_bad_content_parts_are_400_naming_the_part(client, content, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert needle in e.value.message, e.value.message
+
+
 def test_error_statuses_and_shapes(client, server):
     # any model name is accepted, as SGLang does; the answer names the served model
     other = client.completions.create(model="gpt-4o", prompt="x", max_tokens=2)

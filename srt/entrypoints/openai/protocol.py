@@ -134,6 +134,12 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
+def _part_text(part: dict, j: int) -> str:
+    if not isinstance(part.get("text"), str):
+        raise ValueError(f"content[{j}].text = {part.get('text')!r} is invalid: a text part needs a string `text`")
+    return part["text"]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict] | None = None
@@ -149,10 +155,11 @@ class ChatMessage(_Body):
         for j, part in enumerate(self.content):
             if isinstance(part, dict) and part.get("type") == "image_url":
                 raise ValueError(f"content[{j}] is an image; this model accepts text only, not images")
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"content[{j}] of type {kind!r} is not supported (text and image_url parts are)")
-            out.append(part["text"])
+            if isinstance(part, dict) and part.get("type") == "text":
+                out.append(_part_text(part, j))
+                continue
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"content[{j}] of type {kind!r} is not supported (text and image_url parts are)")
         return "".join(out)
 
     def parts(self) -> tuple[list[dict], list[tuple[int, str]]]:
@@ -163,8 +170,8 @@ class ChatMessage(_Body):
         parts, images = [], []
         for j, part in enumerate(self.content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
+            if kind == "text":
+                parts.append({"type": "text", "text": _part_text(part, j)})
             elif kind == "image_url":
                 ref = part.get("image_url")
                 url = ref.get("url") if isinstance(ref, dict) else ref
