@@ -60,7 +60,7 @@ DETERMINISTIC = OptionGroup("deterministic inference (docs/deterministic.md)")
 @dataclass
 class ServerArgs:
     host: str = HTTP.opt("127.0.0.1", "address the HTTP server listens on")
-    port: int = HTTP.opt(30000, "port the HTTP server listens on")
+    port: int = HTTP.opt(30000, "port the HTTP server listens on", ge=1, le=65535)
     api_key: str | None = HTTP.opt(
         None,
         "require 'Authorization: Bearer KEY' on every route except /health; several keys "

@@ -290,8 +290,9 @@ def release_free_heap() -> None:
 
 
 def start_child_process(pipe_writer, log_level: str, log_prefix: str, build, ready_info=None):
-    """The common start of a worker process: die with the parent, dump stacks on SIGUSR1, log with
-    a prefix, build the worker and report ready (with `ready_info(worker)`) or the error (then exit 1).
+    """The common start of a worker process: die with the parent, leave SIGTERM / SIGINT to it, dump
+    stacks on SIGUSR1, log with a prefix, build the worker and report ready (with
+    `ready_info(worker)`) or the error (then exit 1).
 
     Once built, the start-up's objects (modules, parameters, tokenizer tables: hundreds of thousands)
     are frozen out of the garbage collector's generations (`gc.freeze`), so its full collections,
@@ -303,6 +304,11 @@ def start_child_process(pipe_writer, log_level: str, log_prefix: str, build, rea
     import traceback
 
     die_with_parent()
+    # Shutdown is the parent's: on SIGTERM / SIGINT it drains the in-flight requests, which needs the
+    # workers, then stops them. A signal sent to the whole process group (Ctrl-C, `timeout`, systemd's
+    # default KillMode) must not take a worker down before that (the drain's requests were lost).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     configure_logger(log_level, prefix=log_prefix)
     try:

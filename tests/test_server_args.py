@@ -76,6 +76,7 @@ def test_flag_spellings():
         (dict(mem_fraction_static=1.0), r"--mem-fraction-static must be in \(0, 1\), got 1.0"),
         (dict(cuda_graph_max_bs=5000), r"--cuda-graph-max-bs must be in \[1, 4096\], got 5000"),
         (dict(disaggregation_bootstrap_port=0), r"--disaggregation-bootstrap-port must be in \[1, 65535\], got 0"),
+        (dict(port=70000), r"--port must be in \[1, 65535\], got 70000"),
         (dict(load_format="gguf"), "--load-format must be one of auto, dummy; got 'gguf'"),
         (dict(schedule_policy="sjf"), "--schedule-policy must be one of fcfs, lpm, .*; got 'sjf'"),
         (dict(log_requests_level=5), "--log-requests-level must be one of 0, 1, 2, 3; got 5"),

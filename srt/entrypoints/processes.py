@@ -118,15 +118,12 @@ class Subprocesses:
 
     def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
-        for p in self.procs.values():
+        for p in self.procs.values():  # (workers ignore SIGTERM: start_child_process)
             if p.is_alive():
-                p.terminate()
+                p.kill()
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(1)
         if self.port_args is not None:
             shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
         if self.bootstrap is not None:

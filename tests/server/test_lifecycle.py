@@ -52,7 +52,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(server_factory, tiny_
     t = threading.Thread(target=long_request)
     t.start()
     server.wait_for_requests(running=1)
-    server.proc.send_signal(signal.SIGTERM)
+    # to the whole process group, as Ctrl-C, `timeout` and systemd's default KillMode send it: the
+    # workers leave it to the server process, which drains with them
+    os.killpg(server.proc.pid, signal.SIGTERM)
     wait_until(lambda: requests.get(server.url + "/health", timeout=10).status_code == 503, 10, what="draining")
     r = requests.post(
         server.url + "/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 2}}, timeout=10
