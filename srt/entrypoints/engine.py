@@ -8,6 +8,7 @@ and `async_generate` from any running event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -91,8 +92,15 @@ class Engine:
     async def _start(self) -> None:
         self.tokenizer_manager.start()
 
+    def _submit(self, coro) -> concurrent.futures.Future:
+        """Runs coro on the engine's loop; after shutdown (no loop, no workers) a RuntimeError."""
+        if getattr(self, "_closed", False):  # (not yet set while __init__ starts the loop)
+            coro.close()
+            raise RuntimeError("the Engine is shut down: make a new Engine to generate again")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._submit(coro).result()
 
     def generate(
         self,
@@ -124,7 +132,7 @@ class Engine:
                 q.put(e)
             q.put(_END)
 
-        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        future = self._submit(pump())
         try:
             while (item := q.get()) is not _END:
                 if isinstance(item, BaseException):
@@ -142,7 +150,7 @@ class Engine:
         """Awaitable result, or (stream=True) an async iterator of chunks, on the caller's loop."""
         obj = generate_request("async_generate", prompt, sampling_params, kwargs)
         if not obj.stream:
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._first(obj), self._loop))
+            return await asyncio.wrap_future(self._submit(self._first(obj)))
         return self._aiterate(obj)
 
     async def _aiterate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
@@ -157,7 +165,7 @@ class Engine:
                 caller.call_soon_threadsafe(q.put_nowait, e)
             caller.call_soon_threadsafe(q.put_nowait, _END)
 
-        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        future = self._submit(pump())
         try:
             while (item := await q.get()) is not _END:
                 if isinstance(item, BaseException):

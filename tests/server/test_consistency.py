@@ -125,6 +125,14 @@ def test_engine_equals_http(baseline, default_model_path, prompts):
     # shut down, its ZeroMQ context is closed: one left to the garbage collector with open sockets
     # blocks whatever the collector interrupts
     assert engine.tokenizer_manager.zmq_ctx.closed
+    for call in (  # after shutdown every call says so (they waited forever on the stopped loop)
+        lambda: engine.generate(prompt="x", sampling_params=PARAMS),
+        lambda: list(engine.generate(prompt="x", sampling_params=PARAMS, stream=True)),
+        engine.flush_cache,
+    ):
+        with pytest.raises(RuntimeError, match="the Engine is shut down"):
+            call()
+    engine.shutdown()  # twice: nothing happens
     via_http = baseline.generate(input_ids=prompts[:3], sampling_params=PARAMS)
     assert ids_of(via_engine) == ids_of(via_http)
     assert [o["text"] for o in via_engine] == [o["text"] for o in via_http]
