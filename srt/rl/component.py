@@ -335,7 +335,13 @@ class WeightsComponent(SchedulerComponent):
         if self.ranks.released_weights is not None:
             raise WeightUpdateError("the weights are released: call /resume_memory_occupation first")
         self.port.sync_launched()
-        return self._ok(msg, parameter=read_weight(self.port.runner.model, name, truncate))
+        try:
+            parameter = read_weight(self.port.runner.model, name, truncate)
+        except WeightUpdateError:
+            raise
+        except Exception as e:  # a read changes nothing: whatever it meets is this call's error, not the server's
+            raise WeightUpdateError(f"reading {name}: {type(e).__name__}: {e}") from None
+        return self._ok(msg, parameter=parameter)
 
     def _op_get_weight_version(self, msg: WeightsReq) -> WeightsReqOutput:
         return self._ok(msg, weight_version=self.version)

@@ -208,7 +208,14 @@ def _from_module(modules: dict[str, nn.Module], param_name: str, shard: Any, sha
     pieces = getattr(module, "pieces", None)
     if module is None or pieces is None or not param_name.endswith(".weight"):
         raise WeightUpdateError(f"{param_name} cannot be read back")
-    weight = module.weight
+    weight = getattr(module, "weight", None)
+    if weight is None:  # the layer keeps only its quantized blocks
+        method = getattr(module, "quant_method", None)
+        kind = getattr(getattr(method, "inner", method), "name", "quantized")
+        raise WeightUpdateError(
+            f"{param_name} is held quantized ({kind}): get_weights_by_name reads dense weights "
+            "(start the server with --quantization none and a float checkpoint)"
+        )
     dense = module.packed_weight.to_dense() if not weight.numel() and hasattr(module, "packed_weight") else weight
     out = torch.zeros(shape, dtype=torch.float32)
     for p in pieces(shape[0], shard):

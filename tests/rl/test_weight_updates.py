@@ -208,6 +208,17 @@ def test_bad_updates_are_400s_and_the_old_weights_keep_serving(server, models):
     assert server.state()["weights"]["update_groups"] == []
 
 
+def test_a_quantized_server_refuses_weight_calls_and_keeps_serving(default_server):
+    # GGUF layers keep only their blocks: reading one back crashed the scheduler
+    q = "model.layers.0.self_attn.q_proj.weight"
+    out = call(default_server, "/get_weights_by_name", {"name": q, "truncate_size": 2}, 400)
+    assert "is held quantized" in out["error"]["message"], out
+    out = call(default_server, "/update_weights_from_disk", {"model_path": resolve_default_model()}, 400)
+    assert "the weights are quantized" in out["message"], out
+    r = default_server.generate(text="hi", sampling_params={"max_new_tokens": 2})
+    assert r["meta_info"]["completion_tokens"] == 2
+
+
 def rss(server) -> int:
     return psutil.Process(server.state()["pid"]).memory_info().rss
 
