@@ -1288,6 +1288,38 @@ void DecodeAttention::attend(int64_t layer, const c10::BFloat16* q, int64_t q_st
   });
 }
 
+void DecodeAttention::prefetch(int64_t layer, int64_t thread, int64_t threads) const {
+  const Layer& L = layers_[layer];
+  const int64_t* lens = lens_.data_ptr<int64_t>();
+  const int64_t* ridx = req_idx_.data_ptr<int64_t>();
+  const int32_t* table = req_to_token_.data_ptr<int32_t>();
+  const int64_t stride = req_to_token_.stride(0);
+  const int64_t tasks = batch_ * kv_heads_ * splits_ * parts_;
+  const int64_t begin = tasks * thread / threads, end = tasks * (thread + 1) / threads;
+  const int64_t row = kv_heads_ * d_ * L.k_buffer.element_size();
+  const char* kb = static_cast<const char*>(L.k_buffer.data_ptr());
+  const char* vb = static_cast<const char*>(L.v_buffer.data_ptr());
+  int64_t last = -1, budget = kPrefetchBytes / 2;  // (K and V)
+  for (int64_t p = begin; p < end && budget > 0; ++p) {
+    const int64_t per = kv_heads_ * parts_, task = zigzag(p / per, tasks / per) * per + p % per;
+    const int64_t rest = task / parts_;
+    const int64_t bs = rest / kv_heads_;  // (request, split)
+    if (bs == last) continue;
+    last = bs;
+    const int64_t b = bs / splits_, s = bs % splits_;
+    const int64_t len = lens[b], chunk = (len + splits_ - 1) / splits_;
+    const int64_t lo = std::min(len, s * chunk), hi = std::min(len, lo + chunk);
+    const int32_t* slots = table + ridx[b] * stride;
+    for (int64_t t = lo; t < hi && budget > 0; ++t, budget -= row) {
+      const int64_t off = static_cast<int64_t>(slots[t]) * row;
+      for (int64_t c = 0; c < row; c += 64) {
+        __builtin_prefetch(kb + off + c, 0, 2);
+        __builtin_prefetch(vb + off + c, 0, 2);
+      }
+    }
+  }
+}
+
 void DecodeAttention::merge(int64_t layer, c10::BFloat16* out, int64_t thread, int64_t threads) {
   const Layer& L = layers_[layer];
   const float v_scale = format_ == kFp8E4M3 || format_ == kFp8E5M2 ? static_cast<float>(L.v_scale) : 1.f;

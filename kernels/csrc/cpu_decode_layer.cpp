@@ -52,6 +52,8 @@ void lora_apply(const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, 
 at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& w_in, int64_t qtype_in, int64_t k,
                            at::ScalarType dtype);
 int64_t argmax_row(const float* x, int64_t n);
+void quant_embedding_bf16(const int64_t* ids, int64_t t, const at::Tensor& w, int64_t qtype, int64_t k,
+                          c10::BFloat16* out);
 
 
 namespace {
@@ -365,6 +367,7 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(!layers.empty() && k == layers[0].ln1.numel(),
                 "DecodeStack.set_embed: the table's rows must have the hidden size's ", layers.empty() ? 0 : layers[0].ln1.numel(),
                 " columns, got ", k);
+    quant_embedding(at::zeros({1}, at::kLong), w, qtype, k, dtype);  // checks the table (run_steps then does not)
     embed = Embed{std::move(w), qtype, k, dtype};
   }
 
@@ -409,7 +412,13 @@ struct DecodeStack : torch::CustomClassHolder {
     const auto attn = attention(locs.select(0, 0), req_to_token, req_pool_indices, seq_lens, num_splits[0]);
 #endif
     for (int64_t s = 0; s < steps; ++s) {
-      at::Tensor hidden = quant_embedding(cur, embed->w, embed->qtype, embed->k, embed->dtype);
+      at::Tensor hidden;
+      if (embed->dtype == at::kBFloat16) {  // (quant_embedding's output, without its ATen ops)
+        hidden = at::empty({T, embed->k}, at::kBFloat16);
+        quant_embedding_bf16(cp, T, embed->w, embed->qtype, embed->k, hidden.data_ptr<c10::BFloat16>());
+      } else {
+        hidden = quant_embedding(cur, embed->w, embed->qtype, embed->k, embed->dtype);
+      }
 #if defined(RADIXSERVE_LEAN_DECODE)
       if (s > 0) attn->next_step(locs.select(0, s), num_splits[s]);
       at::Tensor normed, logits;
@@ -562,11 +571,17 @@ struct DecodeStack : torch::CustomClassHolder {
         for (int64_t u; (u = steal.next_span(tid, nt, epoch, most, 2, count)) >= 0;)
           fn(u * 16, std::min(H, (u + count) * 16));
       };
+      // Before each barrier a thread prefetches the first rows the next phase gives it (Steal's own range
+      // first): the memory would otherwise idle while the threads meet and the next phase's reads start
+      // (with the K / V rows prefetched at each layer's start, the default model's batch-1 step 4% faster
+      // on a 2-core Zen 4, paired runs; 2% at batch 8)
+      auto first_tile = [&](int64_t t, int64_t n) { return ((H + 15) / 16) * t / n; };
       for (size_t i = 0; i < layers.size(); ++i) {
         const Layer& L = layers[i];
         const Lean& W = lean[i];
         const bf16 *ln1 = L.ln1.data_ptr<bf16>(), *ln2 = L.ln2.data_ptr<bf16>();
         const float eps = static_cast<float>(L.eps);
+        attn.prefetch(static_cast<int64_t>(i), tid, nt);  // this layer's K / V rows, during the qkv rows
         // residual += x; h = norm(residual)   (first layer: residual = x; h = norm(x))
         for (int64_t t = 0; t < T; ++t) {
           const bf16* x = (i == 0 ? xin : dp) + t * H;
@@ -594,6 +609,7 @@ struct DecodeStack : torch::CustomClassHolder {
             }
           });
         }
+        W.o.prefetch_rows(first_tile(tid, nt) * 16, 32768);  // (attention leaves the memory idle)
 #pragma omp barrier
         attn.attend(static_cast<int64_t>(i), qp, qkv_n, ap, L.scale, tid, nt);
 #pragma omp barrier
@@ -604,6 +620,11 @@ struct DecodeStack : torch::CustomClassHolder {
         {
           const LeanX x = acts.make(ap, T, q_size, W.o);
           rows_of(W.o, [&](int64_t r0, int64_t r1) { W.o.rows(x, T, r0, r1, op, H); });
+        }
+        {
+          const int64_t e0 = (groups * tid / nt) * 128;
+          W.gate_up.prefetch_rows(e0, 8192);
+          W.gate_up.prefetch_rows(inter + e0, 8192);
         }
 #pragma omp barrier
         for (int64_t t = 0; t < T; ++t)
@@ -624,11 +645,13 @@ struct DecodeStack : torch::CustomClassHolder {
             }
           });
         }
+        W.down.prefetch_rows(first_tile(tid, nt) * 16, 16384);
 #pragma omp barrier
         {
           const LeanX x = down_acts.acts(acts, T);
           rows_of(W.down, [&](int64_t r0, int64_t r1) { W.down.rows(x, T, r0, r1, dp, H); });
         }
+        if (i + 1 < layers.size()) lean[i + 1].qkv.prefetch_rows(((qh + 2 * kh) * tid / nt) * hd, 16384);
 #pragma omp barrier
       }
       if (tid == 0) std::copy(res.begin(), res.end(), res_out);

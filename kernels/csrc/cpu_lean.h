@@ -101,6 +101,20 @@ struct LeanLinear {
     }
   }
 
+  // Prefetches (into L2) up to `bytes` of the weight from row c0 on (a multiple of 16 where rows are tiled),
+  // in memory order.
+  void prefetch_rows(int64_t c0, int64_t bytes) const {
+    for (const Seg& s : segs) {
+      if (bytes <= 0) return;
+      const int64_t b = std::max(c0, s.col) - s.col;
+      if (b >= s.rows) continue;
+      const uint8_t* w = static_cast<const uint8_t*>(s.w.const_data_ptr()) + b * s.row_bytes;
+      const int64_t n = std::min(bytes, (s.rows - b) * s.row_bytes);
+      for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(w + o, 0, 2);
+      bytes -= n;
+    }
+  }
+
   // Rows [c0, c1) of x (m rows) @ W.T into out (row stride ldo), and the bias: each row as quant_linear
   // computes it, and the bias as bf16 add_ does (float sum, rounded).
   template <class Acts>

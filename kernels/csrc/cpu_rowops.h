@@ -42,6 +42,10 @@ class DecodeAttention {
   void attend(int64_t layer, const c10::BFloat16* q, int64_t q_stride, c10::BFloat16* out, double scale,
               int64_t thread, int64_t threads);
   void merge(int64_t layer, c10::BFloat16* out, int64_t thread, int64_t threads);
+  // Prefetches (into L2) the K / V rows (every KV head's) that attend will read on `thread` of `threads`,
+  // their first kPrefetchBytes at most.
+  static constexpr int64_t kPrefetchBytes = 64 * 1024;
+  void prefetch(int64_t layer, int64_t thread, int64_t threads) const;
   // The next decode step of the same requests: every context one longer, the new tokens' K / V in
   // out_cache_loc's slots, contexts split num_splits ways (checked as the constructor and add_layer do).
   void next_step(const at::Tensor& out_cache_loc, int64_t num_splits);
