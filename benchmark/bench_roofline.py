@@ -140,6 +140,18 @@ def sample_bandwidth(buf: torch.Tensor, threads: int, seconds: float) -> list[fl
     return samples
 
 
+def barrier_us() -> float | None:
+    """Microseconds per OpenMP barrier of torch's threads (the fastest of three readings of 2,000;
+    kernels/csrc/cpu_membw.cpp: barrier_ns), None without the extension or with one thread."""
+    from kernels import cpu as cpu_kernels
+    from srt.configs.runtime_choices import cache_root
+
+    ops = cpu_kernels.load(cache_root())
+    if ops is None or not hasattr(ops, "barrier_ns") or torch.get_num_threads() < 2:
+        return None
+    return min(ops.barrier_ns(2000) for _ in range(3)) / 1e3
+
+
 def gemm_gflop_s(kind: str, n: int, repeats: int) -> float | None:
     """GFLOP/s of an n x n x n matmul (2 n^3 FLOPs); None where the kind does not run here."""
     try:
@@ -285,19 +297,29 @@ def paired_decode(runner, args, read_bw, bytes_token: float) -> dict:
     """Batch-1 decode runs (--input-len in, --output-len out) each between two bandwidth readings
     (`read_bw()`, GB/s: the faster of the big buffer's and the step-sized one's): each run's tok/s
     against the memory limit at the faster of its two readings, so a run is held to the rate the
-    machine had around it."""
+    machine had around it. Each run also records the threads' barrier latency around it (`barrier_us`),
+    which tells where the host ran the threads (on the 2-core Zen 4 VM ~0.3 us on one CCD, whose one
+    link reads ~33-36 GB/s, ~0.55 us on two, which read ~55-63 GB/s between them)."""
     gen = StaticBatchGenerator(runner, decode_steps=args.num_continuous_decode_steps)
     vocab = runner.model_config.vocab_size
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
     runs = []
     for i in tqdm(range(args.paired_runs), desc="paired batch-1 runs"):
-        before = read_bw()
+        before, barrier_before = read_bw(), barrier_us()
         gen.generate(random_prompts(1, args.input_len, vocab, 100 + i), params)
-        after = read_bw()
+        after, barrier_after = read_bw(), barrier_us()
         t = gen.last_timings
         tok_s = t["decode_steps"] / t["decode_s"]
         limit = max(before, after) * 1e9 / bytes_token
-        runs.append({"tok_s": tok_s, "bw_before_gb_s": before, "bw_after_gb_s": after, "fraction": tok_s / limit})
+        runs.append(
+            {
+                "tok_s": tok_s,
+                "bw_before_gb_s": before,
+                "bw_after_gb_s": after,
+                "barrier_us": [barrier_before, barrier_after],
+                "fraction": tok_s / limit,
+            }
+        )
     fractions = sorted(r["fraction"] for r in runs)
     return {"runs": runs, "median_fraction": fractions[len(fractions) // 2]}
 
@@ -524,6 +546,12 @@ def print_model(m: dict, threads: int, args) -> None:
             f"{min(r['tok_s'] for r in runs):,.1f}-{max(r['tok_s'] for r in runs):,.1f} tok/s; rates "
             f"{min(rates):,.1f}-{max(rates):,.1f} GB/s)"
         )
+        for r in runs:  # each run: where the threads sat (barrier latency) tells the memory state
+            barrier = " / ".join(f"{b:.2f}" for b in r.get("barrier_us") or [] if b is not None) or "-"
+            print(
+                f"  {r['tok_s']:7.1f} tok/s  {r['bw_before_gb_s']:5.1f} / {r['bw_after_gb_s']:5.1f} GB/s  "
+                f"barrier {barrier} us  {r['fraction']:.1%}"
+            )
     if any(f["fraction"] > 1 for f in m["figures"]):
         print(
             "note: a figure above 100% of its limit ran while the memory was faster than in any reading "

@@ -13,9 +13,13 @@
 #include <immintrin.h>
 #endif
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -72,6 +76,33 @@ int64_t stream_read(const at::Tensor& buf) {
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(radixserve, m) { m.def("stream_read(Tensor buf) -> int"); }
+// Nanoseconds per OpenMP barrier of torch's threads (`rounds` of them in one parallel region; 0 with one
+// thread): where the threads sit relative to each other. On the 2-core Zen 4 VM it reads ~0.26-0.31 us
+// while the memory reads ~33-36 GB/s and ~0.50-0.60 us while it reads ~55-63: the host runs the two
+// vCPUs on one CCD (one link to the memory, a shared L3) or on two (two links; every line one thread
+// writes and the other reads crosses between them), which bench_roofline.py reports as the state.
+double barrier_ns(int64_t rounds) {
+  const int64_t threads = at::get_num_threads();
+  if (threads < 2 || rounds < 1) return 0.0;
+  double ns = 0.0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp barrier
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < rounds; ++r) {
+#pragma omp barrier
+    }
+    if (omp_get_thread_num() == 0)
+      ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / rounds;
+  }
+#endif
+  return ns;
+}
+
+TORCH_LIBRARY_FRAGMENT(radixserve, m) {
+  m.def("stream_read(Tensor buf) -> int");
+  m.def("barrier_ns(int rounds) -> float", &barrier_ns);
+}
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("stream_read", &stream_read); }

@@ -242,6 +242,20 @@ def test_stream_read(ops, nbytes):
         ops.stream_read(buf.float())
 
 
+def test_barrier_ns(ops):
+    """bench_roofline's reading of where the threads sit: a positive time per barrier with two threads,
+    0 with one (no barrier to time) or no rounds."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert 0 < ops.barrier_ns(200) < 1e6
+        assert ops.barrier_ns(0) == 0
+        torch.set_num_threads(1)
+        assert ops.barrier_ns(200) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 49152, 49157])
 def test_argmax_rows_is_torch_argmax(ops, n):
     """The greedy sampler's C++ argmax gives torch.argmax's index: the first of tied maxima, a NaN
