@@ -111,7 +111,8 @@ class GrammarComponent(SchedulerComponent):
         if grammar is None or not self.jump_forward:
             return None
         p = req.sampling_params
-        if req.return_logprob or p.stop_strs:  # no logprobs for jumped tokens; a stop string could fire inside
+        # no logprobs for jumped tokens; a stop string or regex could fire inside
+        if req.return_logprob or p.stop_strs or p.stop_regex_strs:
             return None
         forced = grammar.find_jump_forward_string()
         if not forced:

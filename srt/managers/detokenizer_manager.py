@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 import traceback
 
@@ -19,11 +20,13 @@ from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.io_struct import (
     FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
+    FINISHED_MATCHED_REGEX,
     BaseFinishReason,
     BatchStrOutput,
     BatchTokenIDOutput,
     SchedulerCrashed,
 )
+from srt.sampling.sampling_params import STOP_REGEX_TAIL
 from srt.server_args import PortArgs, ServerArgs
 from srt.utils import start_child_process, zmq_socket
 
@@ -54,12 +57,16 @@ class IncrementalDecoder:
         spaces_between_special_tokens: bool = True,
         stop_strs: tuple[str, ...] = (),
         no_stop_trim: bool = False,
+        stop_regex: bool = False,
     ):
         self.tokenizer = tokenizer
         self.kw = dict(
             skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
         )
         self.stop_strs, self.no_stop_trim = stop_strs, no_stop_trim
+        # with stop_regex: (ids, characters of text) after each step, to hold back the text of the last
+        # STOP_REGEX_TAIL tokens, where a match may still start, until the request ends
+        self.marks: list[tuple[int, int]] | None = [] if stop_regex and not no_stop_trim else None
         self.ids: list[int] = []
         self.text = ""  # decoded text of ids[:read_offset]
         self.surr_offset = 0
@@ -76,6 +83,8 @@ class IncrementalDecoder:
             return  # a multi-byte character is still incomplete
         self.text += full[len(surr) :]
         self.surr_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.marks is not None:
+            self.marks.append((self.read_offset, len(self.text)))
 
     def step(self, new_ids: list[int], finished_reason: BaseFinishReason | None) -> str:
         """Feed new tokens; returns the text to emit now."""
@@ -90,9 +99,17 @@ class IncrementalDecoder:
                 i = text.find(finished_reason.matched)
                 if i != -1:
                     text = text[:i]
+            elif isinstance(finished_reason, FINISHED_MATCHED_REGEX) and not self.no_stop_trim:
+                # the last match: the one that stopped it (the tail the scheduler searched ends the text)
+                last = next(reversed(list(re.finditer(finished_reason.matched, text))), None)
+                if last is not None:
+                    text = text[: max(self.sent, last.start())]
             end = len(text)
         else:
             end = len(self.text) - (stop_holdback(self.text, self.stop_strs) if not self.no_stop_trim else 0)
+            if self.marks is not None:
+                safe = len(self.ids) - STOP_REGEX_TAIL
+                end = min(end, max((c for n, c in self.marks if n <= safe), default=0))
             text = self.text
         if end <= self.sent:
             return ""
@@ -124,6 +141,7 @@ class DetokenizerManager:
                     spaces_between_special_tokens=settings.spaces_between_special_tokens,
                     stop_strs=settings.stop_strs,
                     no_stop_trim=settings.no_stop_trim,
+                    stop_regex=settings.stop_regex,
                 )
             deltas.append(dec.step(new_ids, reason))
             if reason is not None:

@@ -237,6 +237,16 @@ class FINISH_MATCHED_STR(BaseFinishReason):
 
 
 @dataclass(frozen=True)
+class FINISHED_MATCHED_REGEX(BaseFinishReason):
+    """The output's tail matched one of sampling_params.stop_regex (SGLang's name); `matched` is the pattern."""
+
+    matched: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True)
 class FINISH_LENGTH(BaseFinishReason):
     """max_new_tokens reached, or the context length."""
 
@@ -268,6 +278,7 @@ class DecodeSettings(NamedTuple):
     spaces_between_special_tokens: bool
     stop_strs: tuple[str, ...]
     no_stop_trim: bool
+    stop_regex: bool = False  # sampling_params.stop_regex given: the last tokens' text is held back
 
 
 @dataclass(kw_only=True)

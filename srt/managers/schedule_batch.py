@@ -9,6 +9,7 @@ is launched, before its results are known (the overlap scheduler builds the next
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,12 +21,13 @@ from srt.managers.io_struct import (
     FINISH_LENGTH,
     FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
+    FINISHED_MATCHED_REGEX,
     BaseFinishReason,
 )
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.models.multimodal import MultimodalItem, mm_runs, model_ids, mrope_positions
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
-from srt.sampling.sampling_params import SamplingParams
+from srt.sampling.sampling_params import STOP_REGEX_TAIL, SamplingParams
 
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
@@ -217,6 +219,12 @@ class Req:
                 for s in p.stop_strs:
                     if s in tail:
                         self.finished_reason = FINISH_MATCHED_STR(matched=s)
+                        return
+            if p.stop_regex_strs and tokenizer is not None:  # over the last STOP_REGEX_TAIL tokens' text
+                tail = tokenizer.decode(self.output_ids[-STOP_REGEX_TAIL:], skip_special_tokens=p.skip_special_tokens)
+                for pattern in p.stop_regex_strs:
+                    if re.search(pattern, tail):
+                        self.finished_reason = FINISHED_MATCHED_REGEX(matched=pattern)
                         return
         if p.max_new_tokens is not None and n >= p.max_new_tokens:
             self.finished_reason = FINISH_LENGTH(length=n)

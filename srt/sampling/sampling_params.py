@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 
 GREEDY_TEMPERATURE = 1e-6
@@ -23,6 +24,9 @@ GRAMMAR_KINDS = (
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+# tokens of output whose text sampling_params.stop_regex is searched in after each new token (SGLang
+# searches a tail too): a match must end in the last token and fit in these
+STOP_REGEX_TAIL = 64
 
 
 class InvalidSamplingParams(ValueError):
@@ -59,6 +63,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's: stop once the output's tail matches one (re.search)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -72,6 +77,7 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None  # xgrammar's structural tag as JSON (tool calls use it)
     stop_strs: list[str] = field(default_factory=list, repr=False)
+    stop_regex_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -79,7 +85,7 @@ class SamplingParams:
         d = d or {}
         if not isinstance(d, dict):
             raise InvalidSamplingParams(f"sampling_params must be an object, got {type(d).__name__}")
-        names = {f.name for f in fields(cls) if f.name != "stop_strs"}
+        names = {f.name for f in fields(cls) if f.name not in ("stop_strs", "stop_regex_strs")}
         return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 
     @property
@@ -134,6 +140,7 @@ class SamplingParams:
             v = getattr(self, name)
             _check(isinstance(v, bool), name, v, "a boolean")
         self._verify_stop()
+        self._verify_stop_regex()
         if self.stop_token_ids is not None:
             _check(
                 isinstance(self.stop_token_ids, list)
@@ -201,6 +208,32 @@ class SamplingParams:
             f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each",
         )
         self.stop_strs = list(stop)
+
+    def _verify_stop_regex(self) -> None:
+        pats = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
+        if pats is None:
+            self.stop_regex_strs = []
+            return
+        limit = (
+            f"a non-empty regular expression or a list of at most {MAX_STOP_STRINGS} of them, "
+            f"{MAX_STOP_CHARS} characters each"
+        )
+        _check(
+            isinstance(pats, list)
+            and len(pats) <= MAX_STOP_STRINGS
+            and all(isinstance(p, str) and 0 < len(p) <= MAX_STOP_CHARS for p in pats),
+            "stop_regex",
+            self.stop_regex,
+            limit,
+        )
+        for pat in pats:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise InvalidSamplingParams(
+                    f"sampling_params.stop_regex = {pat!r} is invalid: not a regular expression ({e})"
+                ) from None
+        self.stop_regex_strs = list(pats)
 
     @staticmethod
     def _verify_logit_bias(logit_bias: dict, vocab_size: int) -> None:

@@ -39,6 +39,9 @@ def test_unknown_keys_are_ignored_and_stop_normalized():
         ("logit_bias", {"5": 1000}, "[-100, 100]"),
         ("ignore_eos", "yes", "boolean"),
         ("sampling_seed", -3, "sampling_seed"),
+        ("stop_regex", "(", "not a regular expression"),
+        ("stop_regex", ["ok", ""], "non-empty regular expression"),
+        ("stop_regex", ["x"] * 65, "at most 64"),
     ],
 )
 def test_invalid_values_name_field_value_and_limit(field, value, needle):
@@ -47,6 +50,12 @@ def test_invalid_values_name_field_value_and_limit(field, value, needle):
         p.verify(100)
     msg = str(e.value)
     assert field.split("[")[0] in msg and needle in msg
+
+
+def test_stop_regex_normalized():
+    p = SamplingParams.from_dict({"stop_regex": r"\d+\."})
+    p.verify(100)
+    assert p.stop_regex_strs == [r"\d+\."] and p.stop_strs == []
 
 
 def test_min_new_tokens_cannot_exceed_max():

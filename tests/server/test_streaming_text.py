@@ -1,6 +1,7 @@
 """Streaming deltas concatenated == non-streaming text: multi-byte UTF-8 and straddling stop strings."""
 
 import json
+import re
 
 import pytest
 import requests
@@ -106,3 +107,45 @@ def test_stop_token_ids_and_eos(server):
         },
     )
     assert streamed == got["text"]
+
+
+def test_stop_regex(server, tiny_chat_model):
+    """sampling_params.stop_regex (SGLang's): the request stops once its output's tail matches a pattern,
+    finish_reason names the pattern, the text ends before the match (streamed or not: the last tokens'
+    text is held back until the end) unless no_stop_trim; a bad pattern is a 400 naming the field."""
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    prompts = [[2000 + seed, 9] for seed in range(16)]
+    checked = 0
+    tok = get_tokenizer(tiny_chat_model)
+    for prompt, out in zip(prompts, server.generate(input_ids=prompts, sampling_params=params)):
+        text, ids = out["text"], out["output_ids"]
+        # a pattern for the last two characters of token k and the first two of token k + 1 (the match
+        # completes a token after it starts: the text before must not have gone out already)
+        for k in range(4, len(ids) - 2):
+            a, b = tok.decode(ids[k : k + 1]), tok.decode(ids[k + 1 : k + 2])
+            if len(a) >= 2 and len(b) >= 2 and "\ufffd" not in a + b:
+                break
+        else:
+            continue
+        pattern = re.escape(a[-2:]) + "[" + re.escape(b[0]) + "]" + re.escape(b[1])
+        first = re.search(pattern, text)
+        if first is None or first.start() < len(tok.decode(ids[:k])) - 2:
+            continue  # the pattern occurs earlier than the boundary picked
+        body = {"input_ids": prompt, "sampling_params": {**params, "stop_regex": [r"\A\Z", pattern]}}
+        full = server.generate(**body)
+        assert full["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}, (text, pattern)
+        assert full["text"] == text[: first.start()]
+        assert len(full["output_ids"]) < len(out["output_ids"])
+        streamed, _, last = stream_text(server, body)
+        assert streamed == full["text"] == last["text"]
+        kept = server.generate(input_ids=prompt, sampling_params={**body["sampling_params"], "no_stop_trim": True})
+        assert kept["text"].startswith(text[: first.end()]) and text.startswith(kept["text"])
+        checked += 1
+        if checked == 2:
+            break
+    assert checked == 2
+    for bad in ["(", ["a", ""], 5]:
+        r = requests.post(
+            server.url + "/generate", json={"text": "hi", "sampling_params": {"stop_regex": bad}}, timeout=60
+        )
+        assert r.status_code == 400 and "stop_regex" in r.text, r.text
