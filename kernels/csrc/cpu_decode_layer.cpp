@@ -547,6 +547,7 @@ struct DecodeStack : torch::CustomClassHolder {
       np = normed_out->data_ptr<bf16>(), lp = logits_out->data_ptr<float>();
     }
     Steal steal(threads);
+    Meet meet;
     const uint64_t epoch0 = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -610,12 +611,12 @@ struct DecodeStack : torch::CustomClassHolder {
           });
         }
         W.o.prefetch_rows(first_tile(tid, nt) * 16, 32768);  // (attention leaves the memory idle)
-#pragma omp barrier
+        meet.wait(nt);
         attn.attend(static_cast<int64_t>(i), qp, qkv_n, ap, L.scale, tid, nt);
-#pragma omp barrier
+        meet.wait(nt);
         if (attn.needs_merge()) {  // (each thread merging every head itself instead: ~2% slower)
           attn.merge(static_cast<int64_t>(i), ap, tid, nt);
-#pragma omp barrier
+          meet.wait(nt);
         }
         {
           const LeanX x = acts.make(ap, T, q_size, W.o);
@@ -626,7 +627,7 @@ struct DecodeStack : torch::CustomClassHolder {
           W.gate_up.prefetch_rows(e0, 8192);
           W.gate_up.prefetch_rows(inter + e0, 8192);
         }
-#pragma omp barrier
+        meet.wait(nt);
         for (int64_t t = 0; t < T; ++t)
           radixserve_rows::rms_norm_row(op + t * H, res.data() + t * H, ln2, H, eps, h.data() + t * H);
         // per group of 128 inputs of the down projection: its gate rows and the matching up rows, then
@@ -646,13 +647,13 @@ struct DecodeStack : torch::CustomClassHolder {
           });
         }
         W.down.prefetch_rows(first_tile(tid, nt) * 16, 16384);
-#pragma omp barrier
+        meet.wait(nt);
         {
           const LeanX x = down_acts.acts(acts, T);
           rows_of(W.down, [&](int64_t r0, int64_t r1) { W.down.rows(x, T, r0, r1, dp, H); });
         }
         if (i + 1 < layers.size()) lean[i + 1].qkv.prefetch_rows(((qh + 2 * kh) * tid / nt) * hd, 16384);
-#pragma omp barrier
+        meet.wait(nt);
       }
       if (tid == 0) std::copy(res.begin(), res.end(), res_out);
 #if defined(RADIXSERVE_HAVE_QVNNI)

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "cpu_i16act.h"
@@ -231,6 +232,36 @@ class Steal {
       }
     }
   }
+};
+
+// A barrier of a parallel region's threads: a count and a generation, each on its own line, and a
+// spin on the generation (falling back to yielding, should the threads outnumber the cores). In place
+// of `omp barrier` in the decode stack's step (180 barriers a step in the default model): batch-1 steps
+// 2.6% faster on a 2-core Zen 4 whose two vCPUs ran on two CCDs, 1% on one (paired runs, 399 / 330).
+class Meet {
+ public:
+  // (nt: the region's omp_get_num_threads())
+  void wait(int64_t nt) {
+    const uint64_t gen = gen_.v.load(std::memory_order_acquire);
+    if (count_.v.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint64_t>(nt)) {
+      count_.v.store(0, std::memory_order_relaxed);
+      gen_.v.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; gen_.v.load(std::memory_order_acquire) == gen;) {
+      if (++spins < kSpins)
+        __builtin_ia32_pause();
+      else
+        std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpins = 1 << 16;  // ~1-3 ms of pause instructions
+  struct alignas(64) Word {
+    std::atomic<uint64_t> v{0};
+  };
+  Word count_, gen_;
 };
 
 // Activations in the forms the kernels take: `g` (int8, group layout), `p` (int8 per block, rows as

@@ -710,6 +710,7 @@ using radixserve_lean::DownActs;
 using radixserve_lean::LeanActs;
 using radixserve_lean::LeanLinear;
 using radixserve_lean::LeanX;
+using radixserve_lean::Meet;
 using radixserve_lean::Steal;
 
 // o[j] += float(y[j]) * w with the product rounded before the sum, as the loop's ATen mul and
@@ -797,6 +798,7 @@ at::Tensor quant_moe_lean(const at::Tensor& x, at::TensorList w13, at::IntArrayR
   for (int64_t s = 0; s < S; ++s) down_acts.emplace_back(count[sel[s]], F, down[s].int8, down[s].int16, down[s].plain);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   Steal steal(threads);
+  Meet meet;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -813,7 +815,7 @@ at::Tensor quant_moe_lean(const at::Tensor& x, at::TensorList w13, at::IntArrayR
       }
       up_x[s] = up_acts[s].make(xsp + r0 * K, n, K, up[s]);
     });
-#pragma omp barrier
+    meet.wait(nt);
     units_of(S * G, [&](int64_t u) {
       const int64_t s = u / G, g = u % G, e = sel[s], n = count[e], r0 = start[e];
       const int64_t f0 = g * 128, f1 = std::min(F, f0 + 128);
@@ -827,14 +829,14 @@ at::Tensor quant_moe_lean(const at::Tensor& x, at::TensorList w13, at::IntArrayR
         down_acts[s].write(i, g, at);
       }
     });
-#pragma omp barrier
+    meet.wait(nt);
     units_of(S, [&](int64_t s) { down_x[s] = down_acts[s].acts(down_own[s], count[sel[s]]); });
-#pragma omp barrier
+    meet.wait(nt);
     units_of(S * row_units, [&](int64_t u) {
       const int64_t s = u / row_units, c = u % row_units, e = sel[s];
       down[s].rows(down_x[s], count[e], c * kRowsPerUnit, std::min(K, (c + 1) * kRowsPerUnit), yp + start[e] * K, K);
     });
-#pragma omp barrier
+    meet.wait(nt);
     // out[t] += float(y[row]) * weight, expert after expert (the loop's index_add_ order)
     units_of(col_units, [&](int64_t c) {
       const int64_t j0 = c * kColsPerUnit, j1 = std::min(K, j0 + kColsPerUnit);
