@@ -22,6 +22,7 @@ RUN_SAMPLING_KEYS = (
     "max_new_tokens",
     "stop",
     "stop_token_ids",
+    "stop_regex",
     "temperature",
     "top_p",
     "top_k",

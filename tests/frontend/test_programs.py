@@ -54,6 +54,21 @@ def test_few_shot_stop_string(backend):
 
 
 @sgl.function
+def once_upon(s, pattern=None):
+    s += "Once upon a time" + sgl.gen("rest", max_tokens=24, ignore_eos=True, stop_regex=pattern)
+
+
+def test_gen_stop_regex(backend):
+    """gen(stop_regex=...) (SGLang's): the variable ends before the first match of the pattern."""
+    rest = once_upon.run(temperature=0, backend=backend)["rest"]
+    at = next(i for i in range(4, len(rest) - 2) if rest[i : i + 2].isalpha() and rest.find(rest[i : i + 2]) == i)
+    pattern = "[" + rest[at] + "]" + rest[at + 1]
+    state = once_upon.run(pattern=pattern, temperature=0, backend=backend)
+    assert state["rest"] == rest[:at]
+    assert state.get_meta_info("rest")["finish_reason"] == {"type": "stop", "matched": pattern}
+
+
+@sgl.function
 def multi_turn(s, q1, q2):
     s += sgl.system("You are a terse assistant.")
     s += sgl.user(q1)

@@ -3,6 +3,7 @@
 import json
 import re
 
+import openai
 import pytest
 import requests
 
@@ -140,6 +141,17 @@ def test_stop_regex(server, tiny_chat_model):
         assert streamed == full["text"] == last["text"]
         kept = server.generate(input_ids=prompt, sampling_params={**body["sampling_params"], "no_stop_trim": True})
         assert kept["text"].startswith(text[: first.end()]) and text.startswith(kept["text"])
+        # the OpenAI route passes SGLang's stop_regex through (the official client's extra_body)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        extra = {"ignore_eos": True, "stop_regex": pattern}
+        choice = client.completions.create(
+            model="m", prompt=prompt, max_tokens=40, temperature=0, extra_body=extra
+        ).choices[0]
+        assert (choice.text, choice.finish_reason, choice.matched_stop) == (full["text"], "stop", pattern)
+        chunks = client.completions.create(
+            model="m", prompt=prompt, max_tokens=40, temperature=0, stream=True, extra_body=extra
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full["text"]
         checked += 1
         if checked == 2:
             break
@@ -148,4 +160,6 @@ def test_stop_regex(server, tiny_chat_model):
         r = requests.post(
             server.url + "/generate", json={"text": "hi", "sampling_params": {"stop_regex": bad}}, timeout=60
         )
+        assert r.status_code == 400 and "stop_regex" in r.text, r.text
+        r = requests.post(server.url + "/v1/completions", json={"prompt": "hi", "stop_regex": bad}, timeout=60)
         assert r.status_code == 400 and "stop_regex" in r.text, r.text

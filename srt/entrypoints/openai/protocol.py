@@ -59,6 +59,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float = 1.0
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # checked (400 naming it) by SamplingParams
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -96,6 +97,7 @@ class _SamplingFields(_Body):
             "min_new_tokens": self.min_tokens,
             "stop": self.stop or None,
             "stop_token_ids": self.stop_token_ids,
+            "stop_regex": self.stop_regex,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
