@@ -68,6 +68,20 @@ inline Prefetch weight_prefetch() {
   return mode;
 }
 
+// The row tiles' hint (tile_rows, tile_rows_q8): none on AMD, where a 2-core Zen 4's batch-1 step of the
+// default model ran 1.7 % faster without the layers' NTA hint and 2.7 % faster without the Q8_0 head's
+// (paired runs on one CCD and on two; T0 no better than none; the 8B-shaped Q4_0 file unchanged),
+// weight_prefetch() elsewhere; RADIXSERVE_WEIGHT_PREFETCH overrides it too.
+inline Prefetch tile_prefetch() {
+  static const Prefetch mode = [] {
+    const char* e = std::getenv("RADIXSERVE_WEIGHT_PREFETCH");
+    if (e != nullptr && e[0] != '\0') return weight_prefetch();
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? Prefetch::kNone : weight_prefetch();
+  }();
+  return mode;
+}
+
 // Every line of [p + 4096, p + 4096 + bytes) with the hint `mode`: weight_prefetch(), which callers read
 // before their loops (its initialization guard inside a block loop, a possible call, made GCC keep the
 // loop's accumulators on the stack: a Q4_1 row tile in L2 ran at 48 GB/s a thread, not 57, on a Zen 4).
@@ -401,11 +415,11 @@ inline void tile_rows(const uint8_t* tile, int64_t nb, const Acts& a, int64_t r0
   __m512 acc[R], accm[R];
   for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
   const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8(static_cast<char>(0xF0));
-  const Prefetch pf = weight_prefetch();
+  const Prefetch pf = tile_prefetch();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * tb;
-    // every line of the block 4 KB ahead (prefetch_ahead's hint): one line a block (the rest left to
-    // the hardware prefetcher) ran a batch-1 step of the default model ~11 % slower on a 2-core Zen 4
+    // every line of the block 4 KB ahead where tile_prefetch() gives a hint (one line a block, the rest
+    // left to the hardware prefetcher, was slower)
     prefetch_ahead(p, tb, pf);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512 mw = HAS_MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))) : d;
@@ -559,7 +573,7 @@ inline void tile_rows_q8(const uint8_t* tile, int64_t nb, const SplitActs& a, in
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512 lo_scale = _mm512_set1_ps(1.f / 32768.f);
-  const Prefetch pf = weight_prefetch();
+  const Prefetch pf = tile_prefetch();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 544;
     if constexpr (PF) prefetch_ahead(p, 544, pf);
@@ -605,12 +619,14 @@ inline float file_row_dot_q8(const uint8_t* row, int64_t nb, const SplitActs& a,
   return acc;
 }
 
-// Whether a Q8_0 head of `bytes` in row tiles takes prefetch_ahead's hint. Not T0 where it is larger
-// than half the L3: it then comes from memory every step, and the hardware prefetcher alone reads it
-// faster (a Qwen3-sized 330 MB head on the 2-core Xeon: 15.2 -> 12.0 ms, 22 -> 27.5 GB/s of ~30; the
-// default model's 30 MB head, which its caches hold, was 10-20 % slower without).
+// Whether a Q8_0 head of `bytes` in row tiles takes tile_prefetch()'s hint: never where it is none, always
+// where it is NTA (an override), and T0 only up to half the L3: a larger head comes from memory every
+// step, and the hardware prefetcher alone reads it faster (a Qwen3-sized 330 MB head on the 2-core
+// Xeon: 15.2 -> 12.0 ms, 22 -> 27.5 GB/s of ~30; the default model's 30 MB head, which its caches
+// hold, was 10-20 % slower without).
 inline bool head_prefetch(int64_t bytes) {
-  if (weight_prefetch() != Prefetch::kT0) return true;  // (NTA on AMD, or an override)
+  if (tile_prefetch() == Prefetch::kNone) return false;
+  if (tile_prefetch() == Prefetch::kNta) return true;
   static const int64_t l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
   return l3 <= 0 || bytes <= l3 / 2;
 }
