@@ -35,6 +35,27 @@ logger = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
 
 
+# Constructs under which a match's start depends on where the scheduler's tail begins (its search sees
+# the last STOP_REGEX_TAIL tokens' text alone): with these a pattern keeps the whole tail held back.
+_TAIL_RELATIVE = re.compile(r"(?<!\[)\^|\\[AbBG]|\(\?<")
+
+
+def stop_regex_matchers(patterns: tuple[str, ...]) -> list | None:
+    """sampling_params.stop_regex compiled for partial matching (the `regex` module's `partial=True`),
+    or None where one of them cannot be (then the decoder holds back the last STOP_REGEX_TAIL tokens'
+    text, as the scheduler searches them)."""
+    if not patterns or any(_TAIL_RELATIVE.search(p) for p in patterns):
+        return None
+    try:
+        import regex
+    except ImportError:  # pragma: no cover - a dependency of ours and of transformers
+        return None
+    try:
+        return [regex.compile(p) for p in patterns]
+    except regex.error:  # a pattern `re` takes and `regex` does not
+        return None
+
+
 def stop_holdback(text: str, stop_strs: tuple[str, ...]) -> int:
     """How many trailing characters of text might still be the start of, or contain, a stop string."""
     cut = len(text)
@@ -57,16 +78,21 @@ class IncrementalDecoder:
         spaces_between_special_tokens: bool = True,
         stop_strs: tuple[str, ...] = (),
         no_stop_trim: bool = False,
-        stop_regex: bool = False,
+        stop_regex: tuple[str, ...] = (),
     ):
         self.tokenizer = tokenizer
         self.kw = dict(
             skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
         )
         self.stop_strs, self.no_stop_trim = stop_strs, no_stop_trim
-        # with stop_regex: (ids, characters of text) after each step, to hold back the text of the last
-        # STOP_REGEX_TAIL tokens, where a match may still start, until the request ends
+        # with stop_regex: (ids, characters of text) after each step, for the text of the last
+        # STOP_REGEX_TAIL tokens (the scheduler's search stops a request on a match there), and the
+        # patterns for partial matching: of that text, only what starts at or after the first character
+        # where one of them could still match (`scan`, which only moves on: a string that is no prefix
+        # of a match never becomes one) is held back, so the text streams as it comes
         self.marks: list[tuple[int, int]] | None = [] if stop_regex and not no_stop_trim else None
+        self.matchers = stop_regex_matchers(tuple(stop_regex)) if self.marks is not None else None
+        self.scan = 0
         self.ids: list[int] = []
         self.text = ""  # decoded text of ids[:read_offset]
         self.surr_offset = 0
@@ -85,6 +111,18 @@ class IncrementalDecoder:
         self.surr_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.marks is not None:
             self.marks.append((self.read_offset, len(self.text)))
+
+    def _match_start(self, tail_start: int) -> int:
+        """The first character of text from which a stop_regex match could still start (len(text): none
+        could), or tail_start where the patterns cannot be matched partially."""
+        if self.matchers is None:
+            return tail_start
+        self.scan = max(self.scan, tail_start, self.sent)
+        while self.scan < len(self.text):
+            if any(m.match(self.text, self.scan, partial=True) for m in self.matchers):
+                break
+            self.scan += 1
+        return self.scan
 
     def step(self, new_ids: list[int], finished_reason: BaseFinishReason | None) -> str:
         """Feed new tokens; returns the text to emit now."""
@@ -109,7 +147,8 @@ class IncrementalDecoder:
             end = len(self.text) - (stop_holdback(self.text, self.stop_strs) if not self.no_stop_trim else 0)
             if self.marks is not None:
                 safe = len(self.ids) - STOP_REGEX_TAIL
-                end = min(end, max((c for n, c in self.marks if n <= safe), default=0))
+                tail_start = max((c for n, c in self.marks if n <= safe), default=0)
+                end = min(end, max(tail_start, self._match_start(tail_start)))
             text = self.text
         if end <= self.sent:
             return ""

@@ -278,7 +278,7 @@ class DecodeSettings(NamedTuple):
     spaces_between_special_tokens: bool
     stop_strs: tuple[str, ...]
     no_stop_trim: bool
-    stop_regex: bool = False  # sampling_params.stop_regex given: the last tokens' text is held back
+    stop_regex: tuple[str, ...] = ()  # sampling_params.stop_regex: text a match may still start in is held back
 
 
 @dataclass(kw_only=True)

@@ -146,7 +146,7 @@ class SchedulerOutputProcessorMixin:
                     spaces_between_special_tokens=p.spaces_between_special_tokens,
                     stop_strs=tuple(p.stop_strs),
                     no_stop_trim=p.no_stop_trim,
-                    stop_regex=bool(p.stop_regex_strs),
+                    stop_regex=tuple(p.stop_regex_strs),
                 )
             )
             out.prompt_tokens.append(len(r.origin_input_ids))

@@ -1,12 +1,13 @@
 """Incremental detokenization: UTF-8 safe, prefix-monotonic, stop strings trimmed and held back."""
 
 import random
+import re
 
 import pytest
 
 from srt.hf_transformers_utils import get_tokenizer
 from srt.managers.detokenizer_manager import IncrementalDecoder, stop_holdback
-from srt.managers.io_struct import FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN
+from srt.managers.io_struct import FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN, FINISHED_MATCHED_REGEX
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,32 @@ def test_stop_string_straddling_tokens_is_trimmed_and_held_back(tok):
     assert "".join(pieces) == "The answer is forty-"
     # nothing of the stop string leaked before the final piece
     assert all("two" not in "".join(pieces[: k + 1]) for k in range(len(pieces)))
+
+
+def test_stop_regex_streams_all_but_where_a_match_may_start(tok):
+    """sampling_params.stop_regex: text streams as it comes, but for what a match could still start in
+    (partial matching), and the final text ends before the match that stopped the request."""
+    text = "Count with me: one, two, three, four, five, six, seven and then ANSWER: 42 done"
+    ids = tok.encode(text)
+    pattern = r"ANSWER: \d+"
+    # the scheduler stops once the pattern matches the output's tail
+    cut = next(i for i in range(1, len(ids) + 1) if re.search(pattern, tok.decode(ids[:i])))
+    pieces = run(tok, ids[:cut], FINISHED_MATCHED_REGEX(matched=pattern), stop_regex=(pattern,))
+    assert "".join(pieces) == text[: text.index("ANSWER")]
+    # every token's text went out one step later at most (no 64-token hold-back), but none of the match
+    sent, prefix = "", text[: text.index("ANSWER")]
+    for k, p in enumerate(pieces[:-1]):
+        sent += p
+        assert "A" not in sent
+        before = tok.decode(ids[:k])
+        assert len(sent) >= min(len(before), len(prefix)) - 1 or "A" in before[len(sent) :], (k, sent)
+    # a possible start is held back until it can no longer match ("AN" then "ANSWER: x" fails)
+    near = tok.encode("ANSWER? no, ANSWER: 7")
+    got = run(tok, near, FINISHED_MATCHED_REGEX(matched=pattern), stop_regex=(pattern,))
+    assert "".join(got) == "ANSWER? no, " and got[-1] == ""
+    # a pattern whose match depends on where the scheduler's tail starts keeps the whole tail held back
+    anchored = run(tok, ids, FINISH_LENGTH(length=len(ids)), stop_regex=(r"^ANSWER",))
+    assert all(p == "" for p in anchored[:-1]) and "".join(anchored) == text
 
 
 def test_no_stop_trim_keeps_the_stop_string(tok):

@@ -112,8 +112,8 @@ def test_stop_token_ids_and_eos(server):
 
 def test_stop_regex(server, tiny_chat_model):
     """sampling_params.stop_regex (SGLang's): the request stops once its output's tail matches a pattern,
-    finish_reason names the pattern, the text ends before the match (streamed or not: the last tokens'
-    text is held back until the end) unless no_stop_trim; a bad pattern is a 400 naming the field."""
+    finish_reason names the pattern, the text ends before the match (streamed or not: what a match may
+    still start in is held back) unless no_stop_trim; a bad pattern is a 400 naming the field."""
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     prompts = [[2000 + seed, 9] for seed in range(16)]
     checked = 0
@@ -156,6 +156,10 @@ def test_stop_regex(server, tiny_chat_model):
         if checked == 2:
             break
     assert checked == 2
+    # text no match can start in streams as it comes (not held back until the end)
+    body = {"input_ids": prompts[0], "sampling_params": {**params, "stop_regex": r"\d{40}|QQQ"}}
+    streamed, deltas, last = stream_text(server, body)
+    assert streamed == last["text"] and sum(map(len, deltas[:-1])) > len(streamed) // 2, deltas
     for bad in ["(", ["a", ""], 5]:
         r = requests.post(
             server.url + "/generate", json={"text": "hi", "sampling_params": {"stop_regex": bad}}, timeout=60
@@ -163,3 +167,5 @@ def test_stop_regex(server, tiny_chat_model):
         assert r.status_code == 400 and "stop_regex" in r.text, r.text
         r = requests.post(server.url + "/v1/completions", json={"prompt": "hi", "stop_regex": bad}, timeout=60)
         assert r.status_code == 400 and "stop_regex" in r.text, r.text
+        # named as this route's client sent it (a top-level field, not sampling_params.stop_regex)
+        assert "sampling_params" not in r.text and r.json()["error"]["param"] == "stop_regex", r.text

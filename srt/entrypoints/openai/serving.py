@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -47,6 +48,28 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+# The OpenAI request fields that SamplingParams' fields come from, where the names differ
+_OPENAI_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+    "stop_strs": "stop",
+}
+
+
+def _openai_names(message: str) -> tuple[str, str | None]:
+    """A sampling-parameter error as the OpenAI routes' clients sent the field (`stop_regex`, not
+    `sampling_params.stop_regex`; `max_tokens`, not `max_new_tokens`), and that field for `param`."""
+    names: list[str] = []
+
+    def name(m: re.Match) -> str:
+        field = str(m.group(1))
+        names.append(_OPENAI_FIELDS.get(field, field))
+        return names[-1]
+
+    return re.sub(r"\bsampling_params\.(\w+)", name, message), (names[0] if names else None)
 
 
 def openai_error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
@@ -190,7 +213,8 @@ class OpenAIServing:
         try:
             req = cls.model_validate(body)
         except ValidationError as e:
-            raise OpenAIError(400, format_validation_error(e)) from None
+            loc = e.errors()[0].get("loc") if e.errors() else None
+            raise OpenAIError(400, format_validation_error(e), str(loc[0]) if loc else None) from None
         # Any `model` is accepted, as SGLang does (clients and routers send fixed names such as
         # gpt-3.5-turbo); responses name the served model.
         return req
@@ -329,7 +353,9 @@ class OpenAIServing:
         try:
             gen = self.tm.generate_request(obj, request)
             first = await gen.__anext__()
-        except (InvalidRequest, InvalidSamplingParams) as e:
+        except InvalidSamplingParams as e:
+            return openai_error_response(400, *_openai_names(str(e)))
+        except InvalidRequest as e:
             return openai_error_response(400, str(e))
         except ServiceUnavailable as e:
             return with_retry_after(openai_error_response(e.status, str(e)), e)
