@@ -353,10 +353,8 @@ class OpenAIServing:
         try:
             gen = self.tm.generate_request(obj, request)
             first = await gen.__anext__()
-        except InvalidSamplingParams as e:
+        except (InvalidRequest, InvalidSamplingParams) as e:
             return openai_error_response(400, *_openai_names(str(e)))
-        except InvalidRequest as e:
-            return openai_error_response(400, str(e))
         except ServiceUnavailable as e:
             return with_retry_after(openai_error_response(e.status, str(e)), e)
         responder = responder_cls(self, req)
