@@ -212,6 +212,7 @@ class CountingStack:
         ("llama", "int8", "float32", False),
         ("qwen3", "fp8_e4m3", "float32", False),
         ("llama-q4", "auto", "bfloat16", False),
+        ("llama-q4", "auto", "bfloat16", True),
         ("qwen3-q4", "int8", "bfloat16", True),
         ("llama-kq", "auto", "bfloat16", False),
         pytest.param("llama-q4", "fp8_e4m3", "bfloat16", True, marks=pytest.mark.full),
