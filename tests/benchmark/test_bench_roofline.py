@@ -127,7 +127,7 @@ def test_tiny_model_figures(tmp_path, tiny_model_factory):
         limit = max(r["bw_before_gb_s"], r["bw_after_gb_s"]) * 1e9 / m["figures"][0]["bytes_per_token"]
         assert r["tok_s"] > 0 and r["fraction"] == pytest.approx(r["tok_s"] / limit)
         # where the threads sat around the run (the memory state on a VM whose vCPUs move between CCDs)
-        assert len(r["barrier_us"]) == 2 and all(b is None or 0 < b < 1e4 for b in r["barrier_us"])
+        assert len(r["barrier_us"]) == 2 and all(b is None or 0 < b < float("inf") for b in r["barrier_us"])
         assert f"{r['tok_s']:7.1f} tok/s" in stdout
     assert paired["median_fraction"] in [r["fraction"] for r in paired["runs"]]
     decode1, prefill, decode4 = m["figures"]
