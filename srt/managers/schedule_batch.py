@@ -323,11 +323,21 @@ class BatchBuilder:
         batch.kv_ends = [r.kv_len for r in batch.reqs]
         return fb, slots
 
+    def _input_ids(self, reqs: list[Req]) -> list[int]:
+        """A decode batch's input ids: each request's last token, or -slot for one still being sampled
+        by a launched batch (the overlap scheduler's; the worker swaps it in on the device)."""
+        ids = [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs]
+        if not self.future_map.live and any(r.future_slot is not None for r in reqs):
+            raise AssertionError("a decode batch feeds a token still being sampled, but no overlap worker records it")
+        return ids
+
     def _ensure_free(self, n: int) -> None:
         if self.allocator.available_size() < n:
             self.tree_cache.evict(n - self.allocator.available_size())
 
     def _last_locs(self, reqs: list[Req], positions: list[int]) -> list[int]:
+        if self.allocator.page_size == 1:  # no page to continue: the allocator reads none of them
+            return [0] * len(reqs)
         pool = self.req_to_token_pool
         return [pool.last_slot(r.req_pool_idx, p - 1) if p > 0 else 0 for r, p in zip(reqs, positions)]
 
@@ -466,7 +476,7 @@ class BatchBuilder:
             positions = [p + r.position_delta for r, p in zip(reqs, prefix_lens)]
         return ForwardBatch.build(
             ForwardMode.DECODE,
-            [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs],
+            self._input_ids(reqs),
             _pool_indices(reqs),
             [p + 1 for p in prefix_lens],
             prefix_lens,
@@ -486,13 +496,16 @@ class BatchBuilder:
         prefix_lens = [r.kv_len for r in reqs]
         seq_lens = [p + 1 for p in prefix_lens]
         self._ensure_free(self.decode_slots_needed(reqs))
-        loc = self.allocator.alloc_decode(torch.tensor(seq_lens), torch.tensor(self._last_locs(reqs, prefix_lens)))
+        if self.allocator.page_size == 1:  # a slot a request, nothing to continue
+            loc = self.allocator.alloc(len(reqs))
+        else:
+            loc = self.allocator.alloc_decode(torch.tensor(seq_lens), torch.tensor(self._last_locs(reqs, prefix_lens)))
         if loc is None:
             raise RuntimeError("KV pool exhausted during decode; retraction should have made room")
         pool_indices = _pool_indices(reqs)
         self.req_to_token_pool.write_points(torch.tensor(pool_indices), torch.tensor(prefix_lens), loc)
         # A token still being sampled by a launched batch is fed as -slot; the worker swaps it in.
-        input_ids = [r.output_ids[-1] if r.future_slot is None else -r.future_slot for r in reqs]
+        input_ids = self._input_ids(reqs)
         for r in reqs:
             r.kv_len += 1
         positions = None

@@ -102,6 +102,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
                 "sharing them (and the GIL) makes decoding slower; --enable-overlap-schedule forces it"
             )
         self.overlap_worker = OverlapTpModelWorker(self.tp_worker) if self.overlap else None
+        self.tp_worker.future_map.live = self.overlap  # only its batches feed tokens still being sampled
         self.pending: deque[tuple[ScheduleBatch, Future]] = deque()  # launched, results not processed
         self.last_prefill: ScheduleBatch | None = None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache)
@@ -268,11 +269,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             wait_ms = min([IDLE_POLL_MS] + [ms for c in self.components if (ms := c.wait_ms()) is not None])
         if wait_ms and self.recv_from_tokenizer not in dict(self.poller.poll(wait_ms)):
             return msgs
-        while True:
+        # (asking the socket first: a failed non-blocking recv raises, and building that exception was
+        # a visible part of a batch-1 CPU decode step's Python)
+        while int(self.recv_from_tokenizer.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
             except zmq.ZMQError:
-                return msgs
+                break
+        return msgs
 
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:

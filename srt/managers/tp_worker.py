@@ -5,7 +5,6 @@ other ranks (see `srt/model_executor/tp_sync.py`) before running it."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -90,6 +89,10 @@ class FutureTokenMap:
         self.size = 4 * max_running_requests + 8
         self.tokens = torch.zeros(self.size, dtype=torch.int64, device=device)
         self.next = 1  # slot 0 is a sink for rows that sample nothing
+        # Set by the overlap scheduler, the one whose batches feed tokens still being sampled: without
+        # it the worker neither resolves nor records them (a few torch calls a step, each several us
+        # with the caches cold after a CPU forward)
+        self.live = False
 
     def alloc(self, n: int) -> list[int]:
         out = []
@@ -97,6 +100,10 @@ class FutureTokenMap:
             out.append(self.next)
             self.next = self.next + 1 if self.next + 1 < self.size else 1
         return out
+
+    def record(self, slots: list[int], tokens: torch.Tensor) -> None:
+        index = torch.tensor(slots, dtype=torch.int64).to(self.tokens.device, non_blocking=True)
+        self.tokens[index] = tokens
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.where(input_ids < 0, self.tokens[(-input_ids).clamp(min=0)], input_ids)
@@ -138,16 +145,17 @@ class TpModelWorker:
     def run(self, fb: ForwardBatch, future_slots: list[int]) -> BatchResult:
         """Forward + sample; the sampled tokens also land in `future_slots` of the future map."""
         start = time.perf_counter()
-        fb = dataclasses.replace(fb, input_ids=self.future_map.resolve(fb.input_ids))
+        if self.future_map.live:
+            fb = fb.replace(input_ids=self.future_map.resolve(fb.input_ids))
         if fb.decode_steps > 1:
             return self._run_steps(fb, future_slots, start)
         logits_output = self.forward(fb)
         # a verify batch samples every row (each request's token after that node's path); a
         # request's first row is the token the next step feeds when its drafts fail
         next_token_ids = self.model_runner.sample(logits_output, fb)
-        fed = next_token_ids if fb.spec_row0 is None else next_token_ids.index_select(0, fb.spec_row0)
-        slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.future_map.tokens[slots] = fed
+        if self.future_map.live:
+            fed = next_token_ids if fb.spec_row0 is None else next_token_ids.index_select(0, fb.spec_row0)
+            self.future_map.record(future_slots, fed)
         result = to_batch_result(logits_output, next_token_ids, fb)
         result.hidden_states = logits_output.hidden_states
         if logits_output.last_hidden is not None:
@@ -161,8 +169,8 @@ class TpModelWorker:
         # with tensor parallelism each step is a forward of every rank
         outputs: list | None = [] if fb.return_logprob else None
         ids = self.model_runner.decode_steps(fb, self.forward if self.broadcaster is not None else None, outputs)
-        slots = torch.tensor(future_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.future_map.tokens[slots] = ids[-1]
+        if self.future_map.live:
+            self.future_map.record(future_slots, ids[-1])
         result = BatchResult(ids.t().reshape(-1).tolist())
         if outputs:  # each step's logprobs, in the same request-major rows
             steps = [to_batch_result(out, ids[s], fb) for s, out in enumerate(outputs)]

@@ -406,8 +406,7 @@ class ModelRunner:
     def bind(self, forward_batch: ForwardBatch) -> ForwardBatch:
         """A copy of the batch that carries this runner's pools and attention backend (and asks
         for the hidden states when this runner captures them for an EAGLE head)."""
-        return dataclasses.replace(
-            forward_batch,
+        return forward_batch.replace(
             capture_hidden=forward_batch.capture_hidden or self.capture_hidden,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,

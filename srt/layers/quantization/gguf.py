@@ -199,10 +199,9 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if len(self.qweights) == 1 and (self.qtypes[0] in KERNEL_TYPES or self.qtypes[0] in ROW_TILE_TYPES):
-            flat = self.ops.quant_embedding(
-                ids.reshape(-1), self.qweights[0], self.qtypes[0], self.shape[1], self.dtype
-            )
-            return flat.view(*ids.shape, -1)
+            flat_ids = ids if ids.dim() == 1 else ids.reshape(-1)  # (a decode step's ids are flat already)
+            flat = self.ops.quant_embedding(flat_ids, self.qweights[0], self.qtypes[0], self.shape[1], self.dtype)
+            return flat if ids.dim() == 1 else flat.view(*ids.shape, -1)
         if len(self.qweights) == 1:
             return torch.nn.functional.embedding(ids, self.qweights[0]).to(self.dtype)
         table = torch.cat([self._rows_dense(w, t, self.shape[1]) for w, t in zip(self.qweights, self.qtypes)])
