@@ -200,8 +200,16 @@ class ServerArgs:
         1,
         "decode up to N steps in one call of the model worker while no request waits for admission "
         "(the scheduler, and on the CPU's fused decode stack the Python between steps, run once for the "
-        "N): same tokens and logprobs, more of them a second; tokens stream N at a time and a new request "
-        "waits up to N steps (docs/continuous_decode.md)",
+        "N): same tokens and logprobs, more of them a second; tokens stream N at a time, and a call ends "
+        "early when a request or an abort arrives (docs/continuous_decode.md)",
+        ge=1,
+    )
+    num_unstreamed_decode_steps: int | None = SCHEDULING.opt(
+        None,
+        "the same for batches in which no request streams, whose tokens nobody reads one at a time: up to N "
+        "steps a call, a request's calls growing 1, 1, 2, 4, ... (so a short answer computes few steps past "
+        "its stop); default 8 on the CPU without the overlap scheduler (where the Python between steps is "
+        "~15 % of a batch-1 step), else 1 (off) (docs/continuous_decode.md)",
         ge=1,
     )
 

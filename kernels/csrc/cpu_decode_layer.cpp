@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <poll.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -382,9 +383,12 @@ struct DecodeStack : torch::CustomClassHolder {
   // the sampler's row pass with sample_rows' tensors [temperatures, top_ks, top_ps, min_ps, greedy, seeds
   // [steps, T], positions] (step s: seeds[s], positions + s). Returns the ids [steps, T]: those of the same
   // steps run one by one. Between steps, Python ran ~0.15 ms from caches the weights had just gone through.
+  // `interrupt_fd` >= 0: a descriptor that turns readable when a message waits for the scheduler (its
+  // ZeroMQ socket's ZMQ_FD); once it does, the call ends after the step it is in and returns that many
+  // rows (the scheduler then admits the new request or takes the abort a step later, not `steps` later).
   at::Tensor run_steps(at::Tensor ids, at::Tensor positions, at::Tensor step_locs, at::Tensor req_to_token,
                        at::Tensor req_pool_indices, at::Tensor seq_lens, std::vector<int64_t> num_splits,
-                       int64_t vocab, std::vector<at::Tensor> sampling) {
+                       int64_t vocab, std::vector<at::Tensor> sampling, int64_t interrupt_fd) {
     const int64_t T = ids.numel(), steps = step_locs.dim() == 2 ? step_locs.size(0) : 0;
     TORCH_CHECK(steps_for(T), "DecodeStack.run_steps: set_embed and set_head first, on a lean batch (steps_for)");
     TORCH_CHECK(steps >= 1 && step_locs.size(1) == T && static_cast<int64_t>(num_splits.size()) == steps,
@@ -435,8 +439,14 @@ struct DecodeStack : torch::CustomClassHolder {
 #endif
       std::copy(cp, cp + T, op + s * T);
       for (int64_t t = 0; t < T; ++t) ++pp[t];
+      if (interrupt_fd >= 0 && s + 1 < steps && readable(interrupt_fd)) return out.narrow(0, 0, s + 1);
     }
     return out;
+  }
+
+  static bool readable(int64_t fd) {
+    struct pollfd p = {static_cast<int>(fd), POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLERR | POLLHUP)) != 0;
   }
 
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor positions, at::Tensor out_cache_loc,

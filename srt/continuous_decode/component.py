@@ -3,9 +3,11 @@ steps in one call of the model worker, each step feeding the tokens the step bef
 scheduler's loop (batch building, result processing, streaming) runs once for the N steps instead of
 once a step, and for greedy batches on the CPU's fused decode stack so does the forward's Python; the
 tokens are those of single steps (seeded samples included: a seed hashes the token's position). The
-costs: tokens reach streaming clients N at a time, a new request waits for the running call to end
-(up to N steps) before its prefill, and a request that stops inside a call has the steps after its
-stop computed and dropped (their KV slots are freed with the request).
+costs: tokens reach streaming clients N at a time, and a request that stops inside a call has the
+steps after its stop computed and dropped (their KV slots are freed with the request). A request or an
+abort that arrives during a call ends it after the step it is in (the scheduler's request socket's
+descriptor, polled between steps: `interrupt_fd`; not with the overlap scheduler, which builds the next
+batch on all of the call's steps), so it waits a step, as without the flag.
 
 A batch takes several steps when no request waits for admission and the KV cache has room for all
 of the steps; otherwise, and for steps past the longest remaining
@@ -29,21 +31,34 @@ if TYPE_CHECKING:
     from srt.managers.schedule_batch import Req
     from srt.managers.scheduler_component import SchedulerPort
     from srt.managers.scheduler_state import SchedulerState
+    from srt.managers.tp_worker import BatchResult
+
+
+AUTO_UNSTREAMED_STEPS = 8  # --num-unstreamed-decode-steps's default on the CPU (without the overlap scheduler)
 
 
 class ContinuousDecode(SchedulerComponent, DecodeStrategy):
     name = "continuous_decode"
 
-    def __init__(self, port: SchedulerPort, steps: int):
+    def __init__(self, port: SchedulerPort, steps: int, unstreamed: int | None = None):
+        """`steps`: a call's most steps (--num-continuous-decode-steps); `unstreamed`: the most for a batch
+        in which no request streams (--num-unstreamed-decode-steps, at least `steps`), a request's calls
+        growing with its output (1, 1, 2, 4, ...) past `steps`."""
         self.port = port
         self.steps = steps
+        self.unstreamed = max(steps, unstreamed or steps)
         self.context_len = port.runner.model_config.context_len
-        self.multi_calls = self.multi_steps = self.single_calls = 0
+        self.multi_calls = self.multi_steps = self.single_calls = self.cut_calls = 0
 
     @classmethod
     def build(cls, port: SchedulerPort) -> ContinuousDecode | None:
-        steps = port.server_args.num_continuous_decode_steps
-        return cls(port, steps) if steps > 1 else None
+        args = port.server_args
+        steps, unstreamed = args.num_continuous_decode_steps, args.num_unstreamed_decode_steps
+        if unstreamed is None:  # on by default where a step's Python costs most and a call can be cut short
+            device = port.runner.device
+            auto = device == "cpu" and not args.overlap_schedule_enabled(device) and args.speculative_algorithm is None
+            unstreamed = AUTO_UNSTREAMED_STEPS if auto else 1
+        return cls(port, steps, unstreamed) if max(steps, unstreamed) > 1 else None
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -54,15 +69,29 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
 
     def plan(self, reqs: list[Req]) -> ScheduleBatch:
         steps = self.steps_for(reqs)
-        return ScheduleBatch(reqs, ForwardMode.DECODE, decode_steps=steps)
+        return ScheduleBatch(reqs, ForwardMode.DECODE, decode_steps=steps, interrupt_fd=self.port.interrupt_fd)
+
+    def on_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """A call that a waiting message cut short: its requests keep the steps it took (the KV slots of
+        the others go back in after_request)."""
+        if result.decode_steps < batch.decode_steps:
+            batch.decode_steps = result.decode_steps
+            self.cut_calls += 1
 
     def steps_for(self, reqs: list[Req]) -> int:
         if self.port.waiting_queue or not all(self.eligible(r) for r in reqs):
             return 1  # (requests waiting for room: a step at a time lets them in as soon as some finish)
+        most = self.steps
+        if self.unstreamed > self.steps and not any(r.stream for r in reqs):
+            # nobody reads these tokens one at a time: up to `unstreamed` steps, growing with the youngest
+            # request's output (a largest power of two no more than its tokens so far), so that an answer
+            # that stops early computes few steps past its stop
+            youngest = min(len(r.output_ids) for r in reqs)
+            most = max(self.steps, min(self.unstreamed, 1 << max(youngest.bit_length() - 1, 0)))
         # kv_len: the positions written, those of tokens a launched batch is still computing included
-        budget = max((r.max_new_tokens or self.steps) - (r.kv_len - len(r.origin_input_ids) + 1) for r in reqs)
+        budget = max((r.max_new_tokens or most) - (r.kv_len - len(r.origin_input_ids) + 1) for r in reqs)
         room = min(self.context_len - r.kv_len for r in reqs)  # no position past the context
-        steps = min(self.steps, budget, room)
+        steps = min(most, budget, room)
         if steps <= 1:
             return 1
         # the core made room for one step; the others need theirs without retracting anyone
@@ -81,7 +110,7 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         the call; a stop ends the request instead): the slots of the steps after its last kept token
         held KV for dropped tokens; they go back (but the kept tail's page), before the forced tokens
         are appended."""
-        if batch.decode_steps <= 1 or req.finished or (end := req.kv_committed_len) >= req.kv_len:
+        if req.finished or (end := req.kv_committed_len) >= req.kv_len:
             return
         page = self.port.allocator.page_size
         first_free = -(-end // page) * page
@@ -100,7 +129,9 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
     def fill_state(self, state: SchedulerState) -> None:
         state.continuous_decode = {
             "steps": self.steps,
+            "unstreamed_steps": self.unstreamed,
             "multi_step_calls": self.multi_calls,
             "multi_step_steps": self.multi_steps,
             "single_step_calls": self.single_calls,
+            "interrupted_calls": self.cut_calls,
         }

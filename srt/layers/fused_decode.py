@@ -19,6 +19,7 @@ When every decoder layer of a model is fused, the model runs them all from one c
 from __future__ import annotations
 
 import os
+import select
 from typing import Any
 
 import torch
@@ -200,7 +201,7 @@ class FusedDecodeStack:
         args = (fb.req_to_token_pool.req_to_token, fb.req_pool_indices)
         if self._take_embed(embed) and self.stack.steps_for(batch):
             return self.stack.run_steps(
-                fb.input_ids, fb.positions, fb.step_locs, *args, fb.seq_lens, splits, vocab, rows
+                fb.input_ids, fb.positions, fb.step_locs, *args, fb.seq_lens, splits, vocab, rows, fb.interrupt_fd
             )
         ids, positions, seq_lens = fb.input_ids, fb.positions, fb.seq_lens
         out = torch.empty(steps, batch, dtype=torch.int64)
@@ -214,6 +215,8 @@ class FusedDecodeStack:
             ids = pick(logits, s)
             out[s] = ids
             positions, seq_lens = positions + 1, seq_lens + 1
+            if s + 1 < steps and fd_readable(fb.interrupt_fd):
+                return out[: s + 1]
         return out
 
     def _take_embed(self, embed: nn.Module) -> bool:
@@ -278,6 +281,14 @@ class FusedDecodeStack:
             self.stack.set_kv(k_buffers, v_buffers, k_scales, v_scales, formats[0], k_scale, v_scale)
             self.kv_key = key
         return True
+
+
+def fd_readable(fd: int) -> bool:
+    """Whether descriptor `fd` (>= 0) is readable now (a continuous decode call's interrupt); False for -1."""
+    if fd < 0:
+        return False
+    ready, _, _ = select.select([fd], [], [], 0)
+    return bool(ready)
 
 
 def _eligible(layer: Any, tp_size: int) -> bool:

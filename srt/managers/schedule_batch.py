@@ -249,6 +249,8 @@ class ScheduleBatch:
     # a DECODE batch that takes this many steps in one call of the model worker (a result row per step
     # and request: request i's rows are i * decode_steps ...; --num-continuous-decode-steps)
     decode_steps: int = 1
+    # the call ends after the step in which this descriptor turns readable (ForwardBatch.interrupt_fd)
+    interrupt_fd: int = -1
 
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished]
@@ -485,6 +487,7 @@ class BatchBuilder:
             positions=positions,
             decode_steps=steps,
             step_locs=step_locs.to(self.device, non_blocking=True),
+            interrupt_fd=batch.interrupt_fd,
             **_output_logprob_fields(reqs),
         )
 

@@ -103,6 +103,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
             )
         self.overlap_worker = OverlapTpModelWorker(self.tp_worker) if self.overlap else None
         self.tp_worker.future_map.live = self.overlap  # only its batches feed tokens still being sampled
+        # readable when a message waits on the request socket (set when it opens): a continuous decode
+        # call ends there. Not with the overlap scheduler, whose next batch is built on the call's steps.
+        self.interrupt_fd = -1
         self.pending: deque[tuple[ScheduleBatch, Future]] = deque()  # launched, results not processed
         self.last_prefill: ScheduleBatch | None = None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache)
@@ -153,6 +156,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerGuardMixin):
         # new requests, or a component's messages (a disaggregation peer), wake an idle loop
         self.poller = zmq.Poller()
         self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        if not self.overlap:
+            self.interrupt_fd = int(self.recv_from_tokenizer.getsockopt(zmq.FD))
         for c in self.components:
             for sock in c.sockets():
                 self.poller.register(sock, zmq.POLLIN)

@@ -83,6 +83,7 @@ class SchedulerPort(Protocol):
     tokenizer: Any
     running_batch: ScheduleBatch
     waiting_queue: list[Req]
+    interrupt_fd: int  # readable when a message waits for the scheduler (-1: none to watch)
 
     def enqueue(self, req: Req) -> None:
         """A request held by a component is ready to run: to a component that takes it, else the waiting queue."""

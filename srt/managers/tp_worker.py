@@ -40,6 +40,9 @@ class BatchResult:
     hidden_states: torch.Tensor | None = None
     # each request's last row's hidden state [B, H] in float32 on the host, when the batch asked (pooling)
     last_hidden: torch.Tensor | None = None
+    # the steps a continuous decode call took: its batch's decode_steps, or fewer where its interrupt
+    # descriptor turned readable (ForwardBatch.interrupt_fd)
+    decode_steps: int = 1
 
 
 def to_batch_result(
@@ -171,7 +174,7 @@ class TpModelWorker:
         ids = self.model_runner.decode_steps(fb, self.forward if self.broadcaster is not None else None, outputs)
         if self.future_map.live:
             self.future_map.record(future_slots, ids[-1])
-        result = BatchResult(ids.t().reshape(-1).tolist())
+        result = BatchResult(ids.t().reshape(-1).tolist(), decode_steps=ids.size(0))
         if outputs:  # each step's logprobs, in the same request-major rows
             steps = [to_batch_result(out, ids[s], fb) for s, out in enumerate(outputs)]
             order = [(s, i) for i in range(ids.size(1)) for s in range(len(steps))]

@@ -74,6 +74,9 @@ class ForwardBatch:
     # `step_locs` [decode_steps, B]: each step's KV slots (row 0 is out_cache_loc)
     decode_steps: int = 1
     step_locs: torch.Tensor | None = None
+    # A continuous decode call ends after the step in which this descriptor turns readable (the
+    # scheduler's request socket: a new request or an abort waits); -1: it takes all its steps
+    interrupt_fd: int = -1
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None

@@ -4,6 +4,8 @@ call of the model worker, with the tokens of single steps, through the server.""
 import asyncio
 import json
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -11,6 +13,8 @@ import requests
 
 FLAG = ("--num-continuous-decode-steps", "4")
 TINY = ("--max-total-tokens", "8192")  # the tiny_server fixture's flags
+# the reference: a step a call for every batch (on the CPU unstreamed batches take several by default)
+SINGLE = ("--num-unstreamed-decode-steps", "1")
 
 
 async def _post_all(url: str, bodies: list[dict]) -> list[dict]:
@@ -31,11 +35,18 @@ def _idle_and_whole(server) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(shared_server, tiny_chat_model, tiny_server):
+def tiny_pair(shared_server, tiny_chat_model):
     multi = shared_server("--model-path", tiny_chat_model, *TINY, *FLAG)
     info = requests.get(multi.url + "/server_info", timeout=30).json()
     assert info["num_continuous_decode_steps"] == 4
-    return multi, tiny_server
+    plain = shared_server("--model-path", tiny_chat_model, *TINY, *SINGLE)
+    assert plain.state()["continuous_decode"] is None
+    return multi, plain
+
+
+@pytest.fixture(scope="module")
+def default_single(shared_server, default_model_path):
+    return shared_server("--max-total-tokens", "16384", *SINGLE)
 
 
 def test_concurrent_mixed_requests_match_single_steps(tiny_pair):
@@ -159,7 +170,7 @@ def test_streaming_sends_every_token_once(tiny_pair):
     _idle_and_whole(multi)
 
 
-def test_default_model_runs_the_steps_in_one_call(shared_server, default_server):
+def test_default_model_runs_the_steps_in_one_call(shared_server, default_single):
     """The default model's fused CPU stack takes every step of a call without returning to Python
     (DecodeStack.run_steps): a request at a time (batch 1 on both servers, fresh prompts on both), the
     plain server's tokens, texts and finish reasons, with budgets and an EOS that end inside a call."""
@@ -177,7 +188,7 @@ def test_default_model_runs_the_steps_in_one_call(shared_server, default_server)
     bodies.append({"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 64}})
     before = multi.state()["continuous_decode"]
     got = [multi.generate(**b) for b in bodies]
-    want = [default_server.generate(**b) for b in bodies]
+    want = [default_single.generate(**b) for b in bodies]
     assert _answers(got) == _answers(want)
     assert got[-1]["meta_info"]["finish_reason"]["type"] == "stop"  # EOS, not the budget
     after = _idle_and_whole(multi)["continuous_decode"]
@@ -244,3 +255,69 @@ def test_grammars_take_several_steps_and_jump_forward_inside_a_call(tiny_pair):
     after = _idle_and_whole(multi)
     assert after["jump_forward_tokens"] > before["jump_forward_tokens"]  # forced keys, inside calls
     assert after["continuous_decode"]["multi_step_steps"] - before["continuous_decode"]["multi_step_steps"] >= 20
+
+
+def _arrivals_during_a_long_request(server, long_body: dict, short_bodies: list[dict]) -> tuple[dict, list[dict]]:
+    """The long request, and the short ones sent one after another while it decodes."""
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(server.generate, **long_body)
+        short = []
+        for b in short_bodies:
+            short.append(server.generate(**b))
+            time.sleep(0.005)
+        return long.result(timeout=600), short
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_arrivals_end_a_call_early(which, tiny_pair, shared_server, default_single):
+    """Requests that arrive while a call decodes end it after its current step (the request socket's
+    descriptor turns readable, `interrupted_calls`): the long request keeps the tokens of single steps
+    through the cut calls (on the tiny model's per-step Python loop and on the default model's C++
+    call), the short ones get theirs, and every KV slot of the steps not taken comes back."""
+    if which == "tiny":
+        multi, plain = tiny_pair
+    else:
+        multi, plain = shared_server("--max-total-tokens", "16384", *FLAG), default_single
+    greedy = {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}
+    long_body = {"text": "Count slowly", "sampling_params": greedy}
+    shorts = [
+        {"text": f"Short question {i}?", "sampling_params": {"temperature": 0, "max_new_tokens": 3}} for i in range(10)
+    ]
+    before = multi.state()["continuous_decode"]
+    long, short = _arrivals_during_a_long_request(multi, long_body, shorts)
+    assert _answers([long]) == _answers([plain.generate(**long_body)])
+    assert _answers(short) == _answers([plain.generate(**b) for b in shorts])
+    after = _idle_and_whole(multi)["continuous_decode"]
+    assert after["interrupted_calls"] > before["interrupted_calls"]
+
+
+def test_unstreamed_batches_take_several_steps_by_default(default_server, default_single):
+    """On the CPU an unstreamed batch takes several steps a call by default (--num-unstreamed-decode-steps
+    8, the calls growing 1, 2, 4, 8 with the request's output): the single-step server's tokens, greedy and
+    seeded; a streamed request still gets a chunk a token."""
+    state = default_server.state()["continuous_decode"]
+    assert state is not None and state["steps"] == 1 and state["unstreamed_steps"] == 8
+    rng = random.Random(5)
+    bodies = [
+        {"input_ids": [rng.randrange(100, 40000) for _ in range(20)], "sampling_params": p}
+        for p in (
+            {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True},
+            {"temperature": 0.7, "sampling_seed": 3, "max_new_tokens": 33},
+            {"temperature": 0, "max_new_tokens": 50, "stop": [" the"]},
+        )
+    ]
+    got = [default_server.generate(**bodies[0])]
+    after = default_server.state()["continuous_decode"]
+    # 39 steps after the prefill's token: 1, then calls of 2, 4, 8, 8, 8, 8
+    assert after["multi_step_steps"] - state["multi_step_steps"] == 38
+    assert after["multi_step_calls"] - state["multi_step_calls"] == 6
+    got += [default_server.generate(**b) for b in bodies[1:]]
+    assert _answers(got) == _answers([default_single.generate(**b) for b in bodies])
+    body = {"text": "Stream me", "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+    chunks = []
+    with requests.post(default_server.url + "/generate", json=body | {"stream": True}, stream=True, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert len(chunks) == 12 and chunks[-1]["text"] == default_single.generate(**body)["text"]
+    _idle_and_whole(default_server)
