@@ -42,8 +42,11 @@ class _Packed(NamedTuple):
 
 
 def _pack(t: torch.Tensor) -> _Packed:
-    t = t.detach().contiguous().cpu()
-    return _Packed(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes())
+    t = t.detach().cpu()
+    # a fresh row-major copy: contiguous() keeps odd strides on size-1 dimensions (a batch-1 row of a
+    # transposed [steps, 1] table has stride 2), which view(uint8) refuses
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1))
+    return _Packed(str(t.dtype).removeprefix("torch."), tuple(t.shape), flat.view(torch.uint8).numpy().tobytes())
 
 
 def _unpack(p: _Packed, device) -> torch.Tensor:
