@@ -88,6 +88,11 @@ def test_flag_spellings():
             dict(num_continuous_decode_steps=4, speculative_algorithm="NGRAM"),
             "--num-continuous-decode-steps 4 and --speculative-algorithm NGRAM both decide",
         ),
+        (dict(num_unstreamed_decode_steps=0), "--num-unstreamed-decode-steps must be >= 1, got 0"),
+        (
+            dict(num_unstreamed_decode_steps=8, speculative_algorithm="NGRAM"),
+            "--num-unstreamed-decode-steps 8 and --speculative-algorithm NGRAM both decide",
+        ),
     ],
 )
 def test_declared_checks_name_the_flag_the_value_and_the_limit(kwargs, message):
