@@ -208,8 +208,9 @@ class ServerArgs:
         None,
         "the same for batches in which no request streams, whose tokens nobody reads one at a time: up to N "
         "steps a call, a request's calls growing 1, 1, 2, 4, ... (so a short answer computes few steps past "
-        "its stop); default 8 on the CPU without the overlap scheduler (where the Python between steps is "
-        "a sixth of a batch-1 step), else 1 (off) (docs/continuous_decode.md)",
+        "its stop); a streamed batch takes the steps until a stream's next chunk is due (--stream-interval); "
+        "default 8 on the CPU without the overlap scheduler (where the Python between steps is a sixth of "
+        "a batch-1 step), else 1 (off) (docs/continuous_decode.md)",
         ge=1,
     )
 

@@ -43,7 +43,8 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
     def __init__(self, port: SchedulerPort, steps: int, unstreamed: int | None = None):
         """`steps`: a call's most steps (--num-continuous-decode-steps); `unstreamed`: the most for a batch
         in which no request streams (--num-unstreamed-decode-steps, at least `steps`), a request's calls
-        growing with its output (1, 1, 2, 4, ...) past `steps`."""
+        growing with its output (1, 1, 2, 4, ...) past `steps`; a streamed batch then takes up to the steps
+        until one of its streams' next chunk is due (--stream-interval)."""
         self.port = port
         self.steps = steps
         self.unstreamed = max(steps, unstreamed or steps)
@@ -82,7 +83,14 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         if self.port.waiting_queue or not all(self.eligible(r) for r in reqs):
             return 1  # (requests waiting for room: a step at a time lets them in as soon as some finish)
         most = self.steps
-        if self.unstreamed > self.steps and not any(r.stream for r in reqs):
+        streamed = [r for r in reqs if r.stream]
+        if self.unstreamed > self.steps and streamed:
+            # --stream-interval N: a streamed request's next chunk is due once N tokens wait unsent (its
+            # first at once); a call that ends where the first of them is due delays no chunk
+            interval = self.port.server_args.stream_interval
+            due = min(interval - (len(r.output_ids) - r.sent_output_len) if r.sent_output_len else 1 for r in streamed)
+            most = max(self.steps, min(self.unstreamed, due))
+        elif self.unstreamed > self.steps:
             # nobody reads these tokens one at a time: up to `unstreamed` steps, growing with the youngest
             # request's output (a largest power of two no more than its tokens so far), so that an answer
             # that stops early computes few steps past its stop

@@ -23,10 +23,11 @@ def _port(device="cpu", **flags):
     )
 
 
-def _req(outputs: int, stream=False, max_new_tokens=100, prompt=10):
+def _req(outputs: int, stream=False, max_new_tokens=100, prompt=10, sent=None):
     return SimpleNamespace(
         to_abort=None,
         stream=stream,
+        sent_output_len=outputs if sent is None else sent,  # tokens streamed so far
         output_ids=[1] * outputs,
         origin_input_ids=[0] * prompt,
         kv_len=prompt + outputs - 1,  # the last sampled token has no KV yet
@@ -60,3 +61,15 @@ def test_steps_grow_with_the_youngest_output_and_streams_keep_one():
     assert c.steps_for([_req(40, max_new_tokens=43)]) == 3  # no step past the budget
     c.port.waiting_queue.append(object())
     assert c.steps_for([_req(40)]) == 1  # a waiting request gets in after a step
+
+
+def test_streamed_batches_take_the_steps_until_a_chunk_is_due():
+    """--stream-interval N: a streamed request's chunk goes out once N tokens wait (its first at once), so a
+    call may take the steps until the first request's next chunk is due, and no chunk waits."""
+    c = ContinuousDecode.build(_port(stream_interval=4))  # type: ignore[arg-type]
+    assert c is not None
+    assert c.steps_for([_req(9, stream=True)]) == 4  # all sent: the next chunk after 4 more
+    assert c.steps_for([_req(9, stream=True, sent=7)]) == 2  # 2 wait unsent
+    assert c.steps_for([_req(9, stream=True), _req(9, stream=True, sent=6)]) == 1
+    assert c.steps_for([_req(1, stream=True, sent=0)]) == 1  # nothing sent yet: the first goes at once
+    assert c.steps_for([_req(40), _req(9, stream=True, sent=8)]) == 3  # unstreamed rows follow the streamed

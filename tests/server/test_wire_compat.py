@@ -71,10 +71,13 @@ def test_stream_interval_sends_the_first_token_at_once_then_every_n(tiny_server,
     every = [len(c["output_ids"]) for c in stream(tiny_server, body)]  # cumulative ids
     assert every == sorted(set(every)) and every[-1] == 14, every
     assert any(n % 3 != 1 for n in every[:-1]), every  # counts the interval-3 server never sends
+    before = incremental.state()["continuous_decode"]["multi_step_calls"]
     sizes = [len(c["output_ids"]) for c in stream(incremental, body)]  # incremental: new ids per chunk
     counts = [sum(sizes[: i + 1]) for i in range(len(sizes))]
     assert counts[-1] == 14 and all(n % 3 == 1 for n in counts[:-1]), sizes
     assert len(sizes) >= 2, sizes  # streamed, not one answer at the end
+    # on the CPU the stream's steps between chunks take one call each (docs/continuous_decode.md)
+    assert incremental.state()["continuous_decode"]["multi_step_calls"] - before >= 4
 
 
 def test_incremental_stream_of_a_batch_keeps_each_index_apart(incremental):
