@@ -7,11 +7,13 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from srt.entrypoints.processes import Subprocesses
 from srt.managers.tokenizer_manager import TokenizerManager
@@ -29,6 +31,7 @@ def serve(app: FastAPI, tm: TokenizerManager, subs: Subprocesses, server_args: S
         loop="uvloop",
         log_level="warning",
         timeout_keep_alive=5,
+        http=_KeepAliveProtocol,
         access_log=False,
     )
     server = _Server(config)
@@ -64,6 +67,32 @@ def serve(app: FastAPI, tm: TokenizerManager, subs: Subprocesses, server_args: S
     finally:
         subs.stop()
     sys.exit(0)
+
+
+class _KeepAliveProtocol(H11Protocol):
+    """uvicorn's h11 protocol that never closes an idle keep-alive connection on which the next
+    request has already arrived. uvloop runs due timers before it reads sockets, so after the event
+    loop stalls past the keep-alive timeout (a loaded machine, a long synchronous step) the timer
+    would close a connection whose request sits unread in the socket buffer: the client, which sent
+    it in time, sees a reset or "Server disconnected without sending a response"."""
+
+    def timeout_keep_alive_handler(self) -> None:
+        if _bytes_waiting(self.transport):
+            self.timeout_keep_alive_task = None  # data_received comes next on this loop pass
+            return
+        super().timeout_keep_alive_handler()
+
+
+def _bytes_waiting(transport) -> bool:
+    """Whether the transport's socket has unread bytes (False when closed by the peer or unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or transport.is_closing():
+        return False
+    try:  # uvloop's socket stand-in cannot recv: peek on a duplicate of its descriptor
+        with socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+            return bool(dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing waiting (EAGAIN), or the descriptor is gone
+        return False
 
 
 class _Server(uvicorn.Server):
