@@ -207,10 +207,11 @@ class ServerArgs:
     num_unstreamed_decode_steps: int | None = SCHEDULING.opt(
         None,
         "the same for batches in which no request streams, whose tokens nobody reads one at a time: up to N "
-        "steps a call, a request's calls growing 1, 1, 2, 4, ... (so a short answer computes few steps past "
-        "its stop); a streamed batch takes the steps until a stream's next chunk is due (--stream-interval); "
-        "default 8 on the CPU without the overlap scheduler (where the Python between steps is a sixth of "
-        "a batch-1 step), else 1 (off) (docs/continuous_decode.md)",
+        "steps a call (and up to max(8, 64 / batch size)), a call ending after the step in which a request "
+        "stops (its stop token or length; where a stop string may end one, its calls grow 1, 1, 2, 4, ...); "
+        "a streamed batch takes the steps until a stream's next chunk is due (--stream-interval); default 32 "
+        "on the CPU without the overlap scheduler (where the Python between steps is a sixth of a batch-1 "
+        "step), else 1 (off) (docs/continuous_decode.md)",
         ge=1,
     )
 

@@ -386,9 +386,13 @@ struct DecodeStack : torch::CustomClassHolder {
   // `interrupt_fd` >= 0: a descriptor that turns readable when a message waits for the scheduler (its
   // ZeroMQ socket's ZMQ_FD); once it does, the call ends after the step it is in and returns that many
   // rows (the scheduler then admits the new request or takes the abort a step later, not `steps` later).
+  // `stop_ids` [T, K] (-1 pads; empty: none) and `stop_steps` [T] (empty: none): the call also ends after
+  // the step in which a row picks one of its stop ids or takes its stop_steps-th step (a request stops:
+  // its answer need not wait for the others' steps, nor a batch of one compute steps past its end).
   at::Tensor run_steps(at::Tensor ids, at::Tensor positions, at::Tensor step_locs, at::Tensor req_to_token,
                        at::Tensor req_pool_indices, at::Tensor seq_lens, std::vector<int64_t> num_splits,
-                       int64_t vocab, std::vector<at::Tensor> sampling, int64_t interrupt_fd) {
+                       int64_t vocab, std::vector<at::Tensor> sampling, int64_t interrupt_fd, at::Tensor stop_ids,
+                       at::Tensor stop_steps) {
     const int64_t T = ids.numel(), steps = step_locs.dim() == 2 ? step_locs.size(0) : 0;
     TORCH_CHECK(steps_for(T), "DecodeStack.run_steps: set_embed and set_head first, on a lean batch (steps_for)");
     TORCH_CHECK(steps >= 1 && step_locs.size(1) == T && static_cast<int64_t>(num_splits.size()) == steps,
@@ -403,12 +407,28 @@ struct DecodeStack : torch::CustomClassHolder {
                                                          sampling[4], sampling[5], sampling[6], T);
       TORCH_CHECK(spec->steps() == steps, "DecodeStack.run_steps: one seed per row and step");
     }
+    const bool by_id = stop_ids.numel() > 0, by_step = stop_steps.numel() > 0;
+    TORCH_CHECK(!by_id || (stop_ids.dim() == 2 && stop_ids.size(0) == T), "DecodeStack.run_steps: stop_ids must be [T, K]");
+    TORCH_CHECK(!by_step || stop_steps.numel() == T, "DecodeStack.run_steps: one stop_steps per row");
+    const at::Tensor sids = by_id ? stop_ids.to(at::kLong).contiguous() : stop_ids;
+    const at::Tensor ssteps = by_step ? stop_steps.to(at::kLong).contiguous() : stop_steps;
+    const int64_t K = by_id ? sids.size(1) : 0;
+    const int64_t* sip = by_id ? sids.data_ptr<int64_t>() : nullptr;
+    const int64_t* ssp = by_step ? ssteps.data_ptr<int64_t>() : nullptr;
     at::Tensor out = at::empty({steps, T}, at::kLong);
     at::Tensor cur = ids.to(at::kLong).contiguous().clone(), pos = positions.to(at::kLong).contiguous().clone();
     const at::Tensor locs = step_locs.contiguous();
     int64_t* cp = cur.data_ptr<int64_t>();
     int64_t* op = out.data_ptr<int64_t>();
     int64_t* pp = pos.data_ptr<int64_t>();
+    auto stopped = [&](int64_t s) {  // whether a row stopped at step s (on its token cp[t])
+      for (int64_t t = 0; t < T; ++t) {
+        if (ssp != nullptr && s + 1 >= ssp[t]) return true;
+        for (int64_t k = 0; k < K; ++k)
+          if (sip[t * K + k] == cp[t]) return true;
+      }
+      return false;
+    };
 #if defined(RADIXSERVE_LEAN_DECODE)
     for (Lean& l : lean)
       for (LeanLinear* W : {&l.qkv, &l.o, &l.gate_up, &l.down}) W->choose(T);
@@ -439,7 +459,7 @@ struct DecodeStack : torch::CustomClassHolder {
 #endif
       std::copy(cp, cp + T, op + s * T);
       for (int64_t t = 0; t < T; ++t) ++pp[t];
-      if (interrupt_fd >= 0 && s + 1 < steps && readable(interrupt_fd)) return out.narrow(0, 0, s + 1);
+      if (s + 1 < steps && ((interrupt_fd >= 0 && readable(interrupt_fd)) || stopped(s))) return out.narrow(0, 0, s + 1);
     }
     return out;
   }

@@ -3,11 +3,12 @@ steps in one call of the model worker, each step feeding the tokens the step bef
 scheduler's loop (batch building, result processing, streaming) runs once for the N steps instead of
 once a step, and for greedy batches on the CPU's fused decode stack so does the forward's Python; the
 tokens are those of single steps (seeded samples included: a seed hashes the token's position). The
-costs: tokens reach streaming clients N at a time, and a request that stops inside a call has the
-steps after its stop computed and dropped (their KV slots are freed with the request). A request or an
-abort that arrives during a call ends it after the step it is in (the scheduler's request socket's
-descriptor, polled between steps: `interrupt_fd`; not with the overlap scheduler, which builds the next
-batch on all of the call's steps), so it waits a step, as without the flag.
+costs: tokens reach streaming clients N at a time, and a request that a stop string ends inside a call
+has the steps after its stop computed and dropped (their KV slots are freed with the request). A request
+or an abort that arrives during a call ends it after the step it is in (the scheduler's request socket's
+descriptor, polled between steps: `interrupt_fd`), so it waits a step, as without the flag; so does a
+request's stop token or length (`stops`: the stopping request's answer does not wait for the others'
+steps). Neither with the overlap scheduler, which builds the next batch on all of a call's steps.
 
 A batch takes several steps when no request waits for admission and the KV cache has room for all
 of the steps; otherwise, and for steps past the longest remaining
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from srt.managers.schedule_batch import ScheduleBatch
 from srt.managers.scheduler_component import DecodeStrategy, SchedulerComponent
 from srt.model_executor.forward_batch_info import ForwardMode
@@ -34,7 +37,11 @@ if TYPE_CHECKING:
     from srt.managers.tp_worker import BatchResult
 
 
-AUTO_UNSTREAMED_STEPS = 8  # --num-unstreamed-decode-steps's default on the CPU (without the overlap scheduler)
+AUTO_UNSTREAMED_STEPS = 32  # --num-unstreamed-decode-steps's default on the CPU (without the overlap scheduler)
+# An unstreamed call's steps x requests past 8 steps: a small batch's calls are long (its Python between
+# calls is a larger share of its step), a large batch's end every 8 steps at most (a deadline, or a
+# request's answer ended by a stop string, waits no longer than that).
+CALL_ROWS = 64
 
 
 class ContinuousDecode(SchedulerComponent, DecodeStrategy):
@@ -49,7 +56,7 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         self.steps = steps
         self.unstreamed = max(steps, unstreamed or steps)
         self.context_len = port.runner.model_config.context_len
-        self.multi_calls = self.multi_steps = self.single_calls = self.cut_calls = 0
+        self.multi_calls = self.multi_steps = self.single_calls = self.cut_calls = self.stopped_calls = 0
 
     @classmethod
     def build(cls, port: SchedulerPort) -> ContinuousDecode | None:
@@ -70,14 +77,54 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
 
     def plan(self, reqs: list[Req]) -> ScheduleBatch:
         steps = self.steps_for(reqs)
-        return ScheduleBatch(reqs, ForwardMode.DECODE, decode_steps=steps, interrupt_fd=self.port.interrupt_fd)
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE, decode_steps=steps, interrupt_fd=self.port.interrupt_fd)
+        if steps > 1 and self.cuttable:
+            batch.stop_ids, batch.stop_steps = self.stops(reqs, steps)
+        return batch
+
+    @property
+    def cuttable(self) -> bool:
+        """Whether a call may end before its last step (not with the overlap scheduler, which builds the
+        next batch on all of a call's steps: it has no interrupt descriptor either)."""
+        return self.port.interrupt_fd >= 0
+
+    def stops(self, reqs: list[Req], steps: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What ends a call of `steps` steps after the step in which a request stops (ForwardBatch.stop_ids,
+        stop_steps): each request's stop token ids (its stop_token_ids, and the model's EOS ids unless it
+        ignores them: those check_finished matches; none while min_new_tokens may still hold them back)
+        and the step at which it reaches max_new_tokens or the context length. Stop strings and regexes
+        are matched on text, after the call."""
+        eos, context_len = self.port.eos_token_ids, self.context_len
+        ids: list[list[int]] = []
+        ends: list[int] = []
+        for r in reqs:
+            p, n = r.sampling_params, len(r.output_ids)
+            ids.append([*(p.stop_token_ids or ()), *(() if p.ignore_eos else eos)] if n + 1 >= p.min_new_tokens else [])
+            ends.append(min(p.max_new_tokens - n if p.max_new_tokens is not None else steps, context_len - r.seq_len))
+        width = max(map(len, ids))
+        stop_ids = torch.tensor([row + [-1] * (width - len(row)) for row in ids]) if width else None
+        return stop_ids, torch.tensor(ends) if min(ends) < steps else None
 
     def on_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        """A call that a waiting message cut short: its requests keep the steps it took (the KV slots of
-        the others go back in after_request)."""
+        """A call that ended early (a waiting message, or a request's stop): its requests keep the steps
+        it took (the KV slots of the others go back in after_request)."""
         if result.decode_steps < batch.decode_steps:
             batch.decode_steps = result.decode_steps
-            self.cut_calls += 1
+            if self.stopped(batch, result.next_token_ids):
+                self.stopped_calls += 1
+            else:
+                self.cut_calls += 1
+
+    @staticmethod
+    def stopped(batch: ScheduleBatch, ids: list[int]) -> bool:
+        """Whether a request of a call that ended early stopped at its last step (else a message cut it)."""
+        k = batch.decode_steps
+        if batch.stop_steps is not None and k >= int(batch.stop_steps.min()):
+            return True
+        if batch.stop_ids is None:
+            return False
+        last = torch.tensor(ids[k - 1 :: k]).view(-1, 1)  # each request's token of the last step
+        return bool((batch.stop_ids == last).any())
 
     def steps_for(self, reqs: list[Req]) -> int:
         if self.port.waiting_queue or not all(self.eligible(r) for r in reqs):
@@ -91,21 +138,28 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
             due = min(interval - (len(r.output_ids) - r.sent_output_len) if r.sent_output_len else 1 for r in streamed)
             most = max(self.steps, min(self.unstreamed, due))
         elif self.unstreamed > self.steps:
-            # nobody reads these tokens one at a time: up to `unstreamed` steps, growing with the youngest
-            # request's output (a largest power of two no more than its tokens so far), so that an answer
-            # that stops early computes few steps past its stop
-            youngest = min(len(r.output_ids) for r in reqs)
-            most = max(self.steps, min(self.unstreamed, 1 << max(youngest.bit_length() - 1, 0)))
+            # nobody reads these tokens one at a time: up to `unstreamed` steps. The call ends after a
+            # request's stop token or length (stops); where a stop string or regex may end one instead,
+            # which only the text after the call shows, or where no call can end early, the calls grow
+            # with the youngest request's output (a largest power of two no more than its tokens so far),
+            # so that an answer that stops early computes few steps past its stop.
+            most = min(self.unstreamed, max(8, CALL_ROWS // len(reqs)))
+            if not self.cuttable or any(r.sampling_params.stop_strs or r.sampling_params.stop_regex_strs for r in reqs):
+                youngest = min(len(r.output_ids) for r in reqs)
+                most = max(self.steps, min(most, 1 << max(youngest.bit_length() - 1, 0)))
         # kv_len: the positions written, those of tokens a launched batch is still computing included
         budget = max((r.max_new_tokens or most) - (r.kv_len - len(r.origin_input_ids) + 1) for r in reqs)
         room = min(self.context_len - r.kv_len for r in reqs)  # no position past the context
         steps = min(most, budget, room)
         if steps <= 1:
             return 1
-        # the core made room for one step; the others need theirs without retracting anyone
+        # the core made room for one step; the others need theirs without retracting anyone (fewer
+        # steps where the cache is short of room for all)
         port = self.port
         spare = port.allocator.available_size() + port.tree_cache.evictable_size()
-        return steps if sum(port.builder.rows_slots_needed(r, steps) for r in reqs) <= spare else 1
+        while steps > 1 and sum(port.builder.rows_slots_needed(r, steps) for r in reqs) > spare:
+            steps //= 2
+        return steps
 
     def width(self, batch: ScheduleBatch, i: int) -> int:
         return batch.decode_steps
@@ -142,4 +196,5 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
             "multi_step_steps": self.multi_steps,
             "single_step_calls": self.single_calls,
             "interrupted_calls": self.cut_calls,
+            "stopped_calls": self.stopped_calls,
         }

@@ -19,7 +19,6 @@ When every decoder layer of a model is fused, the model runs them all from one c
 from __future__ import annotations
 
 import os
-import select
 from typing import Any
 
 import torch
@@ -201,7 +200,16 @@ class FusedDecodeStack:
         args = (fb.req_to_token_pool.req_to_token, fb.req_pool_indices)
         if self._take_embed(embed) and self.stack.steps_for(batch):
             return self.stack.run_steps(
-                fb.input_ids, fb.positions, fb.step_locs, *args, fb.seq_lens, splits, vocab, rows, fb.interrupt_fd
+                fb.input_ids,
+                fb.positions,
+                fb.step_locs,
+                *args,
+                fb.seq_lens,
+                splits,
+                vocab,
+                rows,
+                fb.interrupt_fd,
+                *(t if t is not None else _NONE for t in (fb.stop_ids, fb.stop_steps)),
             )
         ids, positions, seq_lens = fb.input_ids, fb.positions, fb.seq_lens
         out = torch.empty(steps, batch, dtype=torch.int64)
@@ -215,7 +223,7 @@ class FusedDecodeStack:
             ids = pick(logits, s)
             out[s] = ids
             positions, seq_lens = positions + 1, seq_lens + 1
-            if s + 1 < steps and fd_readable(fb.interrupt_fd):
+            if fb.ends_call_after(s, ids):
                 return out[: s + 1]
         return out
 
@@ -283,12 +291,7 @@ class FusedDecodeStack:
         return True
 
 
-def fd_readable(fd: int) -> bool:
-    """Whether descriptor `fd` (>= 0) is readable now (a continuous decode call's interrupt); False for -1."""
-    if fd < 0:
-        return False
-    ready, _, _ = select.select([fd], [], [], 0)
-    return bool(ready)
+_NONE = torch.empty(0, dtype=torch.int64)  # run_steps' "no stops"
 
 
 def _eligible(layer: Any, tp_size: int) -> bool:

@@ -251,6 +251,9 @@ class ScheduleBatch:
     decode_steps: int = 1
     # the call ends after the step in which this descriptor turns readable (ForwardBatch.interrupt_fd)
     interrupt_fd: int = -1
+    # ... and after the step in which a request stops (ForwardBatch.stop_ids / stop_steps; None: not on stops)
+    stop_ids: torch.Tensor | None = None
+    stop_steps: torch.Tensor | None = None
 
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished]
@@ -488,6 +491,8 @@ class BatchBuilder:
             decode_steps=steps,
             step_locs=step_locs.to(self.device, non_blocking=True),
             interrupt_fd=batch.interrupt_fd,
+            stop_ids=batch.stop_ids,
+            stop_steps=batch.stop_steps,
             **_output_logprob_fields(reqs),
         )
 

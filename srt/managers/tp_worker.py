@@ -40,8 +40,8 @@ class BatchResult:
     hidden_states: torch.Tensor | None = None
     # each request's last row's hidden state [B, H] in float32 on the host, when the batch asked (pooling)
     last_hidden: torch.Tensor | None = None
-    # the steps a continuous decode call took: its batch's decode_steps, or fewer where its interrupt
-    # descriptor turned readable (ForwardBatch.interrupt_fd)
+    # the steps a continuous decode call took: its batch's decode_steps, or fewer where it ended early
+    # (its interrupt descriptor turned readable or a request stopped: ForwardBatch.ends_call_after)
     decode_steps: int = 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import select
 from dataclasses import dataclass
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING
@@ -77,6 +78,10 @@ class ForwardBatch:
     # A continuous decode call ends after the step in which this descriptor turns readable (the
     # scheduler's request socket: a new request or an abort waits); -1: it takes all its steps
     interrupt_fd: int = -1
+    # ... and after the step in which a request stops: picks one of its stop ids (`stop_ids` [B, K] on
+    # the host, -1 pads) or takes its `stop_steps`-th step ([B] on the host); None: not on stops
+    stop_ids: torch.Tensor | None = None
+    stop_steps: torch.Tensor | None = None
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
@@ -87,6 +92,18 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None
     attn_backend: AttentionBackend | None = None
+
+    def ends_call_after(self, step: int, ids: torch.Tensor) -> bool:
+        """Whether a continuous decode call ends after `step` (whose picks are `ids` [B]) and before its
+        last: a message waits for the scheduler (interrupt_fd) or a request stopped (stop_ids, stop_steps).
+        DecodeStack.run_steps decides the same in C++."""
+        if step + 1 >= self.decode_steps:
+            return False
+        if self.stop_steps is not None and step + 1 >= int(self.stop_steps.min()):
+            return True
+        if self.stop_ids is not None and bool((self.stop_ids == ids.cpu().view(-1, 1)).any()):
+            return True
+        return self.interrupt_fd >= 0 and bool(select.select([self.interrupt_fd], [], [], 0)[0])
 
     def replace(self, **changes) -> ForwardBatch:
         """A shallow copy with `changes` (dataclasses.replace without re-running __init__ over every

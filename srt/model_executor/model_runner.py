@@ -19,7 +19,7 @@ from srt.layers import gpu_ops
 from srt.layers.activation import enable_fused_cpu_ops, enable_fused_gpu_ops
 from srt.layers.attention import create_attention_backend
 from srt.layers.batch_invariant import make_batch_invariant
-from srt.layers.fused_decode import enable_fused_decode_layers, fd_readable
+from srt.layers.fused_decode import enable_fused_decode_layers
 from srt.layers.linear import prepack_cpu_weights, use_bf16_weight_kernels
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.moe import select_moe_kernels
@@ -447,13 +447,13 @@ class ModelRunner:
         further each step, seeded samples at positions one further, penalties counting the tokens of
         the steps before, the min_new_tokens ban lifting where it would and grammars masking each step
         after the tokens before it (moved on here, then rolled back: GrammarSteps).
-        Returns the ids [steps, B] (fewer rows where `interrupt_fd` turned readable: the call ended after
-        that step), as the same steps taken one by one would sample them: on the CPU's
-        fused decode stack without returning to Python between steps where the model has one (greedy
-        batches, and sampled ones with the C++ sampler, without logit processors or logprobs), else a
-        forward (`forward`, default this runner's; a tensor-parallel worker's sends each step to the
-        other ranks) and a sample a step, whose outputs (logprobs where the batch asks) go to
-        `outputs` when given."""
+        Returns the ids [steps, B] (fewer rows where the call ended early, after a step in which
+        `interrupt_fd` turned readable or a request stopped: ForwardBatch.ends_call_after), as the
+        same steps taken one by one would sample them: on the CPU's fused decode stack without
+        returning to Python between steps where the model has one (greedy batches, and sampled ones
+        with the C++ sampler, without logit processors or logprobs), else a forward (`forward`,
+        default this runner's; a tensor-parallel worker's sends each step to the other ranks) and a
+        sample a step, whose outputs (logprobs where the batch asks) go to `outputs` when given."""
         fb = self.bind(forward_batch)
         steps = fb.decode_steps
         assert fb.forward_mode.is_decode() and fb.step_locs is not None and fb.step_locs.size(0) == steps
@@ -492,7 +492,7 @@ class ModelRunner:
                 out[s] = self.sample(logits_output, step)
                 if outputs is not None:
                     outputs.append(logits_output)
-                if s + 1 < steps and fd_readable(fb.interrupt_fd):  # a message waits: end the call here
+                if fb.ends_call_after(s, out[s]):  # a message waits, or a request stopped
                     return out[: s + 1]
         finally:
             if grammars is not None:  # the scheduler accepts the tokens it keeps

@@ -291,12 +291,36 @@ def test_arrivals_end_a_call_early(which, tiny_pair, shared_server, default_sing
     assert after["interrupted_calls"] > before["interrupted_calls"]
 
 
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_a_stop_ends_the_call(which, tiny_pair, default_server, default_single):
+    """A call ends after the step in which a request stops (`stopped_calls`; on the default model's C++
+    call and the tiny model's per-step loop): the stopping request's answer does not wait for its batch's
+    other steps, and every request keeps the single-step server's tokens."""
+    multi, plain = tiny_pair if which == "tiny" else (default_server, default_single)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(2)]
+    free = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    ids = plain.generate(input_ids=prompts[0], sampling_params=free)["output_ids"]
+    k = next(i for i in range(10, 40) if ids[i] not in ids[:i])  # a token it first picks at step k
+    bodies = [
+        {"input_ids": prompts[0], "sampling_params": free | {"stop_token_ids": [ids[k]]}},
+        {"input_ids": prompts[1], "sampling_params": free},
+    ]
+    before = multi.state()["continuous_decode"]
+    got = asyncio.run(_post_all(multi.url, bodies))
+    assert _answers(got) == _answers([plain.generate(**b) for b in bodies])
+    assert got[0]["output_ids"] == ids[: k + 1] and got[0]["meta_info"]["finish_reason"]["type"] == "stop"
+    after = _idle_and_whole(multi)["continuous_decode"]
+    assert after["stopped_calls"] > before["stopped_calls"]
+
+
 def test_unstreamed_batches_take_several_steps_by_default(default_server, default_single):
     """On the CPU an unstreamed batch takes several steps a call by default (--num-unstreamed-decode-steps
-    8, the calls growing 1, 2, 4, 8 with the request's output): the single-step server's tokens, greedy and
-    seeded; a streamed request still gets a chunk a token."""
+    32; a call ends after a request's stop): the single-step server's tokens, greedy and seeded, with a
+    stop string (whose calls grow 1, 2, 4, ... with the request's output); a streamed request still gets
+    a chunk a token."""
     state = default_server.state()["continuous_decode"]
-    assert state is not None and state["steps"] == 1 and state["unstreamed_steps"] == 8
+    assert state is not None and state["steps"] == 1 and state["unstreamed_steps"] == 32
     rng = random.Random(5)
     bodies = [
         {"input_ids": [rng.randrange(100, 40000) for _ in range(20)], "sampling_params": p}
@@ -308,16 +332,21 @@ def test_unstreamed_batches_take_several_steps_by_default(default_server, defaul
     ]
     got = [default_server.generate(**bodies[0])]
     after = default_server.state()["continuous_decode"]
-    # 39 steps after the prefill's token: 1, then calls of 2, 4, 8, 8, 8, 8
-    assert after["multi_step_steps"] - state["multi_step_steps"] == 38
-    assert after["multi_step_calls"] - state["multi_step_calls"] == 6
+    # 39 steps after the prefill's token: calls of 32 and 7 (the rest of its length)
+    assert after["multi_step_steps"] - state["multi_step_steps"] == 39
+    assert after["multi_step_calls"] - state["multi_step_calls"] == 2
     got += [default_server.generate(**b) for b in bodies[1:]]
     assert _answers(got) == _answers([default_single.generate(**b) for b in bodies])
     body = {"text": "Stream me", "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
     chunks = []
+    before = _idle_and_whole(default_server)["continuous_decode"]
     with requests.post(default_server.url + "/generate", json=body | {"stream": True}, stream=True, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 chunks.append(json.loads(line[6:]))
-    assert len(chunks) == 12 and chunks[-1]["text"] == default_single.generate(**body)["text"]
+    assert chunks[-1]["text"] == default_single.generate(**body)["text"]
+    # a step a call (the HTTP side may join two chunks that arrive while the client reads the one before)
+    after = _idle_and_whole(default_server)["continuous_decode"]
+    assert after["multi_step_calls"] == before["multi_step_calls"]
+    assert after["single_step_calls"] - before["single_step_calls"] == 11 and len(chunks) >= 8
     _idle_and_whole(default_server)
