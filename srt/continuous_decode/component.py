@@ -22,6 +22,7 @@ stack.
 
 from __future__ import annotations
 
+import select
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +57,8 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         self.steps = steps
         self.unstreamed = max(steps, unstreamed or steps)
         self.context_len = port.runner.model_config.context_len
+        args = port.server_args  # jump-forward on (srt/constrained): a call ends where a grammar forces a string
+        self.jump_forward = not (args.disable_jump_forward or args.disable_radix_cache)
         self.multi_calls = self.multi_steps = self.single_calls = self.cut_calls = self.stopped_calls = 0
 
     @classmethod
@@ -80,6 +83,7 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, decode_steps=steps, interrupt_fd=self.port.interrupt_fd)
         if steps > 1 and self.cuttable:
             batch.stop_ids, batch.stop_steps = self.stops(reqs, steps)
+            batch.end_on_jump = self.jump_forward
         return batch
 
     @property
@@ -106,25 +110,15 @@ class ContinuousDecode(SchedulerComponent, DecodeStrategy):
         return stop_ids, torch.tensor(ends) if min(ends) < steps else None
 
     def on_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        """A call that ended early (a waiting message, or a request's stop): its requests keep the steps
-        it took (the KV slots of the others go back in after_request)."""
+        """A call that ended early (a waiting message, a request's stop, a grammar's jump): its requests
+        keep the steps it took (the KV slots of the others go back in after_request)."""
         if result.decode_steps < batch.decode_steps:
             batch.decode_steps = result.decode_steps
-            if self.stopped(batch, result.next_token_ids):
-                self.stopped_calls += 1
-            else:
+            # the message that cut the call is still unread (the loop receives after the results)
+            if select.select([self.port.interrupt_fd], [], [], 0)[0]:
                 self.cut_calls += 1
-
-    @staticmethod
-    def stopped(batch: ScheduleBatch, ids: list[int]) -> bool:
-        """Whether a request of a call that ended early stopped at its last step (else a message cut it)."""
-        k = batch.decode_steps
-        if batch.stop_steps is not None and k >= int(batch.stop_steps.min()):
-            return True
-        if batch.stop_ids is None:
-            return False
-        last = torch.tensor(ids[k - 1 :: k]).view(-1, 1)  # each request's token of the last step
-        return bool((batch.stop_ids == last).any())
+            else:
+                self.stopped_calls += 1
 
     def steps_for(self, reqs: list[Req]) -> int:
         if self.port.waiting_queue or not all(self.eligible(r) for r in reqs):

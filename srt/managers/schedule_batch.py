@@ -254,6 +254,7 @@ class ScheduleBatch:
     # ... and after the step in which a request stops (ForwardBatch.stop_ids / stop_steps; None: not on stops)
     stop_ids: torch.Tensor | None = None
     stop_steps: torch.Tensor | None = None
+    end_on_jump: bool = False  # ... and where a grammar forces a string (ForwardBatch.end_on_jump)
 
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished]
@@ -493,6 +494,7 @@ class BatchBuilder:
             interrupt_fd=batch.interrupt_fd,
             stop_ids=batch.stop_ids,
             stop_steps=batch.stop_steps,
+            end_on_jump=batch.end_on_jump,
             **_output_logprob_fields(reqs),
         )
 

@@ -82,6 +82,8 @@ class ForwardBatch:
     # the host, -1 pads) or takes its `stop_steps`-th step ([B] on the host); None: not on stops
     stop_ids: torch.Tensor | None = None
     stop_steps: torch.Tensor | None = None
+    # ... and (ModelRunner.decode_steps' grammar rows) where a grammar forces a string: jump-forward is on
+    end_on_jump: bool = False
     # Logprobs.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None

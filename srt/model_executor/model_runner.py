@@ -488,6 +488,8 @@ class ModelRunner:
                         step.sampling_info = info.at_step(s, out[:s].t().tolist())
                         if grammars is not None:
                             step.sampling_info.vocab_mask = grammars.advance(out[s - 1].tolist())
+                            if grammars.ends_call(fb.end_on_jump):  # a request ends or jumps after step s - 1
+                                return out[:s]
                 logits_output = (forward or self.forward)(step)
                 out[s] = self.sample(logits_output, step)
                 if outputs is not None:

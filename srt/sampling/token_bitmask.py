@@ -62,6 +62,12 @@ class GrammarSteps:
                 matcher.fill_next_token_bitmask(mask, row)
         return mask
 
+    def ends_call(self, jumps: bool) -> bool:
+        """Whether a row's grammar, as advanced, has terminated (its request ends at that token) or, where
+        `jumps` (jump-forward is on), forces a string next (the scheduler jumps there): the call's later
+        steps would be dropped, so it ends here."""
+        return any(m.is_terminated() or (jumps and bool(m.find_jump_forward_string())) for _, m in self.grammars)
+
     def restore(self) -> None:
         for (_, matcher), n in zip(self.grammars, self.accepted):
             if n:

@@ -75,7 +75,8 @@ def test_watchdog_turns_a_hang_into_an_exit(tmp_path, tiny_chat_model):
                 r = requests.post(
                     server.url + "/generate",
                     timeout=60,
-                    json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}},
+                    # (unstreamed: up to 32 steps a forward call, and the hang comes after 5 calls)
+                    json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}},
                 )
                 got["status"] = r.status_code
             except requests.RequestException as e:
