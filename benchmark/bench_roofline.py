@@ -42,6 +42,12 @@ is routed to, and a step's weight bytes the experts its tokens reach (E * (1 - (
 E, routing taken as uniform): k at batch 1, nearly all of them in a 512-token prefill. MLA latents
 are not modelled (a warning says so).
 
+--paired-runs batch-1 decode runs each sit between two readings of the bandwidth (the big buffer's
+and a step-sized one's) and are held to the faster; around each run the step's own bytes are also
+read phase by phase as the decode stack reads them (each decoder layer's projections, its KV after
+the first, then the LM head; the threads meet at a barrier after each phase; no arithmetic): how near
+the limit a batch-1 step built that way can get at all, and how near that ceiling the run got.
+
 --llama-cpp runs llama-bench on the same GGUF file with the same threads right after our figures, as
 it runs by default and with its weights on huge pages (benchmark/llama_cpp.py): pp{--prefill-len}
 beside our prefill, tg{--output-len} after a --input-len context (`-d`) beside our batch-1 decode, so
@@ -125,6 +131,20 @@ def read_bandwidth_gb_s(buf: torch.Tensor, threads: int, repeats: int) -> dict[s
     if ops is not None and hasattr(ops, "stream_read"):
         rates["stream_read"] = buf.numel() / best_seconds(lambda: ops.stream_read(buf), repeats) / 1e9
     return rates
+
+
+def phased_bandwidth_gb_s(buf: torch.Tensor, phases: list[int], threads: int, repeats: int) -> float | None:
+    """GB/s of reading the first sum(phases) bytes of `buf` phase by phase at `threads` threads, all of
+    them meeting at a barrier after each phase (kernels/csrc/cpu_membw.cpp: phased_read), None without
+    the extension."""
+    from kernels import cpu as cpu_kernels
+    from srt.configs.runtime_choices import cache_root
+
+    ops = cpu_kernels.load(cache_root())
+    if ops is None or not hasattr(ops, "phased_read") or not phases:
+        return None
+    torch.set_num_threads(threads)
+    return sum(phases) / best_seconds(lambda: ops.phased_read(buf, phases), repeats) / 1e9
 
 
 def sample_bandwidth(buf: torch.Tensor, threads: int, seconds: float) -> list[float]:
@@ -244,6 +264,38 @@ def weights_read_per_step(runner: ModelRunner, tokens: int = 1, params: dict | N
     return total
 
 
+def step_phases(runner: ModelRunner, kv_bytes: float, params: dict) -> list[int] | None:
+    """The bytes a batch-1 decode step reads, phase by phase as the decode stack reads them: each
+    decoder layer's projections in the model's order with the layer's share of `kv_bytes` (the KV read
+    at the average context) after its first (QKV, then attention), then the rest of the step's weights
+    (the LM head) as one phase; each a whole number of 64-byte lines. None for models with routed
+    experts (a step reads only some of them) or without decoder layers to walk."""
+    if params.get("experts"):
+        return None
+    import re
+
+    linear, phases, layers = 0, [], set()
+    for name, m in runner.model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if method is None or getattr(m, "kind", None) == "embedding":
+            continue
+        n = int(method.weight_bytes(m))
+        layer = re.search(r"layers\.(\d+)\.", name)
+        if n <= 0 or layer is None:
+            continue
+        phases.append(n)
+        linear += n
+        if layer.group(1) not in layers:
+            layers.add(layer.group(1))
+            phases.append(0)  # the layer's KV, filled in below
+    if not layers:
+        return None
+    per_layer = kv_bytes / len(layers)
+    phases = [n if n else int(per_layer) for n in phases]
+    phases.append(max(0, weights_read_per_step(runner, 1, params) - linear))
+    return [n // 64 * 64 for n in phases if n >= 64]
+
+
 # int8 mode 3 (AMX CPUs) multiplies batches up to this many rows on the int8 tiles (kAmxRows in
 # kernels/csrc/cpu_quant.cpp), larger ones on the bf16 AMX tiles
 AMX_INT8_ROWS = 160
@@ -293,43 +345,63 @@ def figure(
     }
 
 
-def paired_decode(runner, args, read_bw, bytes_token: float) -> dict:
+def paired_decode(runner, args, read_bw, bytes_token: float, read_phased=None) -> dict:
     """Batch-1 decode runs (--input-len in, --output-len out) each between two bandwidth readings
     (`read_bw()`, GB/s: the faster of the big buffer's and the step-sized one's): each run's tok/s
     against the memory limit at the faster of its two readings, so a run is held to the rate the
     machine had around it. Each run also records the threads' barrier latency around it (`barrier_us`),
     which tells where the host ran the threads (on the 2-core Zen 4 VM ~0.3 us on one CCD, whose one
-    link reads ~33-36 GB/s, ~0.55 us on two, which read ~55-63 GB/s between them)."""
+    link reads ~33-36 GB/s, ~0.55 us on two, which read ~55-63 GB/s between them). `read_phased()`
+    (GB/s, or None) reads the step's bytes phase by phase with a barrier after each and no arithmetic
+    (step_phases) before and after each run too: how near the limit a step in that structure can get
+    on the machine as it was, and how near that the run got."""
     gen = StaticBatchGenerator(runner, decode_steps=args.num_continuous_decode_steps)
     vocab = runner.model_config.vocab_size
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
     runs = []
     for i in tqdm(range(args.paired_runs), desc="paired batch-1 runs"):
         before, barrier_before = read_bw(), barrier_us()
+        phased_before = read_phased() if read_phased else None
         gen.generate(random_prompts(1, args.input_len, vocab, 100 + i), params)
         after, barrier_after = read_bw(), barrier_us()
+        phased_after = read_phased() if read_phased else None
         t = gen.last_timings
         tok_s = t["decode_steps"] / t["decode_s"]
-        limit = max(before, after) * 1e9 / bytes_token
-        runs.append(
-            {
-                "tok_s": tok_s,
-                "bw_before_gb_s": before,
-                "bw_after_gb_s": after,
-                "barrier_us": [barrier_before, barrier_after],
-                "fraction": tok_s / limit,
-            }
-        )
-    fractions = sorted(r["fraction"] for r in runs)
-    return {"runs": runs, "median_fraction": fractions[len(fractions) // 2]}
+        rate = max(before, after)
+        run = {
+            "tok_s": tok_s,
+            "bw_before_gb_s": before,
+            "bw_after_gb_s": after,
+            "barrier_us": [barrier_before, barrier_after],
+            "fraction": tok_s / (rate * 1e9 / bytes_token),
+        }
+        if phased_before is not None and phased_after is not None:
+            phased = max(phased_before, phased_after)
+            run["phased_gb_s"] = phased
+            run["phased_fraction"] = phased / rate  # the structure alone, against the limit's rate
+            run["fraction_of_phased"] = tok_s / (phased * 1e9 / bytes_token)
+        runs.append(run)
+
+    def median(key: str) -> float | None:
+        values = sorted(r[key] for r in runs if key in r)
+        return values[len(values) // 2] if values else None
+
+    return {
+        "runs": runs,
+        "median_fraction": median("fraction"),
+        "median_phased_fraction": median("phased_fraction"),
+        "median_fraction_of_phased": median("fraction_of_phased"),
+    }
 
 
-def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None, read_ws=None) -> dict:
+def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None, read_ws=None, read_phased=None) -> dict:
     """The model's figures against the limits; `remeasure()` (if given) reads the bandwidth again right
     after the model ran, and the limits take the higher of it and bw_gb_s (a shared machine's memory
     rate moves by a third within an hour: 27.6-39.3 GB/s on one day). `read_bw(nbytes)` (a quick
     reading, GB/s; of a buffer of nbytes where given) pairs --paired-runs batch-1 decode runs with
-    the rate around each. `read_ws(nbytes)` (GB/s) reads a buffer of a figure's bytes per step."""
+    the rate around each. `read_ws(nbytes)` (GB/s) reads a buffer of a figure's bytes per step.
+    `read_phased(phases)` (GB/s or None) reads the batch-1 step's bytes phase by phase (step_phases)
+    around each paired run."""
     path = resolve_model_path(args.model_path)
     sizes = sorted({1, args.batch})
     ns = SimpleNamespace(
@@ -408,7 +480,15 @@ def bench_model(args, bw_gb_s: float, gemm: dict, remeasure=None, read_bw=None, 
     paired = None
     if read_bw is not None and args.paired_runs > 0:
         step = int(figures[0]["step_mb"] * 1e6)
-        paired = paired_decode(runner, args, lambda: read_bw(step), figures[0]["bytes_per_token"])
+        phases = step_phases(runner, kv_per_ctx * decode_ctx, params) if read_phased is not None else None
+        paired = paired_decode(
+            runner,
+            args,
+            lambda: read_bw(step),
+            figures[0]["bytes_per_token"],
+            (lambda: read_phased(phases)) if phases else None,
+        )
+        paired["step_phases"] = len(phases) if phases else None
     if args.batch != 1:
         figures.append(
             figure(
@@ -546,11 +626,20 @@ def print_model(m: dict, threads: int, args) -> None:
             f"{min(r['tok_s'] for r in runs):,.1f}-{max(r['tok_s'] for r in runs):,.1f} tok/s; rates "
             f"{min(rates):,.1f}-{max(rates):,.1f} GB/s)"
         )
+        pb = m["paired_batch1"]
+        if pb.get("median_phased_fraction") is not None:
+            print(
+                f"the step's bytes read phase by phase ({pb['step_phases']} phases: each layer's projections "
+                "and KV, then the LM head; the threads meet after each, no arithmetic): median "
+                f"{pb['median_phased_fraction']:.1%} of the limit; the decode runs reached median "
+                f"{pb['median_fraction_of_phased']:.1%} of that"
+            )
         for r in runs:  # each run: where the threads sat (barrier latency) tells the memory state
             barrier = " / ".join(f"{b:.2f}" for b in r.get("barrier_us") or [] if b is not None) or "-"
+            phased = f"  phased {r['phased_gb_s']:5.1f} GB/s" if "phased_gb_s" in r else ""
             print(
                 f"  {r['tok_s']:7.1f} tok/s  {r['bw_before_gb_s']:5.1f} / {r['bw_after_gb_s']:5.1f} GB/s  "
-                f"barrier {barrier} us  {r['fraction']:.1%}"
+                f"barrier {barrier} us  {r['fraction']:.1%}{phased}"
             )
     if any(f["fraction"] > 1 for f in m["figures"]):
         print(
@@ -687,6 +776,7 @@ def main() -> None:
                 *read_bandwidth_gb_s(step_buffer(nbytes), threads, 2).values(),
             ),
             lambda nbytes: max(read_bandwidth_gb_s(step_buffer(nbytes), threads, args.repeats).values()),
+            lambda phases: phased_bandwidth_gb_s(buf, phases, threads, 2) if sum(phases) <= buf.numel() else None,
         )
         if args.llama_cpp:
             gguf = gguf_file(args.model_path)

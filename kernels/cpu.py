@@ -41,6 +41,7 @@ HEADERS = [
         "cpu_int8.h",
         "cpu_bf16x2.h",
         "cpu_i16act.h",
+        "cpu_sync.h",
         "cpu_rowtiles.h",
         "cpu_qvnni.h",
         "cpu_rowops.h",

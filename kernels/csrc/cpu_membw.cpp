@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "cpu_sync.h"
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -100,9 +102,63 @@ double barrier_ns(int64_t rounds) {
   return ns;
 }
 
+// stream_read's bytes in phases: the first phases[0] bytes of buf, then the next phases[1], ..., shared
+// out as the decode stack shares a phase's rows (each thread its own range's 4 KB units in spans of up
+// to 48 KB, its last two one by one, which a thread that finished first may take) and all threads
+// meeting at the decode stack's barrier after each phase: how a batch-1 decode step reads its weights
+// and KV, layer by layer and projection by projection. The XOR of the words read. bench_roofline.py
+// times it with the step's own phases: what a step in that structure could reach with no arithmetic.
+int64_t phased_read(const at::Tensor& buf, at::IntArrayRef phases) {
+  TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.is_contiguous(),
+              "phased_read: a contiguous CPU uint8 tensor");
+  int64_t total = 0;
+  for (int64_t n : phases) {
+    TORCH_CHECK(n >= 0 && n % 64 == 0, "phased_read: phases must be multiples of 64 bytes, got ", n);
+    total += n;
+  }
+  TORCH_CHECK(total <= buf.numel(), "phased_read: phases of ", total, " bytes exceed the buffer's ", buf.numel());
+  const uint8_t* p = buf.data_ptr<uint8_t>();
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<uint64_t> part(threads, 0);
+  radixserve_lean::Meet meet;
+  radixserve_lean::Steal steal(threads);
+  constexpr int64_t kUnit = 4096, kSpan = 12;  // (the decode stack's units: 6-48 KB spans, small tails)
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+#endif
+  {
+#if defined(_OPENMP)
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    uint64_t acc = 0, epoch = 0;
+    int64_t at = 0;
+    for (int64_t n : phases) {
+      const int64_t units = (n + kUnit - 1) / kUnit;
+      steal.start(t, nt, units, ++epoch);
+      int64_t count = 0;
+      for (int64_t u; (u = steal.next_span(t, nt, epoch, kSpan, 2, count)) >= 0;)
+        acc ^= xor_range(p + at + u * kUnit, std::min(n, (u + count) * kUnit) - u * kUnit);
+      at += n;
+      meet.wait(nt);
+    }
+    part[t] = acc;
+  }
+  uint64_t acc = 0;
+  for (uint64_t v : part) acc ^= v;
+  int64_t out;
+  std::memcpy(&out, &acc, 8);
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("stream_read(Tensor buf) -> int");
   m.def("barrier_ns(int rounds) -> float", &barrier_ns);
+  m.def("phased_read(Tensor buf, int[] phases) -> int");
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("stream_read", &stream_read); }
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("stream_read", &stream_read);
+  m.impl("phased_read", &phased_read);
+}

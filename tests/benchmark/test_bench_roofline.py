@@ -130,6 +130,17 @@ def test_tiny_model_figures(tmp_path, tiny_model_factory):
         assert len(r["barrier_us"]) == 2 and all(b is None or 0 < b < float("inf") for b in r["barrier_us"])
         assert f"{r['tok_s']:7.1f} tok/s" in stdout
     assert paired["median_fraction"] in [r["fraction"] for r in paired["runs"]]
+    # and the step's bytes read phase by phase around each run: per layer its four projections (QKV,
+    # O, gate-up, down) and its KV after the first, then the untied LM head
+    assert paired["step_phases"] == hf.config.num_hidden_layers * 5 + 1
+    assert f"read phase by phase ({paired['step_phases']} phases" in stdout
+    for r in paired["runs"]:
+        rate, per_token = max(r["bw_before_gb_s"], r["bw_after_gb_s"]), m["figures"][0]["bytes_per_token"]
+        assert r["phased_gb_s"] > 0 and r["phased_fraction"] == pytest.approx(r["phased_gb_s"] / rate)
+        assert r["fraction_of_phased"] == pytest.approx(r["tok_s"] / (r["phased_gb_s"] * 1e9 / per_token))
+        assert f"phased {r['phased_gb_s']:5.1f} GB/s" in stdout
+    assert paired["median_phased_fraction"] in [r["phased_fraction"] for r in paired["runs"]]
+    assert paired["median_fraction_of_phased"] in [r["fraction_of_phased"] for r in paired["runs"]]
     decode1, prefill, decode4 = m["figures"]
     assert decode1["kv_mb_per_token"] == decode4["kv_mb_per_token"] > prefill["kv_mb_per_token"]
     assert decode1["gflop_per_token"] == decode4["gflop_per_token"] > prefill["gflop_per_token"]
@@ -166,3 +177,6 @@ def test_moe_counts_the_experts_a_token_reaches(tmp_path, tiny_model_factory):
     assert one < two < prefill
     decode1 = m["figures"][0]
     assert decode1["weights_mb_per_step"] == pytest.approx(one / 1e6)
+    # a step reads only some experts: no phase-by-phase reading (its phases would read them all)
+    assert m["paired_batch1"]["step_phases"] is None and "read phase by phase" not in stdout
+    assert all("phased_gb_s" not in r for r in m["paired_batch1"]["runs"])

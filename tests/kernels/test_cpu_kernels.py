@@ -242,6 +242,28 @@ def test_stream_read(ops, nbytes):
         ops.stream_read(buf.float())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_phased_read(ops, threads):
+    """bench_roofline's phase-by-phase reader reads every word of the phases' bytes once, in the order
+    given, whatever each thread's slice of each phase (phases of one line, of a few, of none, and of
+    more lines than threads split evenly); it refuses phases that are not whole lines or that run past
+    the buffer."""
+    buf = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    phases = [64, 0, 640, 64 * 1001, 4096 * 7 + 192, 64 * 3]
+    words = buf[: sum(phases)].numpy().view(np.uint64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert ops.phased_read(buf, phases) & (2**64 - 1) == int(np.bitwise_xor.reduce(words))
+        assert ops.phased_read(buf, []) == 0
+        with pytest.raises(RuntimeError, match="multiples of 64 bytes, got 100"):
+            ops.phased_read(buf, [64, 100])
+        with pytest.raises(RuntimeError, match="exceed the buffer"):
+            ops.phased_read(buf, [1 << 20, 64])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_barrier_ns(ops):
     """bench_roofline's reading of where the threads sit: a positive time per barrier with two threads,
     0 with one (no barrier to time) or no rounds. (No upper bound: with the suite's other worker busy on

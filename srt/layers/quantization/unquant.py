@@ -36,6 +36,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def kernel_weights(self, layer: nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
         return ([dense_weight(layer)], [BF16_QTYPE]) if self.bf16_ops is not None else None
 
+    def weight_bytes(self, layer: nn.Module) -> int:
+        # once oneDNN holds the weight (srt/layers/linear.py: prepack_cpu_weights), the dense tensor is empty
+        packed, weight = getattr(layer, "packed_weight", None), getattr(layer, "weight", None)
+        if packed is not None and not (isinstance(weight, torch.Tensor) and weight.numel()):
+            return packed.numel() * packed.element_size()
+        return super().weight_bytes(layer)
+
     @property
     def name(self) -> str:  # pyright: ignore[reportIncompatibleVariableOverride]
         return self.dtype_name or "dense"
