@@ -61,6 +61,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -272,8 +273,6 @@ def step_phases(runner: ModelRunner, kv_bytes: float, params: dict) -> list[int]
     experts (a step reads only some of them) or without decoder layers to walk."""
     if params.get("experts"):
         return None
-    import re
-
     linear, phases, layers = 0, [], set()
     for name, m in runner.model.named_modules():
         method = getattr(m, "quant_method", None)
